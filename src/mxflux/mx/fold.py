@@ -1,0 +1,85 @@
+"""The MX-exact FP8 encoding that runs MXFP6 GEMMs on Hopper's FP8 tensor cores (DESIGN.md §2).
+
+An E2M3 element has at most 4 significant bits, so q·2^k is an exact E4M3 number while it
+stays inside E4M3's range. Within a group of blocks (a whole row, or 128 elements) let e_ref be
+the largest block exponent; each element becomes the E4M3 number q·2^(e_block − e_ref + s)
+(s = 5 for E2M3, so 7.5·2^5 = 240 ≤ 448) and the group gets one fp32 scale 2^(e_ref − s).
+That is exact for every block with e_block ≥ e_ref − window (11 for E2M3); blocks further
+below are rounded to E4M3 and counted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .formats import code_table
+from .quantize import E8M0_BIAS, E8M0_NAN, MXTensor, pow2
+
+__all__ = ["fold_to_e4m3", "pow2_any"]
+
+_NO_BLOCK = -(2**20)  # sentinel exponent for zero and NaN blocks: they never set e_ref
+
+
+def pow2_any(k: torch.Tensor) -> torch.Tensor:
+    """Exact fp32 2^k for integer k in [-149, 127], fp32 subnormals included."""
+    k = k.to(torch.int32)
+    sub = (1 << (k.clamp(-149, -127) + 149)).view(torch.float32)
+    return torch.where(k >= -126, pow2(k.clamp(-126, 127)), sub)
+
+
+def _group_size(granularity: str | int, n: int, block: int) -> int:
+    if granularity == "row":
+        return n
+    if isinstance(granularity, bool) or not isinstance(granularity, int):
+        raise ValueError(f"granularity: expected 'row' or an int, got {granularity!r}")
+    if granularity % block or n % granularity:
+        raise ValueError(
+            f"granularity: {granularity} must be a multiple of the block size {block} "
+            f"and divide the axis length {n}"
+        )
+    return granularity
+
+
+def fold_to_e4m3(
+    mx: MXTensor, granularity: str | int = "row"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Encode `mx` as E4M3 data plus one fp32 scale per group along its axis.
+
+    Returns (data float8_e4m3fn with the shape of `mx.codes`, scale fp32 with the axis
+    dimension replaced by the number of groups (1 for "row"), n_inexact: 0-d int64 tensor
+    counting non-zero blocks outside the exact window). `data.float() * scale` (each scale
+    repeated over its group) equals `mx.dequantize(unrotate=False)` bit for bit in every
+    block inside the window. NaN blocks stay NaN.
+    """
+    if not isinstance(mx, MXTensor):
+        raise ValueError(f"mx: expected an MXTensor, got {type(mx).__name__}")
+    f = mx.format
+    shift, window = f.fold_shift, f.fold_window
+    if shift is None or window is None:
+        raise ValueError(f"mx: elements of format {f.name!r} are not exactly representable in E4M3")
+    codes = mx.codes.movedim(mx.axis, -1)
+    scales = mx.scales.movedim(mx.axis, -1).to(torch.int32)
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    nb, block = n // mx.block, mx.block
+    g = _group_size(granularity, n, block)
+    bpg = g // block  # blocks per group
+
+    blk_codes = codes.reshape(*lead, nb, block)
+    nonzero = (blk_codes & (f.sign_mask - 1)).amax(dim=-1) > 0
+    is_nan = scales == E8M0_NAN
+    e_block = scales - E8M0_BIAS
+    live = nonzero & ~is_nan
+    e_live = torch.where(live, e_block, torch.full_like(e_block, _NO_BLOCK))
+    e_ref = e_live.reshape(*lead, nb // bpg, bpg).amax(dim=-1)
+    e_ref = torch.where(e_ref == _NO_BLOCK, torch.zeros_like(e_ref), e_ref)  # empty group: any scale
+    d = e_block - e_ref.repeat_interleave(bpg, dim=-1)
+
+    q = code_table(f, codes.device)[blk_codes.long()]
+    # Far-below blocks would need 2^(d+s) under fp32's normal range; they round to 0 in E4M3 anyway.
+    val = q * pow2((d + shift).clamp(min=-126)).unsqueeze(-1)
+    val = torch.where(is_nan.unsqueeze(-1), torch.full_like(val, float("nan")), val)
+    data = val.reshape(*lead, n).to(torch.float8_e4m3fn)
+    scale = pow2_any(e_ref - shift)
+    n_inexact = (live & (d < -window)).sum()
+
+    return data.movedim(-1, mx.axis), scale.movedim(-1, mx.axis), n_inexact

@@ -1,0 +1,51 @@
+"""The 32-point Walsh–Hadamard rotation applied to every MX block (DESIGN.md §1).
+
+Computed in fp32 as butterflies with h = 1, 2, 4, 8, 16 in that order (Sylvester order), then
+one multiply by the fp32 constant 1/sqrt(32). The order of the additions is part of the
+definition: GPU kernels reproduce it so that their codes match the reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["hadamard32", "HADAMARD_SCALE"]
+
+BLOCK = 32
+# fp32(1/sqrt(32)); rounding it once here is what every implementation must use.
+HADAMARD_SCALE = float(torch.tensor(1.0 / math.sqrt(BLOCK), dtype=torch.float32))
+
+
+def _fwht32_last(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalised butterflies over the last axis, which holds exactly 32 fp32 values."""
+    lead = x.shape[:-1]
+    h = 1
+    while h < BLOCK:
+        # Pairs (j, j+h) inside each group of 2h: new_j = a + b, new_{j+h} = a - b.
+        y = x.reshape(*lead, BLOCK // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(*lead, BLOCK)
+        h *= 2
+    return x
+
+
+def hadamard32(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
+    """Rotate each block of 32 consecutive elements along `axis`; returns fp32.
+
+    The normalised transform is its own inverse: hadamard32(hadamard32(x)) == x up to fp32
+    rounding.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"x: expected a floating-point tensor, got {x.dtype}")
+    axis = axis % x.dim() if x.dim() else 0
+    n = x.shape[axis]
+    if n % BLOCK:
+        raise ValueError(f"x: length {n} along axis {axis} is not a multiple of {BLOCK}")
+    xt = x.float().movedim(axis, -1)
+    lead = xt.shape[:-1]
+    y = _fwht32_last(xt.reshape(*lead, n // BLOCK, BLOCK)) * HADAMARD_SCALE
+    return y.reshape(*lead, n).movedim(-1, axis).contiguous()

@@ -1,0 +1,1 @@
+"""MX operations as torch.library custom ops; CPU runs the reference, CUDA runs the kernels."""

@@ -1,0 +1,86 @@
+"""Reference semantics of the MX packer: what every packing kernel must reproduce.
+
+A packer reads one bf16 matrix [R, C] (optionally through a prologue) and writes the GEMM
+operands that the FP8 tensor cores consume (DESIGN.md §2–§3):
+
+- "row" orientation: quantized along C (blocks of 32 consecutive columns), folded to E4M3 →
+  data [R, C] float8_e4m3fn + fp32 scale [R, C/g] (g = C for row-wise folding → [R, 1]);
+- "col" orientation: the transposed copy, quantized along R → data [C, Rp] + scale [C, Rp/g],
+  where R is zero-padded to Rp, a multiple of 32 (zero blocks add nothing to a GEMM);
+- colsum: Σ over rows of the (prologue-applied) bf16 values in fp32 → [C] (a bias gradient);
+- n_inexact: blocks outside the fold window, summed over both orientations.
+
+Prologues (the fused MLP's, DESIGN.md §4) reproduce exactly what the unfused modules compute
+in bf16: "gelu_tanh" is F.gelu(x, approximate="tanh"); "gelu_tanh_grad" is x × GELU′(aux),
+torch's gelu_backward with aux = the pre-activation.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..mx import fold_to_e4m3, quantize
+
+__all__ = ["PROLOGUES", "Packed", "apply_prologue", "pack_reference", "padded_rows"]
+
+PROLOGUES = ("none", "gelu_tanh", "gelu_tanh_grad")
+
+
+class Packed(NamedTuple):
+    row_data: torch.Tensor | None
+    row_scale: torch.Tensor | None
+    col_data: torch.Tensor | None
+    col_scale: torch.Tensor | None
+    colsum: torch.Tensor | None
+    n_inexact: torch.Tensor
+
+
+def padded_rows(r: int, block: int = 32) -> int:
+    return -(-r // block) * block
+
+
+def apply_prologue(x: torch.Tensor, prologue: str, aux: torch.Tensor | None = None) -> torch.Tensor:
+    if prologue == "none":
+        return x
+    if prologue == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if prologue == "gelu_tanh_grad":
+        if aux is None or aux.shape != x.shape:
+            raise ValueError(f"aux: the gelu_tanh_grad prologue needs the pre-activation, shape {tuple(x.shape)}")
+        return torch.ops.aten.gelu_backward(x, aux, approximate="tanh")
+    raise ValueError(f"prologue: expected one of {PROLOGUES}, got {prologue!r}")
+
+
+def pack_reference(
+    x: torch.Tensor,
+    *,
+    row: bool = True,
+    col: bool = True,
+    granularity: str | int = "row",
+    hadamard: bool = True,
+    fmt: str = "e2m3",
+    prologue: str = "none",
+    aux: torch.Tensor | None = None,
+    colsum: bool = False,
+) -> Packed:
+    """Pack a 2-D [R, C] tensor into the requested GEMM operands (see module docstring)."""
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D [rows, cols] tensor, got shape {tuple(x.shape)}")
+    v = apply_prologue(x, prologue, aux)
+    zero = torch.zeros((), dtype=torch.int64, device=x.device)
+    row_data = row_scale = col_data = col_scale = sums = None
+    n_inexact = zero
+    if row:
+        row_data, row_scale, n = fold_to_e4m3(quantize(v, fmt, axis=1, hadamard=hadamard), granularity)
+        n_inexact = n_inexact + n
+    if col:
+        r = v.shape[0]
+        vt = F.pad(v, (0, 0, 0, padded_rows(r) - r)).t()  # [C, Rp]
+        col_data, col_scale, n = fold_to_e4m3(quantize(vt, fmt, axis=1, hadamard=hadamard), granularity)
+        n_inexact = n_inexact + n
+    if colsum:
+        sums = v.float().sum(dim=0)
+    return Packed(row_data, row_scale, col_data, col_scale, sums, n_inexact)
