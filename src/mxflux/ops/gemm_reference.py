@@ -1,0 +1,44 @@
+"""Reference semantics of the scaled FP8 GEMM that runs every MX and FP8 linear.
+
+out = (A ⊙ scale_a) · (B ⊙ scale_b)ᵀ + bias, accumulated in fp32, bias added in fp32, one
+rounding to `out_dtype`. A is [M, K], B is [N, K] (FP8 data, both contiguous along K); a scale
+has one column per group of K: [M, 1] is row-wise, [M, K/128] is 1×128 block-wise, [M, K/32]
+is per MX block (the `exact` mode). Because the FP8 data and power-of-two scales are the MX
+values exactly (DESIGN.md §2), this equals `mx_matmul` on the same operands.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..mx.matmul import _no_tf32
+
+__all__ = ["GEMM_MODES", "dequantize_operand", "scaled_gemm_reference"]
+
+# mx_gemm modes and the fold granularity each one consumes.
+GEMM_MODES = {"rowwise": "row", "blockwise": 128, "exact": 32}
+
+
+def dequantize_operand(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values of a scaled FP8 operand [R, K] with scale [R, K/g]."""
+    k, groups = data.shape[-1], scale.shape[-1]
+    if k % groups:
+        raise ValueError(f"scale: {groups} groups do not divide the operand's K={k}")
+    return data.float() * scale.float().repeat_interleave(k // groups, dim=-1)
+
+
+def scaled_gemm_reference(
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    a = dequantize_operand(a_data, a_scale)
+    b = dequantize_operand(b_data, b_scale)
+    with _no_tf32():
+        out = a @ b.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
