@@ -1,0 +1,360 @@
+"""`mxflux numerics`: how much signal MX quantization keeps, and whether the FP8 fold is exact.
+
+For each element format and each rotation setting (Hadamard on/off) it quantizes an activation
+matrix X [M, K] and reports (DESIGN.md §1-§2):
+
+- ``snr_db``: SNR of dequantize(quantize(X)) against X;
+- ``saturated_frac``: fraction of elements at the format's largest magnitude;
+- ``zero_block_frac``: fraction of blocks whose 32 codes are all (signed) zero;
+- ``outside_window_frac``: fraction of X's blocks the row-wise FP8 fold cannot encode exactly;
+- a GEMM study against weights W [N, K]: ``gemm_snr_db`` is the SNR of the exact MX GEMM
+  against the unquantized float64 product, and ``fold_error_ratio`` is
+  ‖Y_fold − Y_true‖ / ‖Y_mx − Y_true‖, where Y_fold emulates the row-wise-scaled FP8 GEMM
+  (``torch._scaled_mm``) on the folded operands. It is 1.0 when the fold is exact.
+
+Fold columns are None ("n/a") for formats whose elements have no exact E4M3 image.
+
+`run_numerics` is the pure computation (tensors in, rows out); `render` prints the rows;
+`command` is the CLI glue. Non-finite metrics (an exact reconstruction has infinite SNR) are
+reported as None in JSON, which has no infinity.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mxflux.mx import FORMATS, MXTensor, fold_to_e4m3, mx_matmul, quantize, snr_db
+
+__all__ = [
+    "DEFAULT_SHAPE",
+    "DISTRIBUTIONS",
+    "InputError",
+    "command",
+    "load_input",
+    "make_input",
+    "make_weight",
+    "render",
+    "run_numerics",
+]
+
+BLOCK = 32
+DEFAULT_SHAPE = (4096, 3072)
+DISTRIBUTIONS = ("normal", "laplace", "student-t", "outliers")
+# "outliers": a few channels (columns) carry far larger values, as seen in transformer activations.
+OUTLIER_EVERY = 256  # one outlier channel per this many columns (at least one)
+OUTLIER_SCALE = 50.0
+WEIGHT_STD = 0.02
+
+# Row keys, in output order. Later issues may add rows (e.g. per linear layer), not keys.
+KEYS = (
+    "format",
+    "hadamard",
+    "snr_db",
+    "saturated_frac",
+    "zero_block_frac",
+    "outside_window_frac",
+    "gemm_snr_db",
+    "fold_error_ratio",
+)
+
+
+class InputError(ValueError):
+    """Bad user input; the message names the command-line argument at fault."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def make_input(dist: str, shape: tuple[int, int], *, seed: int = 0, df: float = 3.0) -> torch.Tensor:
+    """A float32 CPU matrix of `shape` drawn from `dist` (numpy's generator: same on any device)."""
+    rng = np.random.default_rng([seed, 0])  # stream 0: X; stream 1: W (see make_weight)
+    if dist == "normal":
+        x = rng.standard_normal(shape, dtype=np.float32)
+    elif dist == "laplace":
+        x = rng.laplace(size=shape).astype(np.float32)
+    elif dist == "student-t":
+        x = rng.standard_t(df, size=shape).astype(np.float32)
+    elif dist == "outliers":
+        x = rng.standard_normal(shape, dtype=np.float32)
+        k = shape[1]
+        cols = rng.choice(k, size=max(1, k // OUTLIER_EVERY), replace=False)
+        x[:, cols] *= OUTLIER_SCALE
+    else:
+        raise InputError(f"--dist: unknown distribution {dist!r}; expected one of {list(DISTRIBUTIONS)}")
+    return torch.from_numpy(x)
+
+
+def make_weight(rows: int, k: int, *, seed: int = 0) -> torch.Tensor:
+    """GEMM weights W ~ 0.02·normal, [rows, k] float32 on CPU."""
+    rng = np.random.default_rng([seed, 1])
+    return torch.from_numpy(rng.standard_normal((rows, k), dtype=np.float32) * np.float32(WEIGHT_STD))
+
+
+def load_input(path: str | Path, key: str | None = None) -> torch.Tensor:
+    """Read one tensor from a .pt or .safetensors file as a float32 2-D [rows, last dim] matrix.
+
+    A .pt file may hold a tensor or a dict of tensors; `key` picks one from a dict (it may be
+    left out when the dict holds a single tensor).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"--file: no such file: {str(path)!r}")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            obj = load_file(str(path))
+        elif suffix in (".pt", ".pth"):
+            obj = torch.load(path, map_location="cpu", weights_only=True)  # never runs pickled code
+        else:
+            raise InputError(f"--file: expected a .pt or .safetensors file, got {str(path)!r}")
+    except InputError:
+        raise
+    except Exception as e:  # a corrupt or foreign file: report it against the argument
+        raise InputError(f"--file: cannot read {str(path)!r}: {e}") from None
+
+    if isinstance(obj, torch.Tensor):
+        if key is not None:
+            raise InputError(f"--key: {str(path)!r} holds a single tensor, not a dict; drop --key")
+        t, name = obj, str(path)
+    elif isinstance(obj, dict):
+        tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+        if key is None:
+            if len(tensors) != 1:
+                raise InputError(
+                    f"--key: {str(path)!r} holds {len(tensors)} tensors; pick one with --key "
+                    f"(available: {sorted(tensors)})"
+                )
+            key = next(iter(tensors))
+        if key not in tensors:
+            raise InputError(f"--key: no tensor {key!r} in {str(path)!r}; available: {sorted(tensors)}")
+        t, name = tensors[key], f"{path}[{key}]"
+    else:
+        raise InputError(f"--file: {str(path)!r} holds a {type(obj).__name__}, expected a tensor or a dict of tensors")
+
+    if not t.is_floating_point():
+        raise InputError(f"--file: tensor {name} has dtype {t.dtype}, expected a floating-point tensor")
+    if t.dim() == 0 or t.numel() == 0:
+        raise InputError(f"--file: tensor {name} has shape {tuple(t.shape)}, expected a non-empty matrix")
+    if t.shape[-1] % BLOCK:
+        raise InputError(
+            f"--file: tensor {name} has last dimension {t.shape[-1]}, expected a multiple of {BLOCK} "
+            "(MX blocks run along the last dimension)"
+        )
+    return t.reshape(-1, t.shape[-1]).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def _blocks(t: torch.Tensor, mx: MXTensor) -> torch.Tensor:
+    """View a tensor shaped like `mx.codes` as [..., n_blocks, block] along the quantization axis."""
+    t = t.movedim(mx.axis, -1)
+    return t.reshape(*t.shape[:-1], t.shape[-1] // mx.block, mx.block)
+
+
+def _zero_block_frac(mx: MXTensor) -> float:
+    magnitude = _blocks(mx.codes, mx) & (mx.format.sign_mask - 1)  # drop the sign bit: -0 is zero
+    return float((magnitude.amax(dim=-1) == 0).double().mean())
+
+
+def _saturated_frac(mx: MXTensor) -> float:
+    return float((mx.element_values().abs() == mx.format.max).double().mean())
+
+
+def _fold(mx: MXTensor) -> tuple[tuple[torch.Tensor, torch.Tensor], int] | None:
+    """Row-wise FP8 fold of `mx`: ((E4M3 data, fp32 row scale), blocks outside the window).
+
+    None when the format's elements have no exact E4M3 image (fold_to_e4m3 raises ValueError).
+    """
+    try:
+        data, scale, n_inexact = fold_to_e4m3(mx, granularity="row")
+    except ValueError:
+        return None
+    return (data, scale), int(n_inexact)
+
+
+def _finite(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def run_numerics(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    formats: Sequence[str] = ("e2m3",),
+    *,
+    hadamard: Iterable[bool] = (True, False),
+    on_step: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """Quantization and GEMM metrics of X [M, K] against weights W [N, K], one row per setting.
+
+    `x` and `w` must be on the same device; K must be a multiple of 32. `on_step(description)`
+    is called before each unit of work (for progress bars): once for the reference GEMM, then
+    once per (format, rotation).
+    """
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x, w: expected [M, K] and [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    step = on_step or (lambda _desc: None)
+    x, w = x.float(), w.float()
+
+    step("reference GEMM (float64)")
+    y_true = x.double() @ w.double().t()
+
+    rows = []
+    for fmt in formats:
+        for rot in hadamard:
+            step(f"{fmt}, rotation {'on' if rot else 'off'}")
+            qx = quantize(x, fmt, hadamard=rot)
+            qw = quantize(w, fmt, hadamard=rot)
+            y_mx = mx_matmul(qx, qw, out_dtype=torch.float32)
+            row = {
+                "format": fmt,
+                "hadamard": rot,
+                "snr_db": _finite(snr_db(x, qx.dequantize(torch.float32))),
+                "saturated_frac": _saturated_frac(qx),
+                "zero_block_frac": _zero_block_frac(qx),
+                "outside_window_frac": None,
+                "gemm_snr_db": _finite(snr_db(y_true, y_mx)),
+                "fold_error_ratio": None,
+            }
+            fx, fw = _fold(qx), _fold(qw)
+            if fx is not None and fw is not None:
+                (dx, sx), n_inexact = fx
+                (dw, sw), _ = fw
+                row["outside_window_frac"] = n_inexact / (qx.codes.numel() // qx.block)
+                # torch._scaled_mm row-wise: E4M3 products summed in fp32, then the two scales
+                # applied in the epilogue (sx is [M, 1], sw is [N, 1]).
+                y_fold = (dx.float() @ dw.float().t()) * sx * sw.t()
+                mx_err = float((y_mx.double() - y_true).norm())
+                fold_err = float((y_fold.double() - y_true).norm())
+                row["fold_error_ratio"] = _finite(fold_err / mx_err) if mx_err else None
+            rows.append(row)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def _fmt(v: float | None, spec: str, scale: float = 1.0) -> str:
+    return "n/a" if v is None else format(v * scale, spec)
+
+
+def interpret(rows: list[dict]) -> str:
+    """One line a reader can act on: what rotation buys, and whether the FP8 fold is exact."""
+    parts = []
+    for fmt in dict.fromkeys(r["format"] for r in rows):
+        by_rot = {r["hadamard"]: r for r in rows if r["format"] == fmt}
+        bits = []
+        if True in by_rot and False in by_rot and None not in (by_rot[True]["snr_db"], by_rot[False]["snr_db"]):
+            delta = by_rot[True]["snr_db"] - by_rot[False]["snr_db"]
+            bits.append(f"rotation {'gains' if delta >= 0 else 'costs'} {abs(delta):.2f} dB")
+        outside = [r["outside_window_frac"] for r in by_rot.values()]
+        if any(o is None for o in outside):
+            bits.append("no exact E4M3 fold for this format")
+        elif all(o == 0 for o in outside):
+            bits.append("the FP8 row-wise fold is exact (no block outside the window)")
+        else:
+            worst = max(r["fold_error_ratio"] or 1.0 for r in by_rot.values())
+            bits.append(
+                f"{max(outside):.3%} of blocks fall outside the FP8 fold window "
+                f"(fold error up to {worst:.4f}x the MX error)"
+            )
+        parts.append(f"{fmt}: " + ", ".join(bits))
+    return "; ".join(parts) + "."
+
+
+def render(rows: list[dict], console, title: str = "MX numerics") -> None:
+    """Print `rows` as a rich table followed by the one-line interpretation."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for name in ("format", "rotation", "SNR dB", "saturated", "zero blocks", "outside window",
+                 "GEMM SNR dB", "fold/MX error"):
+        table.add_column(name, justify="left" if name in ("format", "rotation") else "right")
+    for r in rows:
+        table.add_row(
+            r["format"],
+            "on" if r["hadamard"] else "off",
+            _fmt(r["snr_db"], ".2f"),
+            _fmt(r["saturated_frac"], ".3f", 100) + "%",
+            _fmt(r["zero_block_frac"], ".3f", 100) + "%",
+            "n/a" if r["outside_window_frac"] is None else _fmt(r["outside_window_frac"], ".3f", 100) + "%",
+            _fmt(r["gemm_snr_db"], ".2f"),
+            _fmt(r["fold_error_ratio"], ".5f"),
+        )
+    console.print(table)
+    console.print(interpret(rows))
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI glue
+
+
+def _resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device: cuda was requested but no CUDA device is available; use --device cpu")
+    return torch.device(name)
+
+
+def command(args) -> int:
+    """Run `mxflux numerics` from parsed arguments (see mxflux.cli). Raises InputError on bad input."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    if args.file is not None:
+        if args.shape is not None:
+            raise InputError("--shape: cannot be combined with --file (the file's tensor sets the shape)")
+        if args.df is not None:
+            raise InputError("--df: only applies to --dist student-t, not to --file")
+    elif args.key is not None:
+        raise InputError("--key: only applies together with --file")
+    elif args.df is not None and args.dist != "student-t":
+        raise InputError(f"--df: only applies to --dist student-t, not to --dist {args.dist}")
+    device = _resolve_device(args.device)
+
+    if args.file is not None:
+        x = load_input(args.file, args.key)
+        source = f"{args.file}" + (f"[{args.key}]" if args.key else "")
+    else:
+        shape = args.shape or DEFAULT_SHAPE
+        df = 3.0 if args.df is None else args.df
+        x = make_input(args.dist, shape, seed=args.seed, df=df)
+        source = f"{args.dist}" + (f"(df={df:g})" if args.dist == "student-t" else "") + f", seed {args.seed}"
+    w = make_weight(args.weight_rows, x.shape[1], seed=args.seed)
+    x, w = x.to(device), w.to(device)
+
+    if args.json:
+        rows = run_numerics(x, w, args.formats)
+        print(json.dumps(rows, indent=2))
+        return 0
+
+    console = Console()
+    n_steps = 1 + 2 * len(args.formats)
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("numerics", total=n_steps)
+
+        steps_started = 0
+
+        def on_step(desc: str) -> None:
+            # Called as a step starts, so every step before it is done.
+            nonlocal steps_started
+            progress.update(task, description=desc, completed=steps_started)
+            steps_started += 1
+
+        rows = run_numerics(x, w, args.formats, on_step=on_step)
+    title = (f"MX numerics: X {x.shape[0]}x{x.shape[1]} ({source}), "
+             f"W {w.shape[0]}x{w.shape[1]} ({WEIGHT_STD}·normal), device {device.type}")
+    render(rows, console, title=title)
+    return 0

@@ -1,0 +1,137 @@
+"""The `mxflux` command line.
+
+Each subcommand is one `_add_<name>(subparsers)` function that declares its arguments and sets
+`handler`, listed in `SUBCOMMANDS`. Argument parsing uses only the standard library; handlers
+import their (torch-heavy) modules when they run, so `mxflux --help` and `--version` start fast.
+Handlers return an exit code; a handler's `InputError` (bad user input, the message names the
+argument) is reported like an argparse error: usage, message, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from mxflux import __version__
+
+# ---------------------------------------------------------------------------------------------
+# Argument types: each raises ArgumentTypeError, which argparse reports against the argument.
+
+
+def _shape(text: str) -> tuple[int, int]:
+    """'MxK' → (M, K), both positive multiples of 32 (MX blocks are 32 elements)."""
+    parts = text.lower().split("x")
+    try:
+        m, k = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MxK such as 4096x3072, got {text!r}") from None
+    if m <= 0 or k <= 0 or m % 32 or k % 32:
+        raise argparse.ArgumentTypeError(f"expected M and K to be positive multiples of 32, got {text!r}")
+    return m, k
+
+
+def _formats(text: str) -> list[str]:
+    """'e2m3,e3m2' → ['e2m3', 'e3m2'], each a known MX element format."""
+    from mxflux.mx import FORMATS  # imports torch: only when this argument is given
+
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FORMATS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown format(s) {unknown or text!r}; expected a comma-separated list of {sorted(FORMATS)}"
+        )
+    return list(dict.fromkeys(names))  # drop repeats, keep order
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not v > 0:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+# ---------------------------------------------------------------------------------------------
+# Subcommands
+
+
+def _add_numerics(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "numerics",
+        help="MX quantization SNR, saturation and FP8-fold exactness on synthetic or saved tensors",
+        description=(
+            "Quantize an activation matrix X [M,K] to MX (per format, Hadamard rotation on and off) "
+            "and report the SNR, saturation, zero blocks, the fraction of blocks outside the exact "
+            "row-wise FP8 fold window, and a GEMM study X·Wᵀ against weights W ~ 0.02·normal [N,K]."
+        ),
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--dist", choices=["normal", "laplace", "student-t", "outliers"], default="normal",
+                     help="synthetic X: outliers = normal with 1 in 256 columns scaled 50x (default: normal)")
+    src.add_argument("--file", metavar="PATH",
+                     help="read X from a .pt (tensor or dict of tensors) or .safetensors file, "
+                          "viewed as [rows, last dim]")
+    p.add_argument("--key", metavar="NAME", help="tensor to read from a --file holding several")
+    p.add_argument("--df", type=_positive_float, help="degrees of freedom of --dist student-t (default: 3)")
+    p.add_argument("--shape", type=_shape, metavar="MxK",
+                   help="shape of synthetic X, multiples of 32 (default: 4096x3072)")
+    p.add_argument("--formats", type=_formats, default=["e2m3"], metavar="LIST",
+                   help="comma-separated element formats: e2m3,e3m2,e2m1,e4m3,e5m2 (default: e2m3)")
+    p.add_argument("--weight-rows", type=_positive_int, default=1024, metavar="N",
+                   help="rows N of the GEMM's weight operand W [N,K] (default: 1024)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic X and of W (default: 0)")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
+    p.add_argument("--json", action="store_true", help="print only JSON: a list of row objects")
+    p.set_defaults(handler=_numerics, parser=p)
+
+
+def _numerics(args: argparse.Namespace) -> int:
+    from mxflux.bench import numerics
+
+    try:
+        return numerics.command(args)
+    except numerics.InputError as e:
+        args.parser.error(str(e))  # exits 2
+
+
+# One registration function per subcommand, in `mxflux --help` order.
+SUBCOMMANDS = (_add_numerics,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mxflux",
+        description="mxflux: Flux diffusion transformers with MXFP6 linear layers.",
+    )
+    parser.add_argument("--version", action="version", version=f"mxflux {__version__}")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `mxflux` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
