@@ -245,8 +245,21 @@ def run_numerics(
 # Output
 
 
-def _fmt(v: float | None, spec: str, scale: float = 1.0) -> str:
+def _num(v: float | None, spec: str, scale: float = 1.0) -> str:
     return "n/a" if v is None else format(v * scale, spec)
+
+
+# (header, cell) per table column; headers are short so the table fits 80 columns.
+_COLUMNS = (
+    ("format", lambda r: r["format"]),
+    ("rot", lambda r: "on" if r["hadamard"] else "off"),
+    ("SNR dB", lambda r: _num(r["snr_db"], ".2f")),
+    ("sat %", lambda r: _num(r["saturated_frac"], ".3f", 100)),
+    ("zero %", lambda r: _num(r["zero_block_frac"], ".3f", 100)),
+    ("outside %", lambda r: _num(r["outside_window_frac"], ".3f", 100)),
+    ("GEMM dB", lambda r: _num(r["gemm_snr_db"], ".2f")),
+    ("fold/MX", lambda r: _num(r["fold_error_ratio"], ".5f")),
+)
 
 
 def interpret(rows: list[dict]) -> str:
@@ -257,12 +270,12 @@ def interpret(rows: list[dict]) -> str:
         bits = []
         if True in by_rot and False in by_rot and None not in (by_rot[True]["snr_db"], by_rot[False]["snr_db"]):
             delta = by_rot[True]["snr_db"] - by_rot[False]["snr_db"]
-            bits.append(f"rotation {'gains' if delta >= 0 else 'costs'} {abs(delta):.2f} dB")
+            bits.append(f"rotation changes SNR by {delta:+.2f} dB")
         outside = [r["outside_window_frac"] for r in by_rot.values()]
         if any(o is None for o in outside):
-            bits.append("no exact E4M3 fold for this format")
+            bits.append("no exact FP8 fold for this format")
         elif all(o == 0 for o in outside):
-            bits.append("the FP8 row-wise fold is exact (no block outside the window)")
+            bits.append("the row-wise FP8 fold is exact")
         else:
             worst = max(r["fold_error_ratio"] or 1.0 for r in by_rot.values())
             bits.append(
@@ -273,25 +286,20 @@ def interpret(rows: list[dict]) -> str:
     return "; ".join(parts) + "."
 
 
-def render(rows: list[dict], console, title: str = "MX numerics") -> None:
-    """Print `rows` as a rich table followed by the one-line interpretation."""
+def render(rows: list[dict], console, workload: str | None = None) -> None:
+    """Print `rows` as a rich table (after a `workload` line, if given) and the one-line interpretation."""
     from rich.table import Table
 
-    table = Table(title=title)
-    for name in ("format", "rotation", "SNR dB", "saturated", "zero blocks", "outside window",
-                 "GEMM SNR dB", "fold/MX error"):
-        table.add_column(name, justify="left" if name in ("format", "rotation") else "right")
+    if workload:
+        console.print(workload)
+    table = Table(caption=(
+        "rot: Hadamard rotation; sat: elements at the format's max; zero: all-zero blocks; "
+        "outside: blocks outside the FP8 fold window; GEMM: exact MX GEMM vs float64; "
+        "fold/MX: FP8-fold GEMM error / MX GEMM error"))
+    for header, _ in _COLUMNS:
+        table.add_column(header, justify="left" if header in ("format", "rot") else "right")
     for r in rows:
-        table.add_row(
-            r["format"],
-            "on" if r["hadamard"] else "off",
-            _fmt(r["snr_db"], ".2f"),
-            _fmt(r["saturated_frac"], ".3f", 100) + "%",
-            _fmt(r["zero_block_frac"], ".3f", 100) + "%",
-            "n/a" if r["outside_window_frac"] is None else _fmt(r["outside_window_frac"], ".3f", 100) + "%",
-            _fmt(r["gemm_snr_db"], ".2f"),
-            _fmt(r["fold_error_ratio"], ".5f"),
-        )
+        table.add_row(*(cell(r) for _, cell in _COLUMNS))
     console.print(table)
     console.print(interpret(rows))
 
@@ -326,12 +334,12 @@ def command(args) -> int:
 
     if args.file is not None:
         x = load_input(args.file, args.key)
-        source = f"{args.file}" + (f"[{args.key}]" if args.key else "")
+        source = args.file + (f"[{args.key}]" if args.key else "")
     else:
         shape = args.shape or DEFAULT_SHAPE
         df = 3.0 if args.df is None else args.df
         x = make_input(args.dist, shape, seed=args.seed, df=df)
-        source = f"{args.dist}" + (f"(df={df:g})" if args.dist == "student-t" else "") + f", seed {args.seed}"
+        source = args.dist + (f"(df={df:g})" if args.dist == "student-t" else "") + f" seed {args.seed}"
     w = make_weight(args.weight_rows, x.shape[1], seed=args.seed)
     x, w = x.to(device), w.to(device)
 
@@ -354,7 +362,7 @@ def command(args) -> int:
             steps_started += 1
 
         rows = run_numerics(x, w, args.formats, on_step=on_step)
-    title = (f"MX numerics: X {x.shape[0]}x{x.shape[1]} ({source}), "
-             f"W {w.shape[0]}x{w.shape[1]} ({WEIGHT_STD}·normal), device {device.type}")
-    render(rows, console, title=title)
+    workload = (f"X {x.shape[0]}x{x.shape[1]} {source} | W {w.shape[0]}x{w.shape[1]} "
+                f"{WEIGHT_STD}·normal | {device.type}")
+    render(rows, console, workload)
     return 0

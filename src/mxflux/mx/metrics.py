@@ -16,7 +16,7 @@ def snr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
     """
     if ref.shape != got.shape:
         raise ValueError(f"got: shape {tuple(got.shape)} differs from ref's {tuple(ref.shape)}")
-    r, g = ref.double(), got.double()
+    r, g = ref.detach().double(), got.detach().double()
     signal = float((r * r).sum())
     noise = float(((g - r) ** 2).sum())
     if math.isnan(signal) or math.isnan(noise):
