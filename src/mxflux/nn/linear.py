@@ -13,15 +13,17 @@ MX_BLOCK = 32
 FP8_ALIGN = 16  # cuBLAS FP8 GEMMs need K and N to be multiples of 16
 
 
-def mx_ineligibility(in_features: int, out_features: int) -> str | None:
-    """Why a linear of this shape cannot run in MXFP6, or None if it can.
+def mx_ineligibility(in_features: int, out_features: int, mx_gemm: str = "rowwise") -> str | None:
+    """Why a linear of this shape cannot run in MXFP6 with this GEMM mode, or None if it can.
 
-    K is the fprop contraction axis and N the dgrad one, so both must hold whole 32-blocks; the
-    token axis (wgrad's contraction) is zero-padded, which is exact.
+    K is the fprop contraction axis and N the dgrad one, so both must hold whole 32-blocks (whole
+    128-groups in block-wise mode); the token axis (wgrad's contraction) is zero-padded, which
+    is exact.
     """
+    multiple = 128 if mx_gemm == "blockwise" else MX_BLOCK
     bad = [f"{n}={v}" for n, v in (("in_features", in_features), ("out_features", out_features))
-           if v % MX_BLOCK]
-    return f"{' and '.join(bad)} not a multiple of {MX_BLOCK}" if bad else None
+           if v % multiple]
+    return f"{' and '.join(bad)} not a multiple of {multiple}" if bad else None
 
 
 def fp8_ineligibility(in_features: int, out_features: int) -> str | None:
@@ -87,6 +89,9 @@ class MXFP6Linear(_QuantizedLinear):
 
     def _setup(self, mx_gemm: str = "rowwise", hadamard: bool = True) -> None:
         granularity_code(mx_gemm)  # validates the mode
+        reason = mx_ineligibility(self.in_features, self.out_features, mx_gemm)
+        if reason:
+            raise ValueError(f"MXFP6Linear with mx_gemm={mx_gemm!r}: {reason}")
         self.cfg = MXConfig(mx_gemm, bool(hadamard))
         # Device-side count of blocks that fell outside the FP8 fold window (DESIGN.md §2).
         self.register_buffer("fold_outside_window", torch.zeros(1, dtype=torch.int64,

@@ -125,8 +125,8 @@ def apply_precision(
             parts = _mlp_parts(child) if cfg.name == "mxfp6" and fused_mode != "off" else None
             if parts and all(_selected(f"{name}.{i}", include, exclude) for i in ("0", "2")):
                 fc1, act, fc2 = parts
-                why = mx_ineligibility(fc1.in_features, fc1.out_features) or mx_ineligibility(
-                    fc2.in_features, fc2.out_features)
+                why = mx_ineligibility(fc1.in_features, fc1.out_features, cfg.mx_gemm) or (
+                    mx_ineligibility(fc2.in_features, fc2.out_features, cfg.mx_gemm))
                 if why is None:
                     mlp = FusedMXFP6MLP.from_linears(fc1, fc2, activation=act, mode=fused_mode,
                                                      child_names=("0", "2"), **mx_kw)
@@ -138,7 +138,7 @@ def apply_precision(
                 if not _selected(name, include, exclude):
                     continue
                 if cfg.name == "mxfp6":
-                    why = mx_ineligibility(child.in_features, child.out_features)
+                    why = mx_ineligibility(child.in_features, child.out_features, cfg.mx_gemm)
                     new = None if why else MXFP6Linear.from_linear(child, **mx_kw)
                 else:
                     why = fp8_ineligibility(child.in_features, child.out_features)

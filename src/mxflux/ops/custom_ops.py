@@ -67,7 +67,7 @@ def mx_pack(
 @mx_pack.register_fake
 def _(x, aux, counter, row, col, granularity, hadamard, prologue, colsum):
     r, c = x.shape
-    rp = padded_rows(r)
+    rp = padded_rows(r, _granularity(granularity))
     e = x.new_empty(0, dtype=_EMPTY_DTYPE)
     groups_row = 1 if granularity == 0 else c // granularity
     groups_col = 1 if granularity == 0 else rp // granularity

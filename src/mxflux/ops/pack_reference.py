@@ -6,7 +6,7 @@ operands that the FP8 tensor cores consume (DESIGN.md §2–§3):
 - "row" orientation: quantized along C (blocks of 32 consecutive columns), folded to E4M3 →
   data [R, C] float8_e4m3fn + fp32 scale [R, C/g] (g = C for row-wise folding → [R, 1]);
 - "col" orientation: the transposed copy, quantized along R → data [C, Rp] + scale [C, Rp/g],
-  where R is zero-padded to Rp, a multiple of 32 (zero blocks add nothing to a GEMM);
+  where R is zero-padded to Rp, a multiple of 32 and of g (zero blocks add nothing to a GEMM);
 - colsum: Σ over rows of the (prologue-applied) bf16 values in fp32 → [C] (a bias gradient);
 - n_inexact: blocks outside the fold window, summed over both orientations.
 
@@ -38,8 +38,10 @@ class Packed(NamedTuple):
     n_inexact: torch.Tensor
 
 
-def padded_rows(r: int, block: int = 32) -> int:
-    return -(-r // block) * block
+def padded_rows(r: int, granularity: str | int = "row", block: int = 32) -> int:
+    """Rows of the col orientation: R rounded up to whole blocks and whole scale groups."""
+    multiple = block if granularity == "row" else max(block, int(granularity))
+    return -(-r // multiple) * multiple
 
 
 def apply_prologue(x: torch.Tensor, prologue: str, aux: torch.Tensor | None = None) -> torch.Tensor:
@@ -78,7 +80,7 @@ def pack_reference(
         n_inexact = n_inexact + n
     if col:
         r = v.shape[0]
-        vt = F.pad(v, (0, 0, 0, padded_rows(r) - r)).t()  # [C, Rp]
+        vt = F.pad(v, (0, 0, 0, padded_rows(r, granularity) - r)).t()  # [C, Rp]
         col_data, col_scale, n = fold_to_e4m3(quantize(vt, fmt, axis=1, hadamard=hadamard), granularity)
         n_inexact = n_inexact + n
     if colsum:
