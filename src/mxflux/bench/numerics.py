@@ -14,6 +14,11 @@ matrix X [M, K] and reports (DESIGN.md §1-§2):
 
 Fold columns are None ("n/a") for formats whose elements have no exact E4M3 image.
 
+With ``--linear`` it also runs X through the linear layers that training uses (MXFP6Linear with
+the rotation on and off, FP8Linear), forward and backward with a random dY, and adds one row per
+GEMM: ``format`` names the layer and GEMM (e.g. "MXFP6Linear.wgrad") and ``gemm_snr_db`` is that
+GEMM's SNR against float64; the quantizer columns are None.
+
 `run_numerics` is the pure computation (tensors in, rows out); `render` prints the rows;
 `command` is the CLI glue. Non-finite metrics (an exact reconstruction has infinite SNR) are
 reported as None in JSON, which has no infinity.
@@ -40,6 +45,7 @@ __all__ = [
     "make_input",
     "make_weight",
     "render",
+    "run_linear_numerics",
     "run_numerics",
 ]
 
@@ -229,6 +235,42 @@ def run_numerics(
     return rows
 
 
+def run_linear_numerics(x: torch.Tensor, w: torch.Tensor, *, seed: int = 0) -> list[dict]:
+    """SNR of each GEMM of the training layers on X [M, K] (bf16) and W [N, K] against float64.
+
+    Rows use the same keys as `run_numerics`; `format` is "<layer>.<gemm>", and only
+    `gemm_snr_db` is filled. dY ~ normal [M, N]; the bias is zero (it is exact in every layer).
+    """
+    from torch import nn
+
+    from mxflux.nn import FP8Linear, MXFP6Linear
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dy = torch.randn(x.shape[0], w.shape[0], generator=g).to(x.device, torch.bfloat16)
+    xb, wb = x.bfloat16(), w.bfloat16()
+
+    x64 = xb.double().requires_grad_()
+    w64 = wb.double().requires_grad_()
+    (x64 @ w64.t()).backward(dy.double())
+    y64 = (xb.double() @ wb.double().t())
+
+    layers = [("MXFP6Linear", True, dict()), ("MXFP6Linear", False, dict(hadamard=False)), ("FP8Linear", None, None)]
+    rows = []
+    for name, rot, kwargs in layers:
+        base = nn.Linear(w.shape[1], w.shape[0], bias=False, device=x.device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            base.weight.copy_(wb)
+        layer = MXFP6Linear.from_linear(base, **kwargs) if name == "MXFP6Linear" else FP8Linear.from_linear(base)
+        xin = xb.clone().requires_grad_()
+        y = layer(xin)
+        y.backward(dy)
+        for gemm, ref, got in (("fprop", y64, y), ("dgrad", x64.grad, xin.grad), ("wgrad", w64.grad, base.weight.grad)):
+            row = dict.fromkeys(KEYS)
+            row.update(format=f"{name}.{gemm}", hadamard=rot, gemm_snr_db=_finite(snr_db(ref, got)))
+            rows.append(row)
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 # Output
 
@@ -240,7 +282,7 @@ def _num(v: float | None, spec: str, scale: float = 1.0) -> str:
 # (header, cell) per table column; headers are short so the table fits 80 columns.
 _COLUMNS = (
     ("format", lambda r: r["format"]),
-    ("rot", lambda r: "on" if r["hadamard"] else "off"),
+    ("rot", lambda r: "n/a" if r["hadamard"] is None else "on" if r["hadamard"] else "off"),
     ("SNR dB", lambda r: _num(r["snr_db"], ".2f")),
     ("sat %", lambda r: _num(r["saturated_frac"], ".3f", 100)),
     ("zero %", lambda r: _num(r["zero_block_frac"], ".3f", 100)),
@@ -253,7 +295,7 @@ _COLUMNS = (
 def interpret(rows: list[dict]) -> str:
     """One line a reader can act on: what rotation buys, and whether the FP8 fold is exact."""
     parts = []
-    for fmt in dict.fromkeys(r["format"] for r in rows):
+    for fmt in dict.fromkeys(r["format"] for r in rows if r["snr_db"] is not None):
         by_rot = {r["hadamard"]: r for r in rows if r["format"] == fmt}
         bits = []
         if True in by_rot and False in by_rot and None not in (by_rot[True]["snr_db"], by_rot[False]["snr_db"]):
@@ -280,15 +322,26 @@ def render(rows: list[dict], console, workload: str | None = None) -> None:
 
     if workload:
         console.print(workload)
+    quant = [r for r in rows if r["snr_db"] is not None or r["outside_window_frac"] is not None]
+    layers = [r for r in rows if r not in quant]
     table = Table(caption=(
         "rot: Hadamard rotation; sat: elements at the format's max; zero: all-zero blocks; "
         "outside: blocks outside the FP8 fold window; GEMM: exact MX GEMM vs float64; "
         "fold/MX: FP8-fold GEMM error / MX GEMM error"))
     for header, _ in _COLUMNS:
         table.add_column(header, justify="left" if header in ("format", "rot") else "right")
-    for r in rows:
+    for r in quant:
         table.add_row(*(cell(r) for _, cell in _COLUMNS))
     console.print(table)
+    if layers:
+        # Linear-layer rows (--linear): one per GEMM, only the SNR is meaningful.
+        lt = Table(caption="SNR of each GEMM of the layer (bf16 in, bf16 out) against float64")
+        for header in ("layer", "rot", "GEMM", "SNR dB"):
+            lt.add_column(header, justify="right" if header == "SNR dB" else "left")
+        for r in layers:
+            layer, gemm = r["format"].split(".")
+            lt.add_row(layer, _COLUMNS[1][1](r), gemm, _num(r["gemm_snr_db"], ".2f"))
+        console.print(lt)
     console.print(interpret(rows))
 
 
@@ -333,11 +386,13 @@ def command(args) -> int:
 
     if args.json:
         rows = run_numerics(x, w, args.formats)
+        if args.linear:
+            rows += run_linear_numerics(x, w, seed=args.seed)
         print(json.dumps(rows, indent=2))
         return 0
 
     console = Console()
-    n_steps = 1 + 2 * len(args.formats)
+    n_steps = 1 + 2 * len(args.formats) + int(args.linear)
     with Progress(console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("numerics", total=n_steps)
 
@@ -350,6 +405,9 @@ def command(args) -> int:
             steps_started += 1
 
         rows = run_numerics(x, w, args.formats, on_step=on_step)
+        if args.linear:
+            on_step("linear layers: forward and backward")
+            rows += run_linear_numerics(x, w, seed=args.seed)
     workload = (f"X {x.shape[0]}x{x.shape[1]} {source} | W {w.shape[0]}x{w.shape[1]} "
                 f"{WEIGHT_STD}·normal | {device.type}")
     render(rows, console, workload)
