@@ -1,0 +1,173 @@
+"""The run configuration: a typed schema for recipes, with clear errors and key=value overrides.
+
+A recipe is a YAML file (built-in ones live in `mxflux/recipes/`). Every section forbids
+unknown keys, so a typo is an error naming the key, never a silently ignored setting; the
+precision block is `mxflux.nn.PrecisionConfig`, which refuses wrong-precision combinations.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..nn.precision import PrecisionConfig
+
+__all__ = ["RunConfig", "RecipeError", "load_recipe", "recipe_names", "apply_overrides"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    name: str = "flux-tiny"  # a name from mxflux.model.FLUX_CONFIGS
+    compile: bool = False  # torch.compile each transformer block
+    activation_checkpointing: bool = False  # recompute each block in backward
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from ..model import FLUX_CONFIGS
+
+        if name not in FLUX_CONFIGS:
+            raise ValueError(f"unknown model {name!r}; expected one of {sorted(FLUX_CONFIGS)}")
+        return name
+
+
+class DataSection(_Section):
+    root: str | None = None  # dataset directory (docs/DATA_FORMAT.md); None = the built-in demo
+    num_workers: int = Field(2, ge=0)
+    prefetch_factor: int = Field(4, ge=1)
+    cfg_dropout: float = Field(0.1, ge=0.0, le=1.0)  # per-sample drop to the empty encodings
+
+
+class OptimSection(_Section):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-4, gt=0)
+    warmup_steps: int = Field(0, ge=0)  # linear warm-up, then constant (MLPerf reference)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = Field(1.0, gt=0)
+
+
+class BatchSection(_Section):
+    global_batch_size: int = Field(32, ge=1)
+    micro_batch_size: int = Field(32, ge=1)
+
+    @model_validator(mode="after")
+    def _divisible(self) -> "BatchSection":
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not divisible by micro_batch_size "
+                f"{self.micro_batch_size}"
+            )
+        return self
+
+    def accumulation_steps(self, world_size: int = 1) -> int:
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"batch.global_batch_size {self.global_batch_size} is not divisible by "
+                f"micro_batch_size × world size = {self.micro_batch_size} × {world_size}"
+            )
+        return self.global_batch_size // per_step
+
+
+class TrainSection(_Section):
+    train_samples: int = Field(4096, ge=1)  # stop after this many training samples
+    eval_every_samples: int = Field(1024, ge=1)
+    eval_samples: int | None = None  # None: the whole eval split
+    eval_batch_size: int = Field(64, ge=1)
+    seed: int = 0
+    log_every: int = Field(10, ge=1)  # optimizer steps between logged metrics
+    checkpoint_every: int | None = Field(None, ge=1)  # optimizer steps; None: only at the end
+    out_dir: str = "runs/{name}"
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    sample_prompts: tuple[str, ...] = ()
+    sample_steps: int = Field(20, ge=1)
+
+
+class DistributedSection(_Section):
+    strategy: Literal["fsdp", "ddp"] = "fsdp"
+    ddp_bucket_mb: float = Field(25.0, gt=0)
+    fsdp_reshard_after_forward: bool = True
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class RunConfig(_Section):
+    name: str
+    description: str = ""
+    model: ModelSection = ModelSection()
+    precision: PrecisionConfig = PrecisionConfig()
+    data: DataSection = DataSection()
+    optim: OptimSection = OptimSection()
+    batch: BatchSection = BatchSection()
+    train: TrainSection = TrainSection()
+    distributed: DistributedSection = DistributedSection()
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.train.out_dir.format(name=self.name))
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be loaded or validated; the message names the recipe and field."""
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("mxflux.recipes").iterdir() if p.name.endswith(".yaml"))
+
+
+def _read(recipe: str) -> tuple[dict, str]:
+    path = Path(recipe)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise RecipeError(f"recipe: no such file {recipe!r}")
+        return yaml.safe_load(path.read_text()) or {}, str(path)
+    res = resources.files("mxflux.recipes") / f"{recipe}.yaml"
+    if not res.is_file():
+        raise RecipeError(f"recipe: unknown recipe {recipe!r}; built-in recipes: {recipe_names()}")
+    return yaml.safe_load(res.read_text()) or {}, recipe
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `section.key=value` overrides (values parsed as YAML: 3e-4, true, [a, b])."""
+    data = yaml.safe_load(yaml.safe_dump(data))  # deep copy
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r}: expected key=value, e.g. optim.lr=3e-4")
+        key, value = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"override {item!r}: {p!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(value)
+    return data
+
+
+def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a built-in recipe by name or a YAML file by path, apply overrides, and validate."""
+    data, label = _read(recipe)
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {label}: expected a mapping at the top level")
+    data = apply_overrides(data, list(overrides))
+    data.setdefault("name", Path(label).stem)
+    try:
+        return RunConfig(**data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            lines.append(f"  {where}: {msg}")
+        raise RecipeError(f"recipe {label} is invalid:\n" + "\n".join(lines)) from None

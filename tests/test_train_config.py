@@ -1,0 +1,76 @@
+"""Recipes: typed schema, clear errors, overrides, and the MLPerf recipes' one-block difference."""
+
+from importlib import resources
+
+import pytest
+import yaml
+
+from mxflux.train import RecipeError, load_recipe, recipe_names
+
+EXPECTED = {"tiny-bf16", "tiny-mxfp6", "flux535m-bf16", "flux535m-mxfp6", "flux12b-bf16-mlperf",
+            "flux12b-fp8-mlperf", "flux12b-mxfp6-mlperf", "flux12b-mxfp6-dev"}
+
+
+def test_every_built_in_recipe_validates():
+    assert EXPECTED <= set(recipe_names())
+    for name in recipe_names():
+        cfg = load_recipe(name)
+        assert cfg.name == name
+
+
+def test_precision_of_each_recipe():
+    assert load_recipe("tiny-mxfp6").precision.name == "mxfp6"
+    assert load_recipe("tiny-bf16").precision.name == "bf16"
+    assert load_recipe("flux12b-fp8-mlperf").precision.name == "fp8"
+    assert load_recipe("flux12b-mxfp6-mlperf").precision.fused_mlp == "on"
+
+
+def _raw(name):
+    return yaml.safe_load((resources.files("mxflux.recipes") / f"{name}.yaml").read_text())
+
+
+def test_mlperf_recipes_differ_only_in_the_precision_block():
+    fp8, mx, bf = _raw("flux12b-fp8-mlperf"), _raw("flux12b-mxfp6-mlperf"), _raw("flux12b-bf16-mlperf")
+    for other in (mx, bf):
+        assert {k: v for k, v in other.items() if k != "precision"} == {k: v for k, v in fp8.items() if k != "precision"}
+    cfg = load_recipe("flux12b-mxfp6-mlperf")
+    # The MLPerf reference point for GBS 512 (rcps_flux1.json) and the rules' fixed constants.
+    assert (cfg.batch.global_batch_size, cfg.optim.lr, cfg.optim.warmup_steps) == (512, 2e-4, 1600)
+    assert (cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay, cfg.optim.grad_clip) == (
+        0.9, 0.95, 1e-8, 0.1, 1.0)
+    assert cfg.train.eval_every_samples == 262144 and cfg.train.eval_samples == 29696
+
+
+def test_overrides():
+    cfg = load_recipe("tiny-mxfp6", ["optim.lr=3e-4", "precision.mx_gemm=exact", "train.sample_prompts=[a, b]"])
+    assert cfg.optim.lr == 3e-4 and cfg.precision.mx_gemm == "exact" and cfg.train.sample_prompts == ("a", "b")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.lrr=1"], "optim.lrr: unknown key"),
+    (["optim.lr=fast"], "optim.lr: Input should be a valid number"),
+    (["precision.fp8=hybrid"], "precision: fp6 and fp8 are both set"),
+    (["batch.global_batch_size=100", "batch.micro_batch_size=32"], "global_batch_size 100 is not divisible by micro_batch_size 32"),
+    (["model.name=flux-99b"], "model.name: unknown model 'flux-99b'"),
+    (["lr"], "expected key=value"),
+])
+def test_bad_recipes_name_the_field(overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe("tiny-mxfp6", overrides)
+
+
+def test_unknown_recipe_and_file(tmp_path):
+    with pytest.raises(RecipeError, match="unknown recipe 'nope'"):
+        load_recipe("nope")
+    p = tmp_path / "mine.yaml"
+    p.write_text("model: {name: flux-tiny}\nprecision: {fp6: e2m3}\n")
+    assert load_recipe(str(p)).name == "mine"
+    with pytest.raises(RecipeError, match="no such file"):
+        load_recipe(str(tmp_path / "missing.yaml"))
+
+
+def test_world_size_divisibility():
+    cfg = load_recipe("flux12b-mxfp6-mlperf")
+    assert cfg.batch.accumulation_steps(8) == 1 and cfg.batch.accumulation_steps(2) == 4
+    with pytest.raises(ValueError, match="not divisible by micro_batch_size × world size = 64 × 3"):
+        cfg.batch.accumulation_steps(3)
