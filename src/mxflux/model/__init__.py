@@ -1,0 +1,9 @@
+"""The Flux DiT: model, configs, FLOP counts, input packing and checkpoint-name conversion."""
+
+from .configs import FLUX_CONFIGS, FluxConfig, ForwardFlops, flops_per_sample, flux_config, forward_flops
+from .convert import diffusers_to_bfl
+from .flux import MX_LINEAR_PATTERNS, Flux, image_ids, patchify, text_ids, unpatchify
+
+__all__ = ["FLUX_CONFIGS", "MX_LINEAR_PATTERNS", "Flux", "FluxConfig", "ForwardFlops",
+           "diffusers_to_bfl", "flops_per_sample", "flux_config", "forward_flops", "image_ids",
+           "patchify", "text_ids", "unpatchify"]
