@@ -20,13 +20,17 @@ HADAMARD_SCALE = float(torch.tensor(1.0 / math.sqrt(BLOCK), dtype=torch.float32)
 
 def _fwht32_last(x: torch.Tensor) -> torch.Tensor:
     """Unnormalised butterflies over the last axis, which holds exactly 32 fp32 values."""
+    x = x.contiguous()
     lead = x.shape[:-1]
+    out = torch.empty_like(x)  # never written into the caller's tensor
     h = 1
     while h < BLOCK:
         # Pairs (j, j+h) inside each group of 2h: new_j = a + b, new_{j+h} = a - b.
-        y = x.reshape(*lead, BLOCK // (2 * h), 2, h)
-        a, b = y[..., 0, :], y[..., 1, :]
-        x = torch.stack((a + b, a - b), dim=-2).reshape(*lead, BLOCK)
+        y = x.view(*lead, BLOCK // (2 * h), 2, h)
+        o = out.view(*lead, BLOCK // (2 * h), 2, h)
+        torch.add(y[..., 0, :], y[..., 1, :], out=o[..., 0, :])
+        torch.sub(y[..., 0, :], y[..., 1, :], out=o[..., 1, :])
+        x, out = out, (x if h > 1 else torch.empty_like(x))  # ping-pong between two buffers
         h *= 2
     return x
 
