@@ -110,8 +110,24 @@ def _numerics(args: argparse.Namespace) -> int:
         args.parser.error(str(e))  # exits 2
 
 
+def _lazy(module: str, fn: str):
+    """A registration function that lives in another module (imported only to register)."""
+    def add(sub: argparse._SubParsersAction) -> None:
+        import importlib
+
+        getattr(importlib.import_module(module), fn)(sub)
+    return add
+
+
 # One registration function per subcommand, in `mxflux --help` order.
-SUBCOMMANDS = (_add_numerics,)
+SUBCOMMANDS = (
+    _lazy("mxflux.train.cli", "add_train_parser"),
+    _lazy("mxflux.train.cli", "add_eval_parser"),
+    _lazy("mxflux.train.cli", "add_sample_parser"),
+    _lazy("mxflux.train.cli", "add_check_config_parser"),
+    _lazy("mxflux.data.cli", "add_data_parser"),
+    _add_numerics,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

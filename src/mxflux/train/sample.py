@@ -29,7 +29,7 @@ def generate_latents(model, t5: torch.Tensor, clip: torch.Tensor, *, latent_shap
     def velocity(x, t):
         with autocast:
             out = model(img=patchify(x).to(dtype), img_ids=ids_img, txt=t5, txt_ids=ids_txt, timesteps=t, y=clip)
-        return unpatchify(out.float(), h // 2, w // 2)
+        return unpatchify(out.float(), h, w)
 
     was_training = model.training
     model.eval()
