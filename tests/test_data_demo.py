@@ -29,13 +29,13 @@ from mxflux.data.shards import META_FILE, DatasetExistsError, DatasetFormatError
 
 
 def random_codes_image(gen: torch.Generator, b: int = 3) -> torch.Tensor:
-    return torch.randint(0, 256, (b, 3, 64, 64), generator=gen).float() / 255
+    return torch.randint(0, 256, (b, 3, 32, 32), generator=gen).float() / 255
 
 
 def test_vae_round_trip_is_exact_for_any_image(gen):
     images = random_codes_image(gen)
     z = encode_demo_images(images)
-    assert z.shape == (3, 16, 32, 32)
+    assert z.shape == (3, 16, 16, 16)
     assert torch.equal(z.bfloat16().float(), z)  # exactly representable in the stored dtype
     assert torch.equal(decode_demo_latents(z.bfloat16()), images)
 
@@ -43,25 +43,25 @@ def test_vae_round_trip_is_exact_for_any_image(gen):
 def test_vae_round_trip_is_exact_for_rendered_scenes(gen):
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     images = render_demo_images(sample_demo_scenes(8, seed))
-    assert images.shape == (8, 3, 64, 64) and images.min() >= 0 and images.max() <= 1
+    assert images.shape == (8, 3, 32, 32) and images.min() >= 0 and images.max() <= 1
     assert torch.equal((images * 255).round() / 255, images)  # whole pixel codes
     assert torch.equal(decode_demo_latents(encode_demo_images(images).bfloat16()), images)
 
 
 def test_decode_clamps_and_rounds_generated_latents(gen):
-    z = 3 * torch.randn((2, 16, 32, 32), generator=gen)
+    z = 3 * torch.randn((2, 16, 16, 16), generator=gen)
     images = decode_demo_latents(z)
-    assert images.shape == (2, 3, 64, 64) and images.min() >= 0 and images.max() <= 1
+    assert images.shape == (2, 3, 32, 32) and images.min() >= 0 and images.max() <= 1
     assert torch.equal(decode_demo_latents(encode_demo_images(images)), images)
 
 
 def test_vae_rejects_bad_input():
     with pytest.raises(ValueError, match="expected images"):
-        encode_demo_images(torch.zeros(1, 4, 64, 64))
+        encode_demo_images(torch.zeros(1, 4, 32, 32))
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
-        encode_demo_images(torch.full((1, 3, 64, 64), 1.5))
+        encode_demo_images(torch.full((1, 3, 32, 32), 1.5))
     with pytest.raises(ValueError, match="expected latents"):
-        decode_demo_latents(torch.zeros(1, 4, 32, 32))
+        decode_demo_latents(torch.zeros(1, 4, 16, 16))
 
 
 def test_scenes_and_captions_vary(gen):
@@ -82,10 +82,10 @@ def test_caption_matches_the_picture():
     assert demo_caption((Shape("square", "red", "large", 0, 0),)) == "a large red square at the top left"
     # The red square sits in the top-left cell; the rest is background.
     red = (img[0] > 0.8) & (img[1] < 0.3) & (img[2] < 0.3)
-    assert red[:21, :21].sum() > 150 and red[21:, :].sum() == 0 and red[:, 21:].sum() == 0
+    assert red[:11, :11].sum() > 35 and red[11:, :].sum() == 0 and red[:, 11:].sum() == 0
     background = torch.tensor(BACKGROUND)[:, None, None] / 255
-    assert torch.equal(img[:, 24:, :], background.expand(3, 40, 64))
-    assert torch.equal(img[:, :, 24:], background.expand(3, 64, 40))
+    assert torch.equal(img[:, 12:, :], background.expand(3, 20, 32))
+    assert torch.equal(img[:, :, 12:], background.expand(3, 32, 20))
 
 
 def test_text_encoder_is_deterministic_and_distinguishes_prompts():
@@ -121,7 +121,7 @@ def test_demo_files_are_in_the_format(demo_root):
     train, ev = LatentDataset(demo_root, "train"), LatentDataset(demo_root, "eval")
     assert (len(train), len(ev)) == (96, 20)
     assert (train.latent_shift, train.latent_scale) == (DEMO_LATENT_SHIFT, DEMO_LATENT_SCALE)
-    assert train.latent_shape == (16, 32, 32) and train.t5_shape == (DEMO_T5_LEN, DEMO_T5_DIM)
+    assert train.latent_shape == (16, 16, 16) and train.t5_shape == (DEMO_T5_LEN, DEMO_T5_DIM)
     assert train.clip_dim == DEMO_CLIP_DIM
     meta = json.loads((demo_root / META_FILE).read_text())
     assert meta["source"]["kind"] == "demo"

@@ -1,6 +1,6 @@
 """The built-in demo dataset: captioned images of coloured shapes, built locally in seconds.
 
-Images are 64x64 RGB pictures of one or two shapes (circle, square, triangle; red, green, blue,
+Images are 32x32 RGB pictures of one or two shapes (circle, square, triangle; red, green, blue,
 yellow; small or large) on a 3x3 grid of places, captioned like "a large red circle at the top
 left and a blue square in the center" (the size is named in half of the phrases). The places are
 "at the top left", "at the top", "at the top right", "on the left", "in the center", "on the
@@ -10,7 +10,7 @@ minutes on one H200; docs/DATA_FORMAT.md). Everything a real dataset gets from p
 networks is replaced by a fixed, exact stand-in:
 
 - "VAE": pixel codes k in 0..255 of R, G, B and a luma channel L, mapped to (k - 128) / 128 (exact
-  in bf16) and pixel-unshuffled by 2: [4, 64, 64] -> [16, 32, 32]. `decode_demo_latents` is its
+  in bf16) and pixel-unshuffled by 2: [4, 32, 32] -> [16, 16, 16]. `decode_demo_latents` is its
   exact inverse (it ignores L and rounds to the nearest code). The stored log-variance is a
   constant -10, so sampled latents are the means up to ~0.007 (under one pixel code).
 - Latent statistics: DEMO_LATENT_SHIFT / DEMO_LATENT_SCALE are these latents' mean and inverse
@@ -48,8 +48,8 @@ __all__ = [
     "ensure_demo_dataset", "render_demo_images", "sample_demo_scenes",
 ]
 
-DEMO_VERSION = 1  # bump when images, captions or encoders change (ensure_demo_dataset then refuses old demos)
-DEMO_IMAGE_SIZE = 64
+DEMO_VERSION = 2  # bump when images, captions or encoders change (ensure_demo_dataset then refuses old demos)
+DEMO_IMAGE_SIZE = 32  # small enough that flux-tiny learns it in minutes on a 2-core CPU
 DEMO_LATENT_CHANNELS = 16  # 4 image channels x 2x2
 DEMO_LATENT_HW = DEMO_IMAGE_SIZE // 2
 DEMO_T5_LEN = 32  # flux-tiny: context_in_dim 64, vec_in_dim 32
@@ -57,8 +57,8 @@ DEMO_T5_DIM = 64
 DEMO_CLIP_DIM = 32
 DEMO_LOGVAR = -10.0
 # Mean and 1/std of the demo latents (measured over 8192 training images, seed 0, rounded).
-DEMO_LATENT_SHIFT = 0.7815
-DEMO_LATENT_SCALE = 4.4864
+DEMO_LATENT_SHIFT = 0.7816
+DEMO_LATENT_SCALE = 4.6154
 
 COLORS = {  # RGB pixel codes
     "red": (220, 40, 40),
@@ -68,13 +68,13 @@ COLORS = {  # RGB pixel codes
 }
 BACKGROUND = (235, 235, 230)
 KINDS = ("circle", "square", "triangle")
-SIZES = {"small": 5.5, "large": 8.5}  # radius in pixels
+SIZES = {"small": 2.75, "large": 4.25}  # radius in pixels
 PLACES = {  # (row, col) on a 3x3 grid -> caption phrase
     (0, 0): "at the top left", (0, 1): "at the top", (0, 2): "at the top right",
     (1, 0): "on the left", (1, 1): "in the center", (1, 2): "on the right",
     (2, 0): "at the bottom left", (2, 1): "at the bottom", (2, 2): "at the bottom right",
 }
-_JITTER = 1.5  # pixels, uniform, per axis
+_JITTER = 0.75  # pixels, uniform, per axis
 _SUPERSAMPLE = 4  # anti-aliasing: coverage from 4x4 samples per pixel
 _RENDER_CHUNK = 64  # images rendered at a time
 
@@ -130,7 +130,7 @@ def sample_demo_scenes(n: int, seed: int) -> list[tuple[Shape, ...]]:
 
 
 def _coverage(shapes: list[Shape]) -> torch.Tensor:
-    """Fraction of each pixel that each shape covers: [N, 64, 64] (4x4 samples per pixel)."""
+    """Fraction of each pixel that each shape covers: [N, 32, 32] (4x4 samples per pixel)."""
     s, size, cell = _SUPERSAMPLE, DEMO_IMAGE_SIZE, DEMO_IMAGE_SIZE / 3
     p = (torch.arange(size * s, dtype=torch.float64) + 0.5) / s  # sample positions, in pixels
     y, x = p[None, :, None], p[None, None, :]
@@ -152,7 +152,7 @@ def _coverage(shapes: list[Shape]) -> torch.Tensor:
 
 
 def render_demo_images(scenes: list[tuple[Shape, ...]]) -> torch.Tensor:
-    """Images [B, 3, 64, 64], float32 in [0, 1], each pixel a whole code k/255 (anti-aliased)."""
+    """Images [B, 3, 32, 32], float32 in [0, 1], each pixel a whole code k/255 (anti-aliased)."""
     if len(scenes) > _RENDER_CHUNK:  # bounds the supersampled masks' memory
         return torch.cat([render_demo_images(scenes[i:i + _RENDER_CHUNK])
                           for i in range(0, len(scenes), _RENDER_CHUNK)])
@@ -172,7 +172,7 @@ def render_demo_images(scenes: list[tuple[Shape, ...]]) -> torch.Tensor:
 
 
 def encode_demo_images(images: torch.Tensor) -> torch.Tensor:
-    """Images [B, 3, 64, 64] in [0, 1] (whole codes k/255) -> latents [B, 16, 32, 32], float32.
+    """Images [B, 3, H, W] in [0, 1] (whole codes k/255) -> latents [B, 16, H/2, W/2], float32.
 
     Every latent value is (k - 128) / 128 for an integer code k, exactly representable in bf16.
     """

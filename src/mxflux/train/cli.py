@@ -84,7 +84,7 @@ def _train(args) -> int:
                                        steps=cfg.train.sample_steps, seed=cfg.train.seed,
                                        out=trainer.out_dir / "samples.png", dtype=trainer.compute_dtype)
                 if grid:
-                    result["samples"] = str(grid)
+                    result["samples_png"] = str(grid)
             result["checkpoint"] = str(trainer.out_dir / "latest.pt")
             result["loss_curve"] = str(trainer.out_dir / "loss_curve.png")
             print(json.dumps(result, indent=1))

@@ -1,0 +1,18 @@
+"""Fast paths for Hopper (DESIGN.md §2–§4): Triton MX packers and FP8-tensor-core MX GEMMs.
+
+Importing this package never needs CUDA or Triton: `pack_cuda` raises a clear RuntimeError
+where it cannot run (check `kernel_available()` first), and `scaled_gemm_cuda` needs a CUDA
+device for cuBLAS.
+"""
+
+from .gemm import GEMM_SHAPE_RULES, scaled_gemm_cuda
+from .pack import HAS_TRITON, kernel_available, pack_cuda, prologue_cuda
+
+__all__ = [
+    "GEMM_SHAPE_RULES",
+    "HAS_TRITON",
+    "kernel_available",
+    "pack_cuda",
+    "prologue_cuda",
+    "scaled_gemm_cuda",
+]

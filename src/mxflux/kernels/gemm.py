@@ -1,0 +1,236 @@
+"""Scaled FP8 GEMMs on cuBLAS: `scaled_gemm_cuda`, the fast twin of `scaled_gemm_reference`.
+
+out = (A ⊙ scale_a)(B ⊙ scale_b)ᵀ + bias, fp32 accumulation, one rounding to out_dtype. A is
+[M, K] and B is [N, K], float8_e4m3fn, contiguous along K (what `pack_cuda` writes). The mode
+follows the scale shape (GEMM_MODES in ops/gemm_reference.py):
+
+- rowwise  a_scale [M, 1], b_scale [N, 1]: `torch._scaled_mm`, row-wise fp32 scales, bias in the
+  cuBLAS epilogue, `use_fast_accum=False` (Hopper's fast FP8 accumulation keeps ~14 bits).
+- blockwise a_scale [M, K/128], b_scale [N, K/128]: cuBLAS 1x128 block scaling (CUDA >= 12.9),
+  scales passed outer-dim-major as cuBLAS wants them.
+- exact    a_scale [M, K/32], b_scale [N, K/32]: dequantized to bf16 (exact: E2M3 values have 4
+  significant bits and the scales are powers of two) and a bf16 GEMM with fp32 output.
+
+Where the epilogue cannot take the bias for the requested output, the GEMM writes fp32 and the
+bias is added in fp32 before the one rounding. What each torch build accepts is found once per
+device and cached (`_capabilities`). Shape rules measured on the H200: GEMM_SHAPE_RULES.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["GEMM_SHAPE_RULES", "scaled_gemm_cuda", "gemm_mode"]
+
+# What cuBLAS (through torch 2.11 + CUDA 13 on an H200) needs; see benchmarks/RESULTS.md.
+GEMM_SHAPE_RULES = {
+    "rowwise": "K % 16 == 0 and N % 16 == 0 (FP8 leading dimensions in 16-byte multiples); M any",
+    "blockwise": "K % 128 == 0 (one scale per 128 of K), N % 16 == 0; M % 4 == 0 (else A is padded)",
+    "exact": "K % 32 == 0; bf16 GEMM: any M, N (cuBLAS pads internally)",
+}
+
+
+def gemm_mode(a_data: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor) -> str:
+    """Which GEMM the scale shapes select: 'rowwise', 'blockwise' or 'exact'."""
+    m, k = a_data.shape
+    n = b_scale.shape[0]
+    if a_scale.shape == (m, 1) and b_scale.shape == (n, 1):
+        return "rowwise"  # also K == 128 or 32: one group per row is row-wise
+    if k % 128 == 0 and a_scale.shape == (m, k // 128) and b_scale.shape == (n, k // 128):
+        return "blockwise"
+    if k % 32 == 0 and a_scale.shape == (m, k // 32) and b_scale.shape == (n, k // 32):
+        return "exact"
+    raise ValueError(
+        f"a_scale, b_scale: shapes {tuple(a_scale.shape)} and {tuple(b_scale.shape)} select no mode "
+        f"for A [{m}, {k}]: expected [M, 1] & [N, 1] (rowwise), [M, K/128] & [N, K/128] (blockwise) "
+        f"or [M, K/32] & [N, K/32] (exact)"
+    )
+
+
+def _check(a_data, a_scale, b_data, b_scale, bias, out_dtype):
+    for name, t in (("a_data", a_data), ("b_data", b_data)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn or t.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D float8_e4m3fn tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if not t.is_cuda:
+            raise ValueError(f"{name}: scaled_gemm_cuda needs CUDA tensors, got device {t.device}")
+    for name, t in (("a_scale", a_scale), ("b_scale", b_scale)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D float32 tensor, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if a_data.shape[1] != b_data.shape[1]:
+        raise ValueError(f"a_data, b_data: contraction lengths differ ({a_data.shape[1]} vs {b_data.shape[1]})")
+    if a_scale.shape[0] != a_data.shape[0] or b_scale.shape[0] != b_data.shape[0]:
+        raise ValueError(f"a_scale, b_scale: need one row per operand row, got {tuple(a_scale.shape)} for "
+                         f"A {tuple(a_data.shape)} and {tuple(b_scale.shape)} for B {tuple(b_data.shape)}")
+    n = b_data.shape[0]
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (n,)):
+        raise ValueError(f"bias: expected a tensor of shape ({n},), got {getattr(bias, 'shape', bias)}")
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"out_dtype: expected bfloat16, float16 or float32, got {out_dtype}")
+
+
+@functools.lru_cache(maxsize=None)
+def _capabilities(device_index: int) -> dict:
+    """What this torch/cuBLAS accepts, probed once with tiny operands (host-side checks only)."""
+    dev = torch.device("cuda", device_index)
+    m, n, k = 64, 64, 256
+    a = torch.ones(m, k, device=dev).to(torch.float8_e4m3fn)
+    b = torch.ones(n, k, device=dev).to(torch.float8_e4m3fn)
+    caps = {}
+
+    def tries(fn):
+        try:
+            fn()
+            torch.cuda.synchronize(dev)
+            return True
+        except Exception:  # torch raises RuntimeError/NotImplementedError/TypeError for unsupported forms
+            return False
+
+    sa = torch.ones(m, 1, device=dev)
+    sb = torch.ones(1, n, device=dev)
+    bias16 = torch.zeros(n, device=dev, dtype=torch.bfloat16)
+    caps["rowwise_fp32_out"] = tries(lambda: torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.float32))
+    caps["rowwise_bias_fp32_out"] = tries(
+        lambda: torch._scaled_mm(a, b.t(), sa, sb, bias=bias16.float(), out_dtype=torch.float32))
+    sa128 = torch.ones(k // 128, m, device=dev).t()  # [M, K/128], outer-dim-major
+    sb128 = torch.ones(k // 128, n, device=dev)  # [K/128, N] contiguous: B's 1x128 scales, outer-dim-major
+    caps["blockwise"] = tries(lambda: torch._scaled_mm(a, b.t(), sa128, sb128, out_dtype=torch.bfloat16))
+    caps["blockwise_bias"] = caps["blockwise"] and tries(
+        lambda: torch._scaled_mm(a, b.t(), sa128, sb128, bias=bias16, out_dtype=torch.bfloat16))
+    caps["blockwise_fp32_out"] = caps["blockwise"] and tries(
+        lambda: torch._scaled_mm(a, b.t(), sa128, sb128, out_dtype=torch.float32))
+    ab = torch.ones(m, k, device=dev, dtype=torch.bfloat16)
+    caps["mm_out_dtype"] = tries(lambda: torch.mm(ab, ab.t(), out_dtype=torch.float32))
+    return caps
+
+
+def _caps(t: torch.Tensor) -> dict:
+    return _capabilities(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def _finish(out32: torch.Tensor, bias, out_dtype):
+    if bias is not None:
+        out32 = out32 + bias.float()
+    return out32 if out_dtype == torch.float32 else out32.to(out_dtype)
+
+
+def _rowwise(a_data, a_scale, b_data, b_scale, bias, out_dtype):
+    caps = _caps(a_data)
+    sb = b_scale.t()  # [1, N]
+    if out_dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
+        # bias (exact in fp32) is added to the fp32 accumulator in the epilogue: one rounding
+        return torch._scaled_mm(a_data, b_data.t(), a_scale, sb, bias=bias, out_dtype=out_dtype,
+                                use_fast_accum=False)
+    if caps["rowwise_fp32_out"]:
+        out = torch._scaled_mm(a_data, b_data.t(), a_scale, sb, out_dtype=torch.float32, use_fast_accum=False)
+        return _finish(out, bias, out_dtype)
+    raise RuntimeError("scaled_gemm_cuda: this torch has no fp32-output row-wise _scaled_mm; "
+                       "pass a bfloat16 bias and out_dtype=torch.bfloat16")
+
+
+def _blockwise(a_data, a_scale, b_data, b_scale, bias, out_dtype):
+    caps = _caps(a_data)
+    if not caps["blockwise"]:
+        raise RuntimeError("scaled_gemm_cuda: cuBLAS 1x128 block scaling is unavailable "
+                           "(needs CUDA >= 12.9 and a torch that exposes it); use mode 'rowwise' or 'exact'")
+    m = a_data.shape[0]
+    if m % 4 and m > 1:
+        # cuBLAS rejects outer-dim-major scales whose leading dimension is not a multiple of 4
+        # (CUBLAS_STATUS_NOT_SUPPORTED at M=1001 on the H200): pad A with zero rows
+        pad = -m % 4
+        a_data = torch.cat([a_data, a_data.new_zeros(pad, a_data.shape[1])])
+        a_scale = torch.cat([a_scale, a_scale.new_ones(pad, a_scale.shape[1])])
+        return _blockwise(a_data, a_scale, b_data, b_scale, bias, out_dtype)[:m]
+    sa = a_scale.t().contiguous().t()  # outer-dim-major [M, K/128]
+    sb = b_scale.t().contiguous()  # [K/128, N]
+    if out_dtype == torch.bfloat16 and (bias is None or (bias.dtype == torch.bfloat16 and caps["blockwise_bias"])):
+        return torch._scaled_mm(a_data, b_data.t(), sa, sb, bias=bias, out_dtype=out_dtype, use_fast_accum=False)
+    if caps["blockwise_fp32_out"]:
+        out = torch._scaled_mm(a_data, b_data.t(), sa, sb, out_dtype=torch.float32, use_fast_accum=False)
+        return _finish(out, bias, out_dtype)
+    # Neither the bias nor fp32 output fits this epilogue: bf16 GEMM, then the bias in fp32.
+    # That is a second rounding; RESULTS.md records when this path is taken.
+    out = torch._scaled_mm(a_data, b_data.t(), sa, sb, out_dtype=torch.bfloat16, use_fast_accum=False)
+    return _finish(out.float(), bias, out_dtype)
+
+
+try:  # one-pass dequantization kernel; torch ops otherwise
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _dequant_kernel(d_ptr, s_ptr, o_ptr, n_blocks, BLOCKS: tl.constexpr):
+        b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+        m = b < n_blocks
+        off = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+        q = tl.load(d_ptr + off, mask=m[:, None], other=0).to(tl.float8e4nv, bitcast=True)
+        sc = tl.load(s_ptr + b, mask=m, other=1.0)
+        # E4M3 -> fp32 is exact, times a power of two is exact, and the E2M3-derived value has 4
+        # significant bits, so the bf16 cast is exact too
+        tl.store(o_ptr + off, (q.to(tl.float32) * sc[:, None]).to(tl.bfloat16), mask=m[:, None])
+
+    _HAS_TRITON = True
+except Exception:  # no Triton: torch ops below
+    _HAS_TRITON = False
+
+
+def _dequant_bf16(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Exact bf16 values of a [R, K] E4M3 operand with [R, K/32] power-of-two scales."""
+    r, k = data.shape
+    if _HAS_TRITON:
+        out = torch.empty(r, k, dtype=torch.bfloat16, device=data.device)
+        n = r * k // 32
+        blocks = 64
+        _dequant_kernel[(-(-n // blocks),)](data.view(torch.uint8), scale, out, n, BLOCKS=blocks, num_warps=4)
+        return out
+    v = data.to(torch.bfloat16).view(r, k // 32, 32) * scale.to(torch.bfloat16).unsqueeze(-1)
+    return v.view(r, k)
+
+
+def _exact(a_data, a_scale, b_data, b_scale, bias, out_dtype):
+    a = _dequant_bf16(a_data, a_scale)
+    b = _dequant_bf16(b_data, b_scale)
+    if out_dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
+        # cuBLAS adds the bias to the fp32 accumulator and rounds once; no bf16 split-K reduction
+        flag = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        try:
+            return torch.nn.functional.linear(a, b, bias)
+        finally:
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flag
+    if _caps(a_data)["mm_out_dtype"]:
+        out = torch.mm(a, b.t(), out_dtype=torch.float32)
+    else:  # true fp32 GEMM on the exact values: correct, slower
+        old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            out = a.float() @ b.float().t()
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old
+    return _finish(out, bias, out_dtype)
+
+
+def scaled_gemm_cuda(
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """out[M, N] = (A ⊙ scale_a)(B ⊙ scale_b)ᵀ + bias on cuBLAS; the mode follows the scale shapes."""
+    _check(a_data, a_scale, b_data, b_scale, bias, out_dtype)
+    mode = gemm_mode(a_data, a_scale, b_scale)
+    a_data = a_data.contiguous()
+    b_data = b_data.contiguous()
+    a_scale = a_scale.contiguous()
+    b_scale = b_scale.contiguous()
+    k, n = a_data.shape[1], b_data.shape[0]
+    if mode in ("rowwise", "blockwise") and (k % 16 or n % 16):
+        raise ValueError(f"a_data, b_data: cuBLAS FP8 GEMMs need K and N multiples of 16, got K={k}, N={n} "
+                         f"(use the 'exact' mode or pad)")
+    fn = {"rowwise": _rowwise, "blockwise": _blockwise, "exact": _exact}[mode]
+    return fn(a_data, a_scale, b_data, b_scale, bias, out_dtype)
