@@ -75,7 +75,7 @@ def test_demo_info_and_bench(tmp_path, capsys):
     assert run(["data", "info", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["splits"]["eval"]["tensors"]["timestep_index"] == {"shape": [], "dtype": "int64"}
-    assert info["splits"]["train"]["bytes_per_sample"] == 2 * (2 * 16 * 32 * 32 + 32 * 64 + 32)
+    assert info["splits"]["train"]["bytes_per_sample"] == 2 * (2 * 16 * 16 * 16 + 32 * 64 + 32)
     assert run(["data", "bench", str(out), "--batch-size", "4", "--workers", "0", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["samples"] == 40 - 4 * 4 and result["samples_per_s"] > 0
