@@ -1,0 +1,281 @@
+"""Kernel benchmark for the Hopper fast path: MX packers (GB/s vs copy) and MX GEMMs (TFLOP/s).
+
+One run measures, at the Flux-12B linear shapes (K -> N) with M = 16384 and 32768:
+
+- copy bandwidth (device-to-device, bytes read + written): the ceiling for the packers;
+- pack_cuda achieved GB/s for X [M, K] and dY [M, N] (both orientations; dY with its column
+  sums), per granularity, counting bytes = bf16 read + 1 B per element per orientation + scales;
+- GEMM TFLOP/s per mode (rowwise / blockwise / exact) on packed operands, next to bf16 torch.mm
+  and FP8 row-wise torch._scaled_mm on plain casts.
+
+Times are medians of triton.testing.do_bench after warm-up; packer inputs rotate over several
+buffers larger than L2 together. Prints a short table and writes JSON to $OUT (or --out).
+
+    PYTHONPATH=src python3 benchmarks/bench_kernels.py            # full run (H200: ~1-2 min)
+    PYTHONPATH=src python3 benchmarks/bench_kernels.py --quick    # one shape, for a smoke test
+    PYTHONPATH=src python3 benchmarks/bench_kernels.py --precompile  # fill Triton's cache in parallel
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+LINEARS = [  # (name, K, N) of Flux-12B's MX linears
+    ("qkv", 3072, 9216),
+    ("proj", 3072, 3072),
+    ("fc1", 3072, 12288),
+    ("fc2", 12288, 3072),
+    ("linear1", 3072, 21504),
+    ("linear2", 15360, 3072),
+]
+MS = (16384, 32768)
+GRANS = ("row", 128, 32)
+
+
+def _bench(fn, rep_ms=60):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=20, rep=rep_ms, return_mode="median")  # ms
+
+
+def _warm_up(seconds=2.0):
+    """Run bf16 GEMMs for a while so the first timed kernels don't see idle clocks (a cold run
+    measured its first packer shape ~1.5x slower than the same shape after warm-up)."""
+    a = torch.randn(8192, 8192, device="cuda").bfloat16()
+    t = time.time()
+    while time.time() - t < seconds:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth():
+    n = 1 << 30  # 1 GiB of bytes
+    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    b = torch.empty_like(a)
+    ms = _bench(lambda: b.copy_(a), rep_ms=200)
+    return 2 * n / (ms * 1e-3) / 1e9  # GB/s, read + write
+
+
+def pack_bytes(r, c, gran, colsum):
+    rp = -(-r // 32) * 32
+    g_row = 1 if gran == "row" else c // gran
+    g_col = 1 if gran == "row" else rp // gran
+    return 2 * r * c + r * c + c * rp + 4 * (r * g_row + c * g_col) + (4 * c if colsum else 0)
+
+
+def bench_pack(m, k, gran, colsum, copy_gbs, prologue="none"):
+    from mxflux.kernels import pack_cuda
+
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    nbuf = max(2, -(-3 * l2 // (m * k * 2)))
+    xs = [torch.randn(m, k, device="cuda").bfloat16() for _ in range(nbuf)]
+    i = [0]
+
+    def fn():
+        i[0] = (i[0] + 1) % nbuf
+        return pack_cuda(xs[i[0]], granularity=gran, colsum=colsum, prologue=prologue)
+
+    ms = _bench(fn)
+    gbs = pack_bytes(m, k, gran, colsum) / (ms * 1e-3) / 1e9
+    return {"ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs}
+
+
+def bench_gemms(m, k, n):
+    from mxflux.kernels import pack_cuda, scaled_gemm_cuda
+
+    flop = 2 * m * n * k
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    w = (0.02 * torch.randn(n, k, device="cuda")).bfloat16()
+    bias = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    out["bf16_mm"] = flop / (_bench(lambda: torch.nn.functional.linear(x, w, bias)) * 1e-3) / 1e12
+    xf, wf = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    one_m, one_n = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    out["fp8_rowwise_cast"] = flop / (_bench(lambda: torch._scaled_mm(
+        xf, wf.t(), one_m, one_n, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=False)) * 1e-3) / 1e12
+    for mode, gran in (("rowwise", "row"), ("blockwise", 128), ("exact", 32)):
+        a = pack_cuda(x, col=False, granularity=gran)
+        b = pack_cuda(w, col=False, granularity=gran)
+        try:
+            ms = _bench(lambda: scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, bias))
+            out[mode] = flop / (ms * 1e-3) / 1e12
+        except Exception as e:  # record, keep measuring the rest
+            out[mode] = f"error: {type(e).__name__}: {str(e)[:120]}"
+    return out
+
+
+def probe_shapes():
+    """Which M/N/K cuBLAS accepts per mode (tiny operands; records errors rather than raising)."""
+    from mxflux.kernels import scaled_gemm_cuda
+    from mxflux.kernels.gemm import _capabilities
+
+    res = {"capabilities": _capabilities(torch.cuda.current_device())}
+    for m, n, k in [(1000, 256, 256), (1001, 256, 256), (256, 264, 256), (256, 256, 288), (256, 250, 256),
+                    (256, 256, 160), (8, 256, 256), (1, 256, 384)]:
+        a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+        for mode, g in (("rowwise", None), ("blockwise", 128), ("exact", 32)):
+            key = f"{mode} M={m} N={n} K={k}"
+            if g and k % g:
+                res[key] = "n/a (K % group)"
+                continue
+            sa = torch.ones(m, 1 if g is None else k // g, device="cuda")
+            sb = torch.ones(n, 1 if g is None else k // g, device="cuda")
+            try:
+                scaled_gemm_cuda(a, sa, b, sb)
+                torch.cuda.synchronize()
+                res[key] = "ok"
+            except Exception as e:
+                res[key] = f"{type(e).__name__}: {str(e)[:160]}"
+    return res
+
+
+def _precompile_one(kw):
+    import torch  # noqa: F811 - spawned worker
+
+    from mxflux.kernels import pack_cuda
+
+    os.environ["MXFLUX_PACK_IO"] = kw.pop("_io", "auto")
+    r, c = kw.pop("_shape", (256, 256))
+    x = torch.randn(r, c, device="cuda").bfloat16()
+    if kw.get("prologue") == "gelu_tanh_grad":
+        kw["aux"] = torch.randn(r, c, device="cuda").bfloat16()
+    t = time.time()
+    pack_cuda(x, **kw)
+    torch.cuda.synchronize()
+    return time.time() - t
+
+
+def precompile(workers=16):
+    """Compile the packer variants the tests and this benchmark use, in parallel processes."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    combos = []
+    for g in GRANS:
+        for colsum in (False, True):
+            combos.append(dict(granularity=g, colsum=colsum))
+            combos.append(dict(granularity=g, colsum=colsum, hadamard=False))
+        combos.append(dict(granularity=g, col=False))
+        for pro in ("gelu_tanh", "gelu_tanh_grad"):
+            combos.append(dict(granularity=g, colsum=True, prologue=pro))
+    for g in ("row", 32):
+        for row, col, cs in [(True, False, False), (False, True, False), (False, False, True),
+                             (True, False, True), (False, True, True)]:
+            combos.append(dict(granularity=g, row=row, col=col, colsum=cs))
+        combos.append(dict(granularity=g, _hw=False))
+    combos.append(dict(granularity="row", prologue="gelu_tanh_grad", colsum=True, _shape=(1001, 640)))
+    for g in GRANS:  # both tile-reading variants (MXFLUX_PACK_IO), for the tests and A/B runs
+        for colsum in (False, True):
+            combos.append(dict(granularity=g, colsum=colsum, _io="blocks"))
+        combos.append(dict(granularity=g, colsum=True, prologue="gelu_tanh_grad", _io="coalesced"))
+        combos.append(dict(granularity=g, colsum=True, prologue="gelu_tanh_grad", _io="blocks"))
+    seen, uniq = set(), []
+    for c in combos:
+        key = json.dumps(c, sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            uniq.append(c)
+    t = time.time()
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+        times = list(ex.map(_precompile_one, uniq))
+    print(f"precompiled {len(uniq)} packer variants in {time.time() - t:.1f}s "
+          f"(slowest {max(times):.1f}s)", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one shape and M only")
+    ap.add_argument("--precompile", action="store_true", help="only fill Triton's cache, in parallel")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for bench_kernels.json")
+    ap.add_argument("--profile-one", metavar="GRAN", help="run pack_cuda on X [16384, 3072] a few times "
+                    "(for `ncu -k regex:_pack_kernel`), granularity GRAN")
+    ap.add_argument("--ab", action="store_true", help="time both packer I/O variants at two shapes")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels: needs a CUDA device")
+    if args.precompile:
+        precompile()
+        return
+    if args.ab:
+        _warm_up()
+        copy = copy_bandwidth()
+        print(f"A/B packer I/O variants (copy {copy:.0f} GB/s): % of copy", flush=True)
+        for m, k in ((16384, 3072), (16384, 15360)):
+            for g in GRANS:
+                row = []
+                for io in ("blocks", "coalesced"):
+                    os.environ["MXFLUX_PACK_IO"] = io
+                    r = bench_pack(m, k, g, False, copy)
+                    row.append(f"{io} {r['ms'] * 1e3:7.1f} us {r['pct_copy']:5.1f}%")
+                print(f"  X[{m}x{k}] gran {str(g):>3s}: " + " | ".join(row), flush=True)
+        os.environ["MXFLUX_PACK_IO"] = "auto"
+        return
+    if args.profile_one:
+        from mxflux.kernels import pack_cuda
+
+        g = args.profile_one if args.profile_one == "row" else int(args.profile_one)
+        x = torch.randn(16384, 3072, device="cuda").bfloat16()
+        for _ in range(4):
+            pack_cuda(x, granularity=g)
+        torch.cuda.synchronize()
+        return
+    props = torch.cuda.get_device_properties(0)
+    import triton
+
+    res = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+           "triton": triton.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d")}
+    _warm_up()
+    res["copy_GBps"] = copy = copy_bandwidth()
+    print(f"{props.name}  torch {torch.__version__}  triton {triton.__version__}  copy {copy:.0f} GB/s", flush=True)
+    res["shape_probe"] = probe_shapes()
+    linears = LINEARS[:1] if args.quick else LINEARS
+    ms_list = MS[:1] if args.quick else MS
+    res["pack"], res["gemm"] = [], []
+    print(f"{'shape':22s} {'tensor':9s} {'gran':>4s} {'ms':>7s} {'GB/s':>6s} {'%copy':>6s}", flush=True)
+    for name, k, n in linears:
+        for m in ms_list:
+            for tensor, cols, colsum in (("X", k, False), ("dY", n, True)):
+                for g in GRANS:
+                    r = bench_pack(m, cols, g, colsum, copy)
+                    res["pack"].append({"linear": name, "M": m, "K": k, "N": n, "tensor": tensor,
+                                        "cols": cols, "gran": str(g), **r})
+                    print(f"{name:8s} M={m:5d} {tensor}[{m}x{cols}]".ljust(32)[:32]
+                          + f" {str(g):>4s} {r['ms']:7.3f} {r['GBps']:6.0f} {r['pct_copy']:6.1f}", flush=True)
+            torch.cuda.empty_cache()
+    # fused-MLP prologues on fc1's output (forward: GELU; backward: x GELU'(pre-activation))
+    res["prologue"] = []
+    for pro in ("gelu_tanh",):
+        for g in GRANS:
+            r = bench_pack(MS[0], 12288, g, False, copy, prologue=pro)
+            res["prologue"].append({"prologue": pro, "M": MS[0], "cols": 12288, "gran": str(g), **r})
+            print(f"prologue {pro} [{MS[0]}x12288] {g}: {r['ms']:.3f} ms {r['GBps']:.0f} GB/s {r['pct_copy']:.1f}%",
+                  flush=True)
+    print(f"\n{'GEMM (TFLOP/s)':26s} {'bf16':>6s} {'fp8rw':>6s} {'rowwise':>8s} {'block':>6s} {'exact':>6s}")
+    for name, k, n in linears:
+        for m in ms_list:
+            r = bench_gemms(m, k, n)
+            res["gemm"].append({"linear": name, "M": m, "K": k, "N": n, **r})
+            fmt = lambda v: f"{v:6.0f}" if isinstance(v, float) else "   err"  # noqa: E731
+            print(f"{name:8s} M={m:5d} {k}->{n}".ljust(26) + f" {fmt(r['bf16_mm'])} {fmt(r['fp8_rowwise_cast'])}"
+                  f"   {fmt(r['rowwise'])} {fmt(r['blockwise'])} {fmt(r['exact'])}", flush=True)
+            torch.cuda.empty_cache()
+    # summary: packer % of copy per granularity, over all shapes
+    for g in GRANS:
+        vals = [p["pct_copy"] for p in res["pack"] if p["gran"] == str(g)]
+        print(f"pack gran={g}: {min(vals):.1f}-{max(vals):.1f}% of copy (median {sorted(vals)[len(vals) // 2]:.1f}%)")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Layer-level benchmarks on the GPU: MXFP6Linear / FusedMXFP6MLP / FP8Linear against bf16 and a peer.
+
+Every ratio is measured side by side in one run (these machines are noisy; absolute times only
+mean something on the GPU). Times are forward+backward medians from triton.testing.do_bench.
+
+    PYTHONPATH=src python benchmarks/bench_layers.py [--m 16384 32768] [--quick] [--json OUT.json]
+
+Also measures, on a real Flux training step (one double + one single block at width 3072,
+zero-init broken), the fraction of MX blocks outside the FP8 fold window for every operand of
+every MX GEMM, row-wise and per 128 — the evidence behind the default `mx_gemm`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from torch import nn
+
+from mxflux.mx import fold_to_e4m3, quantize
+from mxflux.nn import FP8Linear, FusedMXFP6MLP, MXFP6Linear
+
+# Flux-12B linear shapes (REFERENCE.md): name → (K, N).
+FLUX_LINEARS = {
+    "qkv": (3072, 9216),
+    "proj": (3072, 3072),
+    "mlp.fc1": (3072, 12288),
+    "mlp.fc2": (12288, 3072),
+    "single.linear1": (3072, 21504),
+    "single.linear2": (15360, 3072),
+}
+
+
+def bench(fn, warmup=10, rep=50) -> float:
+    """Median milliseconds of fn() (CUDA events through triton's do_bench)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    params = list(module.parameters())
+
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        module(x).backward(dy)
+
+    return step
+
+
+def linear_rows(ms, quick: bool):
+    rows = []
+    shapes = dict(list(FLUX_LINEARS.items())[:2]) if quick else FLUX_LINEARS
+    for m in ms:
+        for name, (k, n) in shapes.items():
+            base = nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            flops = 3 * 2 * m * k * n  # fprop + dgrad + wgrad
+            t = {"bf16": bench(fwd_bwd(base, x, dy))}
+            for mode in ("rowwise", "blockwise", "exact"):
+                t[f"mxfp6-{mode}"] = bench(fwd_bwd(MXFP6Linear.from_linear(base, mx_gemm=mode), x, dy))
+            t["fp8"] = bench(fwd_bwd(FP8Linear.from_linear(base), x, dy))
+            peer = peer_linear(base)
+            if peer is not None:
+                t["peer"] = bench(fwd_bwd(peer, x, dy))
+            row = {"layer": name, "M": m, "K": k, "N": n, **{f"ms_{k_}": v for k_, v in t.items()},
+                   "tflops_bf16": flops / t["bf16"] / 1e9, "tflops_mxfp6": flops / t["mxfp6-rowwise"] / 1e9}
+            row["speedup_mxfp6_vs_bf16"] = t["bf16"] / t["mxfp6-rowwise"]
+            row["speedup_fp8_vs_bf16"] = t["bf16"] / t["fp8"]
+            if "peer" in t:
+                row["speedup_mxfp6_vs_peer"] = t["peer"] / t["mxfp6-rowwise"]
+            rows.append(row)
+            print(f"{name:15s} M={m:6d} bf16 {t['bf16']:7.3f} ms | mxfp6 row {t['mxfp6-rowwise']:7.3f} "
+                  f"blk {t['mxfp6-blockwise']:7.3f} exact {t['mxfp6-exact']:7.3f} | fp8 {t['fp8']:7.3f}"
+                  + (f" | peer {t['peer']:7.3f}" if "peer" in t else "")
+                  + f" | mxfp6/bf16 {row['speedup_mxfp6_vs_bf16']:.2f}x", flush=True)
+            del base, x, dy
+            torch.cuda.empty_cache()
+    return rows
+
+
+def peer_linear(base: nn.Linear):
+    """torchao's MX training linear (emulated on Hopper: dequantize + bf16 GEMM), if importable."""
+    try:
+        from torchao.prototype.mx_formats.config import MXLinearConfig
+        from torchao.prototype.mx_formats.mx_linear import MXLinear
+        from torchao.prototype.mx_formats.constants import DTYPE_FP6_E2M3
+    except Exception as e:  # noqa: BLE001 - any import problem means "no peer"
+        print(f"peer: torchao MX unavailable ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
+    try:
+        cfg = MXLinearConfig(elem_dtype=DTYPE_FP6_E2M3, block_size=32)
+        lin = nn.Linear(base.in_features, base.out_features, device="cuda", dtype=torch.bfloat16)
+        lin.load_state_dict(base.state_dict())
+        return MXLinear.from_float(lin, cfg) if hasattr(MXLinear, "from_float") else None
+    except Exception as e:  # noqa: BLE001
+        print(f"peer: torchao MXLinear failed ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
+
+
+def mlp_rows(ms):
+    rows = []
+    dim, hidden = 3072, 12288
+    for m in ms:
+        bf16 = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, dim))
+        bf16 = bf16.cuda().bfloat16()
+        fused = FusedMXFP6MLP.from_linears(bf16[0], bf16[2], activation="gelu_tanh", mode="on")
+        unfused = FusedMXFP6MLP.from_linears(bf16[0], bf16[2], activation="gelu_tanh", mode="off")
+        x = torch.randn(m, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, dim, device="cuda", dtype=torch.bfloat16)
+        t = {"bf16": bench(fwd_bwd(bf16, x, dy)), "fused": bench(fwd_bwd(fused, x, dy)),
+             "unfused": bench(fwd_bwd(unfused, x, dy))}
+        row = {"M": m, **{f"ms_{k}": v for k, v in t.items()},
+               "speedup_fused_vs_bf16": t["bf16"] / t["fused"], "speedup_fused_vs_unfused": t["unfused"] / t["fused"]}
+        rows.append(row)
+        print(f"MLP 3072-12288-3072 M={m}: bf16 {t['bf16']:.3f} ms, fused {t['fused']:.3f}, unfused "
+              f"{t['unfused']:.3f} | fused/bf16 {row['speedup_fused_vs_bf16']:.2f}x, "
+              f"fused/unfused {row['speedup_fused_vs_unfused']:.2f}x", flush=True)
+    return rows
+
+
+def fold_window_study(batch: int = 4):
+    """Blocks outside the fold window on real Flux activations and gradients (one training step)."""
+    from mxflux.model import Flux, flux_config, image_ids, text_ids
+
+    torch.manual_seed(0)
+    model = Flux(flux_config("flux-535m")).cuda()
+    for name, p in model.named_parameters():  # break the zero init so every gradient is real
+        if p.abs().sum() == 0:
+            nn.init.normal_(p, std=0.02)
+    model = model.bfloat16()
+    captured: dict[str, list[torch.Tensor]] = {}
+
+    def grab(name):
+        def fwd_hook(mod, inp, out):
+            captured.setdefault(f"{name}:X", []).append(inp[0].detach().reshape(-1, inp[0].shape[-1]))
+
+        def bwd_hook(mod, gin, gout):
+            captured.setdefault(f"{name}:dY", []).append(gout[0].detach().reshape(-1, gout[0].shape[-1]))
+        return fwd_hook, bwd_hook
+
+    from mxflux.model import MX_LINEAR_PATTERNS
+    import fnmatch
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and any(fnmatch.fnmatchcase(name, p) for p in MX_LINEAR_PATTERNS):
+            f, b = grab(name)
+            mod.register_forward_hook(f)
+            mod.register_full_backward_hook(b)
+    img = torch.randn(batch, 256, 64, device="cuda", dtype=torch.bfloat16)
+    txt = torch.randn(batch, 256, 4096, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(batch, 768, device="cuda", dtype=torch.bfloat16)
+    t = torch.rand(batch, device="cuda")
+    out = model(img=img, img_ids=image_ids(batch, 16, 16, device="cuda"), txt=txt,
+                txt_ids=text_ids(batch, 256, device="cuda"), timesteps=t, y=y)
+    (out.float() - torch.randn_like(out.float())).square().mean().backward()
+
+    totals = {"row": [0, 0], 128: [0, 0]}
+    per_tensor = []
+    for key, ts in captured.items():
+        v = ts[0]
+        for axis_name, mat in (("along features", v), ("along tokens", v.t().contiguous())):
+            if mat.shape[1] % 128:
+                continue
+            mx = quantize(mat)
+            nblocks = mx.codes.numel() // 32
+            rec = {"tensor": key, "orientation": axis_name, "blocks": nblocks}
+            for g in ("row", 128):
+                n = int(fold_to_e4m3(mx, g)[2])
+                totals[g][0] += n
+                totals[g][1] += nblocks
+                rec[f"outside_{g}"] = n
+            per_tensor.append(rec)
+    summary = {f"outside_frac_{g}": totals[g][0] / max(totals[g][1], 1) for g in totals}
+    summary["blocks"] = totals["row"][1]
+    print(f"fold window on a flux-535m training step: row-wise {summary['outside_frac_row']:.3e}, "
+          f"1x128 {summary['outside_frac_128']:.3e} of {summary['blocks']} blocks", flush=True)
+    return {"summary": summary, "tensors": per_tensor}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, nargs="+", default=[16384, 32768])
+    ap.add_argument("--quick", action="store_true", help="two linear shapes only")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["linear", "mlp", "fold"])
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_layers: needs a CUDA device")
+    print(f"device: {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if "fold" not in args.skip:
+        result["fold_window"] = fold_window_study()
+    if "linear" not in args.skip:
+        result["linear"] = linear_rows(args.m, args.quick)
+    if "mlp" not in args.skip:
+        result["mlp"] = mlp_rows(args.m)
+    path = args.json or (os.path.join(os.environ["OUT"], "bench_layers.json") if "OUT" in os.environ else None)
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""cuBLAS scaled GEMMs against the reference GEMM on the same packed operands (CUDA only).
+
+The reference accumulates the exact operand values in true fp32 (no TF32); cuBLAS sums in
+another order (and, for FP8, promotes Hopper's tensor-core accumulator to fp32 every few
+k-steps), so the bf16 outputs are compared by bf16 ulps, with any element further than one ulp
+bounded by the fp32 summation-order error K·2^-24·Σ_k|a_k·b_k| (plus half an ulp of rounding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxflux.kernels import kernel_available, pack_cuda, scaled_gemm_cuda
+from mxflux.kernels.gemm import gemm_mode
+from mxflux.mx import mx_matmul, quantize
+from mxflux.ops.gemm_reference import GEMM_MODES, dequantize_operand, scaled_gemm_reference
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_triton = pytest.mark.skipif(not kernel_available(), reason="needs Triton and a CUDA device")
+
+SHAPES = [(1024, 3072, 3072), (512, 9216, 3072), (256, 3072, 12288), (1000, 3072, 15360)]
+
+
+def _gen(gen):
+    return torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+
+
+def operands(m, n, k, granularity, gen):
+    g = _gen(gen)
+    x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    w = (0.02 * torch.randn(n, k, generator=g, device="cuda")).bfloat16()
+    bias = (0.1 * torch.randn(n, generator=g, device="cuda")).bfloat16()
+    a = pack_cuda(x, col=False, granularity=granularity)
+    b = pack_cuda(w, col=False, granularity=granularity)
+    return a, b, bias
+
+
+def ulp_stats(got, want, bound):
+    """bf16 ulp distance (ordinal), and whether every element > 1 ulp is within `bound`."""
+    gi, wi = got.view(torch.int16).int(), want.view(torch.int16).int()
+    ordinal = lambda i: torch.where(i < 0, -(i & 0x7FFF), i)  # noqa: E731 - sign-magnitude -> ordinal
+    ulps = (ordinal(gi) - ordinal(wi)).abs()
+    far = ulps > 1
+    half_ulp = want.float().abs() * 2.0**-8
+    within = (got.float() - want.float()).abs() <= bound + half_ulp
+    return {
+        "equal": float((ulps == 0).float().mean()),
+        "le1ulp": float((ulps <= 1).float().mean()),
+        "max_ulp": int(ulps.max()),
+        "far_unexplained": int((far & ~within).sum()),
+    }
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("mode", list(GEMM_MODES))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gemm_matches_reference(mode, shape, gen):
+    m, n, k = shape
+    a, b, bias = operands(m, n, k, GEMM_MODES[mode], gen)
+    assert gemm_mode(a.row_data, a.row_scale, b.row_scale) == mode
+    # poison the allocator's free memory so an unwritten output element would show as NaN
+    junk = torch.full((m * n * 2,), float("nan"), device="cuda")
+    del junk
+    got = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, torch.bfloat16)
+    want = scaled_gemm_reference(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, torch.bfloat16)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    assert not got.isnan().any()
+    av = dequantize_operand(a.row_data, a.row_scale)
+    bv = dequantize_operand(b.row_data, b.row_scale)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        bound = k * 2.0**-24 * (av.abs() @ bv.abs().t())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    st = ulp_stats(got, want, bound)
+    print(f"{mode} {shape}: equal {st['equal']:.4f}, <=1 ulp {st['le1ulp']:.6f}, max {st['max_ulp']} ulp")
+    assert st["far_unexplained"] == 0, st
+
+
+@gpu
+@needs_cuda
+@needs_triton
+def test_rowwise_equals_mx_matmul_on_exact_folds(gen):
+    """Fold + cuBLAS row-wise == the MX GEMM of the quantized operands (DESIGN.md §2)."""
+    m, n, k = 512, 3072, 3072
+    g = _gen(gen)
+    x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    w = (0.02 * torch.randn(n, k, generator=g, device="cuda")).bfloat16()
+    bias = (0.1 * torch.randn(n, generator=g, device="cuda")).bfloat16()
+    a = pack_cuda(x, col=False)
+    b = pack_cuda(w, col=False)
+    assert int(a.n_inexact) == 0 and int(b.n_inexact) == 0
+    got = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, bias)
+    want = mx_matmul(quantize(x, axis=1), quantize(w, axis=1), bias)
+    ref = scaled_gemm_reference(a.row_data, a.row_scale, b.row_data, b.row_scale, bias)
+    assert torch.equal(ref, want)  # the fold is exact: same values, same fp32 GEMM
+    st = ulp_stats(got, want, torch.zeros_like(got, dtype=torch.float32) + float("inf"))
+    assert st["le1ulp"] > 0.99, st
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_gemm_fp32_bias_and_output(out_dtype, gen):
+    g = _gen(gen)
+    m, n, k = 256, 512, 1024
+    a = torch.randn(m, k, generator=g, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, generator=g, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.full((m, 1), 0.5, device="cuda")
+    sb = torch.full((n, 1), 0.25, device="cuda")
+    bias = torch.randn(n, generator=g, device="cuda")  # fp32 bias: added in fp32, one rounding
+    got = scaled_gemm_cuda(a, sa, b, sb, bias, out_dtype)
+    want = scaled_gemm_reference(a, sa, b, sb, bias, torch.float32)
+    assert got.dtype == out_dtype
+    # Hopper's FP8 accumulation is not IEEE fp32: bound by the fp32-order error, plus the rounding
+    bound = k * 2.0**-24 * (a.float().abs() @ b.float().abs().t()) * 0.125 + want.abs() * 2.0**-8
+    assert bool(((got.float() - want).abs() <= bound).all())
+
+
+@gpu
+@needs_cuda
+def test_gemm_errors_name_the_argument():
+    a = torch.zeros(64, 256, device="cuda").to(torch.float8_e4m3fn)
+    s = torch.ones(64, 1, device="cuda")
+    with pytest.raises(ValueError, match="a_data"):
+        scaled_gemm_cuda(a.float(), s, a, s)
+    with pytest.raises(ValueError, match="a_scale"):
+        scaled_gemm_cuda(a, torch.ones(64, 3, device="cuda"), a, s)
+    with pytest.raises(ValueError, match="b_scale"):
+        scaled_gemm_cuda(a, s, a, s.double())
+    with pytest.raises(ValueError, match="bias"):
+        scaled_gemm_cuda(a, s, a, s, bias=torch.zeros(3, device="cuda"))
+    with pytest.raises(ValueError, match="K and N"):
+        b = torch.zeros(40, 256, device="cuda").to(torch.float8_e4m3fn)
+        scaled_gemm_cuda(a, s, b, torch.ones(40, 1, device="cuda"))

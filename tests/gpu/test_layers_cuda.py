@@ -1,0 +1,103 @@
+"""MXFP6Linear / FusedMXFP6MLP / FP8Linear on CUDA (kernels) against the CPU reference path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+from mxflux.mx import snr_db
+from mxflux.nn import FP8Linear, FusedMXFP6MLP, MXFP6Linear
+from mxflux.nn.mlp import FUSED_MLP_ENV
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.fixture(autouse=True)
+def pinned(monkeypatch):
+    monkeypatch.delenv(FUSED_MLP_ENV, raising=False)
+    monkeypatch.delenv("MXFLUX_REFERENCE", raising=False)
+
+
+def run(layer, x, dy):
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad()
+    y = layer(x)
+    y.backward(dy)
+    return [y, x.grad] + [p.grad for p in layer.parameters()]
+
+
+def fp64(lin, x, dy):
+    ref = nn.Linear(lin.in_features, lin.out_features).double().cpu()
+    ref.load_state_dict({k: v.double().cpu() for k, v in lin.state_dict().items()})
+    return run(ref, x.double().cpu(), dy.double().cpu())
+
+
+@pytest.mark.parametrize("mode", ["rowwise", "blockwise", "exact"])
+@pytest.mark.parametrize("m, k, n", [(4096, 3072, 3072), (1000, 3072, 9216), (2048, 12288, 3072)])
+def test_mxfp6_linear_gpu_matches_the_cpu_reference(gen, mode, m, k, n):
+    if mode == "blockwise" and (k % 128 or n % 128):
+        pytest.skip("block-wise needs multiples of 128")
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    base = nn.Linear(k, n).bfloat16()
+    nn.init.normal_(base.bias, std=0.1)
+    x = torch.randn(m, k).bfloat16()
+    dy = torch.randn(m, n).bfloat16()
+    cpu = run(MXFP6Linear.from_linear(base, mx_gemm=mode), x, dy)
+    gpu_layer = MXFP6Linear.from_linear(base.cuda(), mx_gemm=mode)
+    gpu = [t.cpu() for t in run(gpu_layer, x.cuda(), dy.cuda())]
+    want = fp64(base, x, dy)
+    for name, c, g, r in zip(["fprop", "dgrad", "wgrad", "bgrad"], cpu, gpu, want):
+        s_cpu, s_gpu = snr_db(r, c), snr_db(r, g)
+        # Same codes and scales; only the GEMM's fp32 summation order differs.
+        assert abs(s_cpu - s_gpu) < 0.05, (name, s_cpu, s_gpu)
+        assert snr_db(c.float(), g.float()) > 45, name
+        if name != "bgrad":
+            assert s_gpu > 24, (name, s_gpu)
+    assert int(gpu_layer.fold_outside_window) == 0
+
+
+def test_fused_mlp_gpu_against_unfused_and_cpu(gen):
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    mlp = FusedMXFP6MLP(3072, 12288, mode="on").bfloat16()
+    for p in mlp.parameters():
+        nn.init.normal_(p, std=0.02)
+    unfused = FusedMXFP6MLP(3072, 12288, mode="off").bfloat16()
+    unfused.load_state_dict(mlp.state_dict())
+    x = torch.randn(2048, 3072).bfloat16()
+    dy = torch.randn(2048, 3072).bfloat16()
+    fused_gpu = [t.cpu() for t in run(mlp.cuda(), x.cuda(), dy.cuda())]
+    unfused_gpu = [t.cpu() for t in run(unfused.cuda(), x.cuda(), dy.cuda())]
+    for name, a, b in zip(["y", "dx", "w1", "b1", "w2", "b2"], fused_gpu, unfused_gpu):
+        s = snr_db(b.float(), a.float())
+        print(f"fused vs unfused on GPU, {name}: {s:.1f} dB")
+        assert s > 40, (name, s)
+
+
+def test_fp8_linear_gpu(gen):
+    base = nn.Linear(3072, 3072).bfloat16()
+    x = torch.randn(4096, 3072).bfloat16()
+    dy = torch.randn(4096, 3072).bfloat16()
+    gpu = [t.cpu() for t in run(FP8Linear.from_linear(base.cuda()), x.cuda(), dy.cuda())]
+    want = fp64(base, x, dy)
+    assert snr_db(want[0], gpu[0]) > 26 and snr_db(want[1], gpu[1]) > 22 and snr_db(want[2], gpu[2]) > 22
+
+
+def test_compile_clean_on_gpu():
+    torch._dynamo.reset()
+    counters.clear()
+    model = nn.Sequential(MXFP6Linear(3072, 3072), FusedMXFP6MLP(3072, 12288, mode="on"),
+                          MXFP6Linear(3072, 3072, mx_gemm="blockwise"), FP8Linear(3072, 3072)).cuda().bfloat16()
+    x = torch.randn(2, 512, 3072, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(2, 512, 3072, device="cuda", dtype=torch.bfloat16)
+    y = model(x)
+    y.backward(dy)
+    eager = [y.detach(), x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    x.grad = None
+    y = torch.compile(model, fullgraph=True)(x)
+    y.backward(dy)
+    assert sum(counters["graph_break"].values()) == 0
+    got = [y.detach(), x.grad] + [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(eager, got))

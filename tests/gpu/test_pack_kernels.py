@@ -1,0 +1,358 @@
+"""The Triton packers against the reference packer, bit for bit (CUDA only; skipped elsewhere).
+
+Every comparison runs `pack_reference` on the same CUDA device. Outputs are poisoned (0xFF bytes:
+NaN in fp32 and in E4M3) before the kernels write, so an element no kernel wrote fails the exact
+comparison. colsum is compared to fp32 summation-order tolerance; the tanh-GELU prologues to the
+kernel's own bf16 activation (bit for bit) and to torch's (fraction of differing activations).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mxflux.kernels import kernel_available, pack_cuda, prologue_cuda
+from mxflux.ops.pack_reference import apply_prologue, pack_reference
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_triton = pytest.mark.skipif(not kernel_available(), reason="needs Triton and a CUDA device")
+
+FLUX_SHAPES = [(4096, 3072), (4096, 12288), (4096, 15360)]
+RAGGED_SHAPES = [(1000, 3072), (4100, 3072), (777, 3104)]  # R not /32 or /128; C /32 but not /128
+
+
+# ------------------------------------------------------------------ inputs
+# Generated on the tensor's device from a seed drawn from the test's generator (fast at Flux sizes).
+def _dev_gen(gen, device):
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def normal(r, c, gen, device="cpu"):
+    g = _dev_gen(gen, device)
+    return torch.randn(r, c, generator=g, device=device).bfloat16()
+
+
+def student_t(r, c, gen, device="cpu", df=3):
+    g = _dev_gen(gen, device)
+    z = torch.randn(r, c, generator=g, device=device)
+    u = torch.zeros(r, c, device=device)
+    for _ in range(df):
+        u += torch.randn(r, c, generator=g, device=device).square()
+    return (z / torch.sqrt(u / df)).bfloat16()
+
+
+def adversarial(r, c, gen, device="cpu"):
+    """Wide binade spreads along both axes (so n_inexact > 0), NaN/Inf/overflowing blocks, zero
+    rows, columns and blocks, bf16 subnormals, tiny blocks around E8M0's clamp, negative zeros."""
+    g = _dev_gen(gen, device)
+    kw = dict(generator=g, device=device)
+    f64 = torch.float64
+    x = torch.randn(r, c, dtype=f64, **kw)
+    nbc, nbr = c // 32, -(-r // 32)
+    s_row = torch.randint(-30, 31, (r, nbc), **kw).repeat_interleave(32, dim=1)
+    s_col = torch.randint(-30, 31, (nbr, c), **kw).repeat_interleave(32, dim=0)[:r]
+    x = x * torch.pow(2.0, (s_row + s_col).to(f64))
+
+    def blocks(frac):  # random (row, 32-column block) picks, as an [r, c] mask
+        return (torch.rand(r, nbc, **kw) < frac).repeat_interleave(32, dim=1)
+
+    def one_per_block(frac):
+        pick = (torch.rand(r, nbc, **kw) < frac).repeat_interleave(32, dim=1)
+        lane = torch.randint(0, 32, (r, nbc), **kw).repeat_interleave(32, dim=1)
+        return pick & (torch.arange(c, device=device) % 32 == lane)
+
+    tiny = torch.randn(r, c, dtype=f64, **kw) * torch.pow(2.0, -torch.randint(120, 136, (r, c), **kw).to(f64))
+    x = torch.where(blocks(0.03), tiny, x)
+    huge = torch.where(torch.rand(r, c, **kw) < 0.5, -3.0e38, 3.0e38).to(f64)
+    x = torch.where(blocks(0.01), huge, x)
+    x = torch.where(blocks(0.02), 0.0, x)
+    x = torch.where(blocks(0.01), -0.0, x)
+    x = torch.where(one_per_block(0.01), math.nan, x)
+    x = torch.where(one_per_block(0.005), math.inf, x)
+    x = torch.where(one_per_block(0.005), -math.inf, x)
+    x[torch.randint(0, r, (3,), **kw)] = 0.0
+    x[:, torch.randint(0, c, (3,), **kw)] = 0.0
+    return x.bfloat16()
+
+
+def ties(r, c, gen, device="cpu"):
+    """E2M3 rounding ties and saturation (exact ties exist only without the rotation)."""
+    g = _dev_gen(gen, device)
+    kw = dict(generator=g, device=device)
+    vals = torch.tensor([4.0, 1.0625, 0.0625, 7.75, 0.9375, 2.125, 4.25, 6.25, 0.1875, 7.6, 3.875,
+                         0.03125, 1.9375, 0.5625, 5.75, 0.0, -0.0], device=device)
+    x = vals[torch.randint(0, len(vals), (r, c), **kw)]
+    x = torch.where(torch.rand(r, c, **kw) < 0.5, -x, x)
+    x.view(-1, 32)[:, 0] = 4.0  # every row block has amax in [4, 8)
+    e = torch.randint(-20, 21, (r, c // 32), **kw).repeat_interleave(32, dim=1)
+    return (x * torch.pow(2.0, e.float())).bfloat16()
+
+
+DISTS = {"normal": normal, "student_t": student_t, "adversarial": adversarial}
+
+
+# ------------------------------------------------------------------ comparison
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.view(torch.int32)
+
+
+def assert_bits_equal(name, got, want):
+    if want is None:
+        assert got is None, name
+        return
+    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype)
+    gb, wb = _bits(got), _bits(want)
+    bad = gb != wb
+    if bad.any():
+        idx = bad.nonzero()[:6].tolist()
+        pytest.fail(f"{name}: {int(bad.sum())} of {bad.numel()} differ, e.g. at {idx}: "
+                    f"got {[int(gb[tuple(i)]) for i in idx]}, want {[int(wb[tuple(i)]) for i in idx]}")
+
+
+def assert_colsum_close(got, want, v):
+    """fp32 sums of R terms in two orders differ by at most ~2·R·2^-24·Σ|v| per column."""
+    assert got.shape == want.shape and got.dtype == torch.float32
+    absum = v.float().abs().sum(0)
+    # columns whose partial sums can overflow in one order and not another are order-dependent
+    ok = absum < 1e38
+    assert torch.equal(got[ok].isnan(), want[ok].isnan())
+    fin = ok & want.isfinite()
+    tol = 2 * v.shape[0] * 2.0**-24 * absum[fin] + 1e-38
+    err = (got[fin] - want[fin]).abs()
+    assert bool((err <= tol).all()), f"colsum error up to {float((err / tol).max()):.2f}x the bound"
+
+
+def check(x, **kw):
+    """pack_cuda (poisoned outputs) against pack_reference on the same device."""
+    got = pack_cuda(x, _poison=True, **kw)
+    want = pack_reference(x, **kw)
+    for name in ("row_data", "row_scale", "col_data", "col_scale"):
+        assert_bits_equal(name, getattr(got, name), getattr(want, name))
+    assert got.n_inexact.dtype == torch.int64 and got.n_inexact.dim() == 0
+    assert got.n_inexact.device == x.device
+    assert int(got.n_inexact) == int(want.n_inexact)
+    if kw.get("colsum"):
+        assert_colsum_close(got.colsum, want.colsum, apply_prologue(x, kw.get("prologue", "none"), kw.get("aux")))
+    else:
+        assert got.colsum is None
+    return got, want
+
+
+# ------------------------------------------------------------------ packer vs reference
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("shape", FLUX_SHAPES + RAGGED_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("granularity", ["row", 128, 32])
+@pytest.mark.parametrize("dist", list(DISTS))
+def test_pack_matches_reference(shape, granularity, dist, gen):
+    r, c = shape
+    x = DISTS[dist](r, c, gen, "cuda")
+    if granularity == 128 and c % 128:  # the row orientation's 1x128 groups must tile C
+        with pytest.raises(ValueError):
+            pack_reference(x, granularity=128)
+        with pytest.raises(ValueError, match="granularity"):
+            pack_cuda(x, granularity=128)
+        return
+    _, want = check(x, granularity=granularity, colsum=True)
+    if dist == "adversarial" and granularity != 32:  # (per-block scales are always exact)
+        assert int(want.n_inexact) > 0  # the out-of-window path was exercised
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("granularity", ["row", 128, 32])
+@pytest.mark.parametrize("hadamard", [True, False])
+@pytest.mark.parametrize("dist", ["ties", "adversarial"])
+def test_pack_without_rotation_and_ties(granularity, hadamard, dist, gen):
+    x = (ties if dist == "ties" else adversarial)(512, 1024, gen, "cuda")
+    check(x, granularity=granularity, hadamard=hadamard, colsum=True)
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("row,col,colsum", [(True, False, False), (False, True, False), (False, False, True),
+                                            (True, False, True), (False, True, True)])
+@pytest.mark.parametrize("granularity", ["row", 32])
+def test_pack_single_orientation(row, col, colsum, granularity, gen):
+    x = adversarial(300, 640, gen, "cuda")
+    check(x, row=row, col=col, colsum=colsum, granularity=granularity)
+
+
+@gpu
+@needs_cuda
+@needs_triton
+def test_pack_strided_input(gen):
+    base = normal(640, 4096, gen, "cuda")
+    x = base[::2, 1024:3072]  # row stride 4096, contiguous along C
+    check(x, granularity="row", colsum=True)
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("io", ["coalesced", "blocks"])
+@pytest.mark.parametrize("granularity", ["row", 128, 32])
+def test_pack_both_io_variants(io, granularity, gen, monkeypatch):
+    """Both ways of reading a tile (MXFLUX_PACK_IO) give the same bits, with and without a prologue."""
+    monkeypatch.setenv("MXFLUX_PACK_IO", io)
+    x = adversarial(300, 640, gen, "cuda")
+    check(x, granularity=granularity, colsum=True)
+    y = (3.0 * torch.randn(300, 640, generator=_dev_gen(gen, "cuda"), device="cuda")).bfloat16()
+    aux = (3.0 * torch.randn(300, 640, generator=_dev_gen(gen, "cuda"), device="cuda")).bfloat16()
+    v = prologue_cuda(y, "gelu_tanh_grad", aux)
+    got = pack_cuda(y, granularity=granularity, prologue="gelu_tanh_grad", aux=aux, colsum=True, _poison=True)
+    want = pack_reference(v, granularity=granularity, colsum=True)
+    for name in ("row_data", "row_scale", "col_data", "col_scale"):
+        assert_bits_equal(name, getattr(got, name), getattr(want, name))
+    assert int(got.n_inexact) == int(want.n_inexact)
+
+
+# ------------------------------------------------------------------ prologues
+GELU_MISMATCH_BOUND = 1e-3  # measured fraction is recorded in benchmarks/RESULTS.md
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("prologue", ["gelu_tanh", "gelu_tanh_grad"])
+@pytest.mark.parametrize("granularity", ["row", 128, 32])
+def test_pack_prologues(prologue, granularity, gen):
+    r, c = 1024, 3072
+    x = (3.0 * torch.randn(r, c, generator=gen)).bfloat16().cuda()
+    aux = (3.0 * torch.randn(r, c, generator=gen)).bfloat16().cuda() if prologue == "gelu_tanh_grad" else None
+    v_kernel = prologue_cuda(x, prologue, aux)
+    v_torch = apply_prologue(x, prologue, aux)
+    differ = float((v_kernel.view(torch.int16) != v_torch.view(torch.int16)).float().mean())
+    print(f"{prologue}: {differ:.2e} of bf16 activations differ from torch's")
+    assert differ <= GELU_MISMATCH_BOUND
+    # the fused packer == the reference packer applied to the kernel's own activation, bit for bit
+    got = pack_cuda(x, granularity=granularity, prologue=prologue, aux=aux, colsum=True, _poison=True)
+    want = pack_reference(v_kernel, granularity=granularity, colsum=True)
+    for name in ("row_data", "row_scale", "col_data", "col_scale"):
+        assert_bits_equal(name, getattr(got, name), getattr(want, name))
+    assert int(got.n_inexact) == int(want.n_inexact)
+    assert_colsum_close(got.colsum, want.colsum, v_kernel)
+    # ... and == the reference with torch's prologue wherever a row's / column's activations agree
+    ref = pack_reference(x, granularity=granularity, prologue=prologue, aux=aux)
+    same = v_kernel.view(torch.int16) == v_torch.view(torch.int16)
+    rows_ok = same.all(dim=1)
+    cols_ok = same.all(dim=0)
+    assert torch.equal(got.row_data.view(torch.uint8)[rows_ok], ref.row_data.view(torch.uint8)[rows_ok])
+    assert torch.equal(got.col_data.view(torch.uint8)[cols_ok], ref.col_data.view(torch.uint8)[cols_ok])
+
+
+@gpu
+@needs_cuda
+@needs_triton
+def test_prologue_padding_and_ragged_rows(gen):
+    x = (2.0 * torch.randn(1001, 640, generator=gen)).bfloat16().cuda()
+    aux = torch.randn(1001, 640, generator=gen).bfloat16().cuda()
+    v = prologue_cuda(x, "gelu_tanh_grad", aux)
+    got = pack_cuda(x, prologue="gelu_tanh_grad", aux=aux, colsum=True, _poison=True)
+    want = pack_reference(v, colsum=True)
+    for name in ("row_data", "row_scale", "col_data", "col_scale"):
+        assert_bits_equal(name, getattr(got, name), getattr(want, name))
+
+
+# ------------------------------------------------------------------ hardware conversions
+def _primitive_kernel():
+    import triton
+    import triton.language as tl
+
+    from mxflux.kernels import pack as P
+
+    @triton.jit
+    def kern(x_ptr, b_ptr, f_ptr, o1h, o1s, o2h, o2s, n, BLOCK: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = o < n
+        x = tl.load(x_ptr + o, mask=m, other=0.0)
+        tl.store(o1h + o, P._f32_to_e4m3(x, True), mask=m)
+        tl.store(o1s + o, P._f32_to_e4m3(x, False), mask=m)
+        b = tl.load(b_ptr + o, mask=m, other=0)
+        f = tl.load(f_ptr + o, mask=m, other=0)
+        tl.store(o2h + o, P._refold(b, f, True), mask=m)
+        tl.store(o2s + o, P._refold(b, f, False), mask=m)
+
+    return kern
+
+
+@gpu
+@needs_cuda
+@needs_triton
+def test_hardware_conversions_equal_their_emulation(gen):
+    """The GPU path's E4M3 casts and f16x2 refold against the integer emulation (CPU path)."""
+    g = _dev_gen(gen, "cuda")
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 22,), generator=g, device="cuda", dtype=torch.int64).to(torch.int32)
+    x = torch.cat([bits.view(torch.float32),
+                   torch.linspace(-0.2, 0.2, 1 << 20, device="cuda"),
+                   torch.linspace(-500.0, 500.0, 1 << 16, device="cuda"),
+                   torch.tensor([0.0, -0.0, math.inf, -math.inf, 448.0, 464.0, 480.0, 2.0**-10, -2.0**-10,
+                                 3 * 2.0**-11, 2.0**-130], device="cuda")])
+    x = x[~x.isnan()]
+    b = torch.arange(256, device="cuda", dtype=torch.int32).repeat_interleave(64)
+    k = torch.arange(64, device="cuda", dtype=torch.int32).repeat(256) - 50  # 2^k, k in [-50, 13]
+    fb = torch.where(k >= -14, (k + 15) << 10, torch.where(k >= -24, 1 << (k + 24).clamp(min=0), 0))
+    fb = torch.where(k == 13, 0x7E00, fb)  # NaN factor (NaN blocks)
+    keep = (b & 0x7F) != 0x7F  # NaN bytes never reach the refold as finite blocks
+    b, fb = b[keep].to(torch.uint8), fb[keep]
+    n = max(x.numel(), b.numel())
+    x = torch.cat([x, torch.zeros(n - x.numel(), device="cuda")])
+    b = torch.cat([b, torch.zeros(n - b.numel(), device="cuda", dtype=torch.uint8)])
+    fb = torch.cat([fb, torch.full((n - fb.numel(),), 15 << 10, device="cuda", dtype=torch.int32)])
+    outs = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    _primitive_kernel()[(-(-n // 1024),)](x, b, fb, *outs, n, BLOCK=1024)
+    assert torch.equal(outs[0], outs[1]), "f32 -> e4m3"
+    assert torch.equal(outs[2], outs[3]), "refold"
+    # and the cast agrees with torch's (round to nearest even) where torch does not overflow
+    fin = x.abs() <= 448
+    assert torch.equal(outs[0][fin], x[fin].to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("granularity", ["row", 32])
+def test_emulated_path_on_gpu_matches(granularity, gen):
+    """The integer-emulation kernels (what the CPU interpreter runs) also match on the GPU."""
+    x = adversarial(300, 640, gen, "cuda")
+    got = pack_cuda(x, granularity=granularity, _hw=False, _poison=True)
+    want = pack_reference(x, granularity=granularity)
+    for name in ("row_data", "row_scale", "col_data", "col_scale"):
+        assert_bits_equal(name, getattr(got, name), getattr(want, name))
+
+
+# ------------------------------------------------------------------ errors and CPU behaviour
+@gpu
+@needs_cuda
+@needs_triton
+def test_pack_errors_name_the_argument():
+    x = torch.zeros(64, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="fmt"):
+        pack_cuda(x, fmt="e3m2")
+    with pytest.raises(ValueError, match="granularity"):
+        pack_cuda(x, granularity=64)
+    with pytest.raises(ValueError, match="x"):
+        pack_cuda(x.float())
+    with pytest.raises(ValueError, match="x"):
+        pack_cuda(torch.zeros(64, 48, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(ValueError, match="aux"):
+        pack_cuda(x, prologue="gelu_tanh_grad")
+    with pytest.raises(ValueError, match="prologue"):
+        pack_cuda(x, prologue="relu")
+    with pytest.raises(ValueError, match="x"):
+        pack_cuda(x.cpu())
+
+
+def test_import_without_cuda_is_clean():
+    import mxflux.kernels as k
+
+    if not k.kernel_available():
+        with pytest.raises(RuntimeError, match="pack_cuda"):
+            k.pack_cuda(torch.zeros(32, 32, dtype=torch.bfloat16))
