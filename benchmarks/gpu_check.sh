@@ -9,5 +9,5 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-python3 -m pytest -q -x tests/gpu -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+python3 -m pytest -q -s --tb=short ${GPU_TESTS:-tests/gpu} -p no:cacheprovider 2>&1 | grep -v "^W11" | tee "$OUT/gpu_tests.log"
 python3 benchmarks/bench_layers.py --json "$OUT/bench_layers.json" "$@" 2>&1 | tee "$OUT/bench_layers.log"

@@ -22,7 +22,7 @@ def test_precision_of_each_recipe():
     assert load_recipe("tiny-mxfp6").precision.name == "mxfp6"
     assert load_recipe("tiny-bf16").precision.name == "bf16"
     assert load_recipe("flux12b-fp8-mlperf").precision.name == "fp8"
-    assert load_recipe("flux12b-mxfp6-mlperf").precision.fused_mlp == "on"
+    assert load_recipe("flux12b-mxfp6-mlperf").precision.fused_mlp == "off"  # measured slower, RESULTS.md
 
 
 def _raw(name):

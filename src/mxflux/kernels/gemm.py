@@ -49,10 +49,15 @@ def gemm_mode(a_data: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor
     )
 
 
+_FP8_A = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_B = (torch.float8_e4m3fn,)
+
+
 def _check(a_data, a_scale, b_data, b_scale, bias, out_dtype):
-    for name, t in (("a_data", a_data), ("b_data", b_data)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn or t.dim() != 2:
-            raise ValueError(f"{name}: expected a 2-D float8_e4m3fn tensor, got "
+    # E5M2 appears only as the gradient operand A of the FP8 baseline's backward GEMMs.
+    for name, t, ok in (("a_data", a_data, _FP8_A), ("b_data", b_data, _FP8_B)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in ok or t.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D {' or '.join(map(str, ok))} tensor, got "
                              f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
         if not t.is_cuda:
             raise ValueError(f"{name}: scaled_gemm_cuda needs CUDA tensors, got device {t.device}")
@@ -232,5 +237,7 @@ def scaled_gemm_cuda(
     if mode in ("rowwise", "blockwise") and (k % 16 or n % 16):
         raise ValueError(f"a_data, b_data: cuBLAS FP8 GEMMs need K and N multiples of 16, got K={k}, N={n} "
                          f"(use the 'exact' mode or pad)")
+    if mode == "blockwise" and a_data.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"a_data: the 1x128 block-wise GEMM takes float8_e4m3fn, got {a_data.dtype}")
     fn = {"rowwise": _rowwise, "blockwise": _blockwise, "exact": _exact}[mode]
     return fn(a_data, a_scale, b_data, b_scale, bias, out_dtype)
