@@ -1,7 +1,7 @@
 # mxflux developer entry points. Everything is installed into .venv by `make setup`;
 # nothing needs to be installed by hand.
 #
-#   make run    set up, then run the default job (`mxflux numerics` on its default workload)
+#   make run    set up, then run the default job (`mxflux train`: tiny MXFP6 Flux on the demo dataset)
 #   make test   set up, then run the test suite
 
 PYTHON ?= python3
@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 run: setup
-	$(BIN)/mxflux numerics
+	$(BIN)/mxflux train
 
 test: setup
 	$(BIN)/python -m pytest -q
