@@ -166,3 +166,36 @@ def test_activation_checkpointing_gives_the_same_step(demo_root, tmp_path):
         grads.append(torch.cat([p.detach().flatten() for p in tr.model.parameters()]))
     assert losses[0] == losses[1]
     assert torch.equal(grads[0], grads[1])  # weights after one AdamW step: recompute is exact
+
+
+def test_mlperf_warmup_leaves_no_trace_and_the_log_fails_only_where_it_must(demo_root, tmp_path):
+    """Warm-up steps before run_start change nothing (weights, optimizer, data order, RNG); the
+    real compliance checker then rejects this CPU run's log on exactly two rules that belong to
+    the real benchmark: the 262,144-sample evaluation interval and the 0.586 target."""
+    import subprocess
+    import sys
+
+    def run(tag, warmup):
+        tr = make_trainer(demo_root, tmp_path / tag, "mlperf.enabled=true", f"mlperf.warmup_steps={warmup}",
+                          "train.train_samples=48", "train.eval_every_samples=16", "mlperf.target_eval_loss=0.01")
+        tr.fit(progress=False)
+        rows = (tmp_path / tag / "run" / "metrics.csv").read_text().splitlines()[1:]
+        return [r.split(",")[3] for r in rows], tmp_path / tag / "run" / "mlperf.log"
+
+    plain, _ = run("plain", 0)
+    warmed, log = run("warmed", 2)
+    assert warmed == plain  # bit-identical losses, train and eval
+    text = log.read_text()
+    for key in ("init_start", "init_stop", "run_start", "block_start", "eval_accuracy", "run_stop",
+                '"lowest_numerical_precision_in_linear", "value": "mxfp6"'):
+        assert key in text, key
+    assert text.count('"eval_accuracy"') == 3 and '"status": "aborted"' in text
+    out = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
+                          "--ruleset", "6.1.0", "--log_output", str(tmp_path / "cc.log"), str(log)],
+                         capture_output=True, text=True)
+    report = out.stdout + out.stderr
+    assert out.returncode != 0
+    import re
+
+    failed = set(re.findall(r"CHECK for '(\w+)' failed", report)) | set(re.findall(r"Failed checks for (\w+)", report))
+    assert failed == {"evaluation_frequency", "eval_accuracy"}, report

@@ -100,6 +100,14 @@ class DistributedSection(_Section):
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
 
 
+class MLPerfSection(_Section):
+    enabled: bool = False  # write an MLPerf log (mlperf.log) and stop at the target
+    target_eval_loss: float = Field(0.586, gt=0)  # flux1 convergence target (closed division)
+    warmup_steps: int = Field(0, ge=0)  # untimed steps before run_start; they leave no trace
+    submission_org: str = "mxflux"
+    submission_platform: str | None = None  # default: "<world>x<device name>"
+
+
 class RunConfig(_Section):
     name: str
     description: str = ""
@@ -110,6 +118,7 @@ class RunConfig(_Section):
     batch: BatchSection = BatchSection()
     train: TrainSection = TrainSection()
     distributed: DistributedSection = DistributedSection()
+    mlperf: MLPerfSection = MLPerfSection()
 
     @property
     def out_dir(self) -> Path:

@@ -9,6 +9,7 @@ next loss equals the uninterrupted run's.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import time
@@ -51,6 +52,14 @@ class Trainer:
         self.device = torch.device(device) if device is not None else default_device()
         self.rank, self.world = _rank_world()
         self.out_dir = Path(out_dir) if out_dir is not None else cfg.out_dir
+        self.mllog = None
+        if cfg.mlperf.enabled:  # the timed MLPerf "init" phase starts before anything is built
+            from .mlperf import MLPerfLogger
+
+            self.mllog = MLPerfLogger(self.out_dir / "mlperf.log", cfg, rank=self.rank, world_size=self.world,
+                                      submission_org=cfg.mlperf.submission_org,
+                                      submission_platform=cfg.mlperf.submission_platform)
+            self.mllog.init_start()
         self.compute_dtype = getattr(torch, cfg.train.compute_dtype)
         self.accum = cfg.batch.accumulation_steps(self.world)
 
@@ -252,6 +261,21 @@ class Trainer:
     def resume(self, path: str | Path) -> None:
         self.load_state_dict(load_checkpoint(path, map_location=self.device))
 
+    def warmup_without_trace(self, steps: int) -> None:
+        """Run `steps` optimizer steps to warm compile caches and allocators, then restore
+        everything they touched (weights, optimizer, LR schedule, data position, every RNG), so
+        the timed run is exactly the run without them (the seed needed a fix here)."""
+        if steps <= 0:
+            return
+        snapshot = copy.deepcopy(self.state_dict())
+        batches = self._train_batches()
+        for _ in range(steps):
+            self.train_step([next(batches) for _ in range(self.accum)])
+        self.load_state_dict(snapshot)
+        if self.mx_modules():  # the warm-up's blocks are not the run's
+            for m in self.mx_modules():
+                m.fold_outside_window.zero_()
+
     # --- the whole run ------------------------------------------------------------------------
 
     def fit(self, *, progress: bool = True, max_steps: int | None = None) -> dict:
@@ -263,6 +287,15 @@ class Trainer:
         end_step = total_steps if max_steps is None else min(total_steps, self.step + max_steps)
         is_main = self.rank == 0
         logger = MetricsLogger(self.out_dir, append=self.step > 0) if is_main else None
+        mll = self.mllog
+        if mll:
+            self.warmup_without_trace(c.mlperf.warmup_steps)
+            if self.world > 1:
+                dist.barrier()
+            mll.init_stop()
+            mll.run_start()
+            mll.block_start(self.samples)
+        converged = False
         batches = self._train_batches()
         next_eval = (self.samples // c.train.eval_every_samples + 1) * c.train.eval_every_samples
         bar = _progress(progress and is_main, end_step, self.step, c.name)
@@ -280,18 +313,32 @@ class Trainer:
                                    lr=result["lr"], grad_norm=result["grad_norm"], images_per_s=ips,
                                    fold_outside_window=self.fold_outside_window())
                     bar.update(self.step, loss=result["loss"], lr=result["lr"], ips=ips)
-                if self.samples >= next_eval or self.step == end_step:
+                if self.samples >= next_eval or (self.step == end_step and not mll):
+                    if mll:
+                        mll.block_stop(self.samples)
+                        mll.eval_start(self.samples)
                     self.last_eval = self.evaluate()
                     next_eval += c.train.eval_every_samples
                     if logger:
                         logger.log(step=self.step, samples=self.samples, split="eval", loss=self.last_eval)
                     bar.note(f"step {self.step}: eval loss {self.last_eval:.4f}")
+                    if mll:
+                        mll.eval_stop(self.samples)
+                        mll.eval_accuracy(self.last_eval, self.samples)
+                        if self.last_eval <= c.mlperf.target_eval_loss:
+                            converged = True
+                            break
+                        if self.step < end_step:
+                            mll.block_start(self.samples)
                 if c.train.checkpoint_every and self.step % c.train.checkpoint_every == 0 and is_main:
                     self.save()
         finally:
             bar.close()
             if logger:
                 logger.close()
+            if mll:  # run_stop before checkpoints and plots: they are outside the timed run
+                mll.run_stop(self.samples, status="success" if converged else "aborted")
+                mll.close()
         if is_main:
             self.save()
             plot_loss_curve(self.out_dir / "metrics.csv", self.out_dir / "loss_curve.png",
