@@ -232,31 +232,66 @@ class Trainer:
 
     # --- checkpoints --------------------------------------------------------------------------
 
+    def _full_state_options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # Whole (unsharded) tensors on the CPU: a checkpoint loads onto any number of ranks.
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
     def state_dict(self) -> dict:
+        """Everything a resumed run needs. Under FSDP2/DDP this is a collective: call on all ranks."""
+        if self.world > 1:
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model, optim = get_state_dict(self.model, self.optimizer, options=self._full_state_options())
+            generators = [None] * self.world
+            dist.all_gather_object(generators, self.generator.get_state())
+        else:
+            model, optim = self.model.state_dict(), self.optimizer.state_dict()
+            generators = [self.generator.get_state()]
         return {
             "config": self.cfg.model_dump(mode="json"),
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optim,
             "scheduler": self.scheduler.state_dict(),
             "progress": {"step": self.step, "samples": self.samples, "epoch": self.epoch,
                          "batch_in_epoch": self.batch_in_epoch, "last_eval": self.last_eval},
             "rng": rng_state(),
-            "generator": self.generator.get_state(),
+            "world_size": self.world,
+            "generators": generators,  # one per rank: each rank's training noise stream
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.world > 1:
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"], options=self._full_state_options())
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         p = state["progress"]
         self.step, self.samples, self.epoch = p["step"], p["samples"], p["epoch"]
         self.batch_in_epoch, self.last_eval = p["batch_in_epoch"], p["last_eval"]
         set_rng_state(state["rng"])
-        self.generator.set_state(state["generator"].to(torch.uint8).cpu())
+        if state.get("world_size", 1) == self.world:
+            self.generator.set_state(state["generators"][self.rank].to(torch.uint8).cpu())
+        else:
+            # Another rank count: per-rank noise streams cannot carry over; derive fresh ones
+            # (and the per-rank data position: batch_in_epoch counts this rank's micro-batches).
+            self.generator.manual_seed(self.cfg.train.seed * 1000 + self.rank + 7919 * self.step)
+            self.batch_in_epoch = p["batch_in_epoch"] * state.get("world_size", 1) // self.world
 
     def save(self, path: str | Path | None = None) -> Path:
+        """Write a checkpoint atomically. A collective under FSDP2/DDP: rank 0 writes."""
         path = Path(path) if path is not None else self.out_dir / LATEST
-        return save_checkpoint(path, self.state_dict())
+        state = self.state_dict()
+        if self.rank == 0:
+            save_checkpoint(path, state)
+        if self.world > 1:
+            dist.barrier()
+        return path
 
     def resume(self, path: str | Path) -> None:
         self.load_state_dict(load_checkpoint(path, map_location=self.device))
@@ -330,7 +365,7 @@ class Trainer:
                             break
                         if self.step < end_step:
                             mll.block_start(self.samples)
-                if c.train.checkpoint_every and self.step % c.train.checkpoint_every == 0 and is_main:
+                if c.train.checkpoint_every and self.step % c.train.checkpoint_every == 0:
                     self.save()
         finally:
             bar.close()
@@ -339,8 +374,8 @@ class Trainer:
             if mll:  # run_stop before checkpoints and plots: they are outside the timed run
                 mll.run_stop(self.samples, status="success" if converged else "aborted")
                 mll.close()
+        self.save()
         if is_main:
-            self.save()
             plot_loss_curve(self.out_dir / "metrics.csv", self.out_dir / "loss_curve.png",
                             title=f"{c.name} ({c.precision.name})")
         return {"step": self.step, "samples": self.samples, "train_loss": result.get("loss"),
