@@ -62,7 +62,7 @@ class _MXLinear(torch.autograd.Function):
         w_row, w_col, _ = _pack(weight, cfg, counter, col=x.requires_grad)
         y = _gemm(x_row, w_row, bias, x.dtype)
         ctx.save_for_backward(*x_col, *w_col)
-        ctx.cfg, ctx.counter, ctx.m = cfg, counter, x.shape[0]
+        ctx.cfg, ctx.counter = cfg, counter
         ctx.has_bias = bias is not None
         return y
 
