@@ -13,9 +13,9 @@ first use, so that `mxflux --help` never loads torch.
 
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_exports
 
-_EXPORTS = {
+__all__, __getattr__, __dir__ = lazy_exports(__name__, globals(), {
     "shards": ["DataError", "DatasetExistsError", "DatasetFormatError", "DatasetNotFoundError", "DatasetWriter",
                "LatentDataset", "FLUX_VAE_SCALE", "FLUX_VAE_SHIFT", "load_empty_encodings", "read_meta"],
     "loader": ["build_loader", "num_batches", "plan_batches"],
@@ -23,20 +23,4 @@ _EXPORTS = {
     "demo": ["build_demo_dataset", "decode_demo_latents", "encode_demo_images", "encode_demo_prompts",
              "ensure_demo_dataset", "render_demo_images"],
     "prepare": ["prepare_dataset"],
-}
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-
-__all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str):
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+})
