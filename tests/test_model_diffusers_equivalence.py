@@ -8,7 +8,7 @@ loads into `Flux` strictly; the same inputs must give the same output.
 import pytest
 import torch
 
-from mxflux.model import Flux, diffusers_to_bfl, flux_config, image_ids, text_ids
+from mxflux.model import Flux, diffusers_to_bfl, flux_config, image_ids
 
 diffusers = pytest.importorskip("diffusers", reason="pip install -e '.[test]' installs diffusers")
 

@@ -74,3 +74,13 @@ def test_world_size_divisibility():
     assert cfg.batch.accumulation_steps(8) == 1 and cfg.batch.accumulation_steps(2) == 4
     with pytest.raises(ValueError, match="not divisible by micro_batch_size × world size = 64 × 3"):
         cfg.batch.accumulation_steps(3)
+
+
+def test_model_overrides_replace_config_fields_and_reject_unknown_ones():
+    cfg = load_recipe("tiny-bf16", ["model.overrides={hidden_size: 768, num_heads: 12, depth: 1}"])
+    fc = cfg.model.flux_config()
+    assert (fc.hidden_size, fc.num_heads, fc.depth, fc.depth_single_blocks) == (768, 12, 1, 2)
+    with pytest.raises(RecipeError, match="overrides: .*hiden"):
+        load_recipe("tiny-bf16", ["model.overrides={hiden: 768}"])
+    with pytest.raises(RecipeError, match="overrides: hidden_size 128 is not divisible by num_heads 5"):
+        load_recipe("tiny-bf16", ["model.overrides={num_heads: 5}"])

@@ -2,9 +2,10 @@
 
 Being opaque custom ops with fake impls is what lets `torch.compile` trace MX linears with no
 graph breaks (DESIGN.md §4). Each op dispatches on the device: CUDA runs the Triton packers
-and cuBLAS FP8 GEMMs of `mxflux.kernels`, everything else runs the pure-PyTorch reference,
-which is also the definition the kernels are tested against. `MXFLUX_REFERENCE=1` forces the
-reference on CUDA too (for A/B numerics checks).
+and cuBLAS FP8 GEMMs of `mxflux.kernels`; on the CPU the packer is the compiled, bit-identical
+`kernels.pack_cpu` (numba) and the GEMM the reference; everything else runs the pure-PyTorch
+reference, which is also the definition the kernels are tested against. `MXFLUX_REFERENCE=1`
+forces the reference everywhere (for A/B numerics checks).
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ def mx_pack(
         p = pack_cuda(x, row=row, col=col, granularity=_granularity(granularity), hadamard=hadamard,
                       prologue=prologue, aux=aux, colsum=colsum)
     else:
-        p = pack_reference(x, row=row, col=col, granularity=_granularity(granularity),
-                           hadamard=hadamard, prologue=prologue, aux=aux, colsum=colsum)
+        from ..kernels.pack_numba import cpu_kernel_available, pack_cpu
+
+        pack = pack_cpu if x.device.type == "cpu" and cpu_kernel_available() else pack_reference
+        p = pack(x, row=row, col=col, granularity=_granularity(granularity), hadamard=hadamard,
+                 prologue=prologue, aux=aux, colsum=colsum)
     counter.add_(p.n_inexact.reshape(counter.shape))
     outs = (p.row_data, p.row_scale, p.col_data, p.col_scale, p.colsum)
     return tuple(_empty(x.device) if t is None else t for t in outs)

@@ -25,8 +25,24 @@ class _Section(BaseModel):
 
 class ModelSection(_Section):
     name: str = "flux-tiny"  # a name from mxflux.model.FLUX_CONFIGS
+    # Fields of that FluxConfig to replace, e.g. {depth: 4, depth_single_blocks: 8} (studies, benchmarks)
+    overrides: dict[str, int | float] = {}
     compile: bool = False  # torch.compile each transformer block
     activation_checkpointing: bool = False  # recompute each block in backward
+
+    def flux_config(self):
+        """The FluxConfig this section describes: the named config with `overrides` applied."""
+        from ..model import flux_config
+
+        return flux_config(self.name, **self.overrides)
+
+    @model_validator(mode="after")
+    def _valid_overrides(self) -> "ModelSection":
+        try:
+            self.flux_config()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"overrides: {e}") from None
+        return self
 
     @field_validator("name")
     @classmethod
