@@ -126,6 +126,7 @@ SUBCOMMANDS = (
     _lazy("mxflux.train.cli", "add_sample_parser"),
     _lazy("mxflux.train.cli", "add_check_config_parser"),
     _lazy("mxflux.data.cli", "add_data_parser"),
+    _lazy("mxflux.bench.cli", "add_bench_parser"),
     _add_numerics,
 )
 

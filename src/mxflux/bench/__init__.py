@@ -1,4 +1,5 @@
-"""Benchmarks and numerics reports (`mxflux numerics`, later `mxflux bench`).
+"""Benchmarks and numerics reports: `mxflux numerics` (`numerics`) and `mxflux bench step`
+(`step`: training-step throughput, MFU, memory; its parser is `cli`).
 
-Submodules import torch; this package itself does not, so the CLI stays quick to start.
+Submodules import torch (except `cli`); this package itself does not, so the CLI stays quick to start.
 """

@@ -1,9 +1,11 @@
 """Deterministic, rank-sharded, resumable batches over a map-style dataset.
 
 The batch plan (`plan_batches`) is a pure function of (number of samples, batch size, rank,
-world size, seed, epoch, shuffle, drop_last, limit): the permutation comes from a generator seeded
-by (seed, epoch) alone, ranks take interleaved, disjoint slices of it, and resuming at `start_step`
-just drops the first batches of the plan, reading nothing. `build_loader` runs the plan through a
+world size, seed, epoch, shuffle, drop_last, limit, global batch size): the permutation comes from
+a generator seeded by (seed, epoch) alone, ranks take disjoint slices of it, and resuming at
+`start_step` just drops the first batches of the plan, reading nothing. Given the global batch
+size, the epoch is cut into global batches that do not depend on the number of ranks, and each
+rank takes its contiguous slice of each: a training step sees the same samples on any world size. `build_loader` runs the plan through a
 `torch.utils.data.DataLoader`; for a `LatentDataset` each worker reads a whole batch at once
 (`LatentDataset.gather`) straight into shared memory.
 """
@@ -35,7 +37,7 @@ def num_batches(num_samples: int, *, batch_size: int, world_size: int = 1, rank:
 
 def plan_batches(num_samples: int, *, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  epoch: int = 0, shuffle: bool = True, drop_last: bool = True,
-                 limit: int | None = None) -> list[list[int]]:
+                 limit: int | None = None, global_batch_size: int | None = None) -> list[list[int]]:
     """This rank's batches (lists of sample indices) for one epoch, in order.
 
     The epoch's order is a permutation of range(n) seeded by (seed, epoch) (or range(n) itself
@@ -44,6 +46,13 @@ def plan_batches(num_samples: int, *, batch_size: int, rank: int = 0, world_size
     full batches; without it every sample is used exactly once and the last batch of a rank may be
     short (ranks may then differ by one batch). Rank r takes order[r::world_size]: the ranks'
     samples are disjoint, and their union is the (cut) order.
+
+    With `global_batch_size` G (training: a multiple of batch_size x world_size, and drop_last),
+    the order is cut to whole global batches instead, global batch s is order[s*G:(s+1)*G] and
+    rank r takes its slice [r*G/W, (r+1)*G/W) of it, split into micro-batches of batch_size in
+    order. The micro-batches of all ranks at step s then cover exactly global batch s, whatever
+    the world size W; and (rank, micro-batch) ↔ chunk r*G/W/batch_size + k of the global batch,
+    so one rank with k micro-batches sees the same chunks as k ranks with one each.
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -52,11 +61,22 @@ def plan_batches(num_samples: int, *, batch_size: int, rank: int = 0, world_size
     n = num_samples if limit is None else min(num_samples, int(limit))
     if n < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
+    if global_batch_size is not None:
+        per_rank, rest = divmod(int(global_batch_size), world_size)
+        if global_batch_size <= 0 or rest or per_rank % batch_size:
+            raise ValueError(f"global_batch_size {global_batch_size} is not a positive multiple of "
+                             f"batch_size x world_size = {batch_size} x {world_size}")
+        if not drop_last:
+            raise ValueError("global_batch_size needs drop_last=True (every step is a whole global batch)")
     if shuffle:
         g = torch.Generator().manual_seed(_epoch_seed(seed, epoch))
         order = torch.randperm(n, generator=g)
     else:
         order = torch.arange(n)
+    if global_batch_size is not None:
+        order = order[: (n // global_batch_size) * global_batch_size].view(-1, world_size, per_rank)
+        mine = order[:, rank].flatten().tolist()
+        return [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
     if drop_last:
         order = order[: (n // (batch_size * world_size)) * batch_size * world_size]
     mine = order[rank::world_size].tolist()
@@ -85,7 +105,7 @@ def _whole_batch(batch: dict) -> dict:
 def build_loader(dataset, *, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  epoch: int = 0, start_step: int = 0, num_workers: int = 2, prefetch_factor: int = 4,
                  shuffle: bool = True, drop_last: bool = True, pin_memory: bool | None = None,
-                 limit: int | None = None) -> DataLoader:
+                 limit: int | None = None, global_batch_size: int | None = None) -> DataLoader:
     """A DataLoader over this rank's batches of one epoch, starting after `start_step` batches.
 
     The order follows `plan_batches` and nothing else: two loaders with the same arguments yield
@@ -93,11 +113,13 @@ def build_loader(dataset, *, batch_size: int, rank: int = 0, world_size: int = 1
     batch axis plus 'index' (int64 [B], the sample indices). `start_step` is the number of this
     rank's batches of the epoch already consumed (exact resume; skipped without reading). `limit`
     restricts the epoch to the first `limit` samples of the dataset (e.g. a partial evaluation).
+    `global_batch_size` makes the plan world-size invariant per global batch (see `plan_batches`).
     `pin_memory` defaults to whether CUDA is available. `prefetch_factor` is ignored without
     workers. `len()` of the result is the number of batches still to come.
     """
     batches = plan_batches(len(dataset), batch_size=batch_size, rank=rank, world_size=world_size, seed=seed,
-                           epoch=epoch, shuffle=shuffle, drop_last=drop_last, limit=limit)
+                           epoch=epoch, shuffle=shuffle, drop_last=drop_last, limit=limit,
+                           global_batch_size=global_batch_size)
     if not 0 <= start_step <= len(batches):
         raise ValueError(f"start_step {start_step} is outside this epoch's {len(batches)} batches "
                          f"(rank {rank} of {world_size}, batch_size {batch_size}, {len(dataset)} samples)")

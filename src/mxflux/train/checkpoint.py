@@ -1,24 +1,48 @@
-"""Atomic, resumable checkpoints.
+"""Atomic, resumable checkpoints: one file (one process) or a sharded directory (many).
 
-A checkpoint is written to a temporary file in the target directory, flushed to disk, then
-renamed over the final name: a crash mid-write leaves the previous checkpoint intact, never a
-truncated one. It holds everything a resumed run needs to continue bit for bit: weights,
-optimizer state, step, data position and every RNG state.
+A run alone writes `latest.pt`: a `torch.save` file written to a temporary file in the target
+directory, flushed to disk, then renamed over the final name. A run under torchrun writes
+`latest.dcp/`: a `torch.distributed.checkpoint` directory in which every rank writes only its
+own shards (no rank ever holds the whole model). It is written into the temporary sibling
+`.latest.dcp.tmp/`; once every rank has finished, rank 0 moves the previous checkpoint aside
+(`.latest.dcp.old/`), renames the new one into place and deletes the old one. A crash at any
+point leaves a loadable checkpoint: before the rename the previous one is untouched; between
+the two renames `resolve_checkpoint` falls back to `.latest.dcp.old/`.
+
+Both formats hold everything a resumed run needs to continue bit for bit: weights, optimizer
+state (keyed by parameter name, so either format loads onto any number of ranks), the LR
+schedule, the data position, the config and the global RNG states. In a sharded directory
+the non-tensor part is one pickled entry, `meta`, written by rank 0.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import random
+import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["save_checkpoint", "load_checkpoint", "rng_state", "set_rng_state", "LATEST"]
+__all__ = ["save_checkpoint", "load_checkpoint", "save_sharded_checkpoint", "load_sharded_checkpoint",
+           "read_checkpoint_meta", "resolve_checkpoint", "is_sharded_checkpoint", "rng_state",
+           "set_rng_state", "LATEST", "LATEST_SHARDED", "CheckpointNotFoundError", "CheckpointWriteError"]
 
 LATEST = "latest.pt"
+LATEST_SHARDED = "latest.dcp"
+_META = "meta"  # the sharded checkpoint's entry holding the non-tensor state
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No checkpoint at the given path; the message says what was looked for."""
+
+
+class CheckpointWriteError(OSError):
+    """A sharded checkpoint write failed on some rank (raised on every rank); nothing was replaced."""
 
 
 def rng_state() -> dict:
@@ -34,6 +58,9 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --- one file --------------------------------------------------------------------------------
 
 
 def save_checkpoint(path: str | Path, state: dict) -> Path:
@@ -54,10 +81,161 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
 
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
-    path = Path(path)
+    """The whole state of a checkpoint (file, sharded directory or run directory) in one process.
+
+    A sharded directory is assembled into whole tensors on the CPU (through a temporary
+    `torch.save` file, `dcp_to_torch_save`): fine for inspection and small models; a trainer
+    resumes from one without that copy (`Trainer.resume`).
+    """
+    path = resolve_checkpoint(path)
     if path.is_dir():
-        path = path / LATEST
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint: no such file {str(path)!r}")
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory(prefix=".mxflux-ckpt-") as tmp:
+            dcp_to_torch_save(path, Path(tmp) / "state.pt")
+            state = torch.load(Path(tmp) / "state.pt", map_location=map_location, weights_only=False)
+        state.update(_loads(state.pop(_META)))
+        return state
     # Our own files hold RNG states (numpy/python objects), so full unpickling is needed.
     return torch.load(path, map_location=map_location, weights_only=False)
+
+
+# --- sharded directories ---------------------------------------------------------------------
+
+
+def _dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(blob: bytes):
+    return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
+
+
+def _siblings(path: Path) -> tuple[Path, Path]:
+    """(temporary, previous) sibling directories of a sharded checkpoint `path`."""
+    return path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def save_sharded_checkpoint(path: str | Path, tensors: dict, meta: dict, *, rank: int) -> Path:
+    """Write a sharded checkpoint directory atomically. A collective: call on every rank.
+
+    `tensors` is this rank's (sharded) state, e.g. {"model": ..., "optimizer": ...} from
+    `get_state_dict`; `meta` is the non-tensor state, taken from rank 0. Every rank writes its
+    shards into a temporary sibling directory; only after all of them have finished does rank 0
+    rename it into place (the previous checkpoint stays intact until then). A failed write on
+    any rank raises on every rank and leaves the previous checkpoint as it was.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = Path(path)
+    tmp, old = _siblings(path)
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove(tmp)  # leftovers of an interrupted write
+    _barrier()
+    state = dict(tensors)
+    if rank == 0:
+        state[_META] = _dumps(meta)
+    try:
+        # Collective: a failure on any rank is raised on every rank (CheckpointException).
+        with warnings.catch_warnings():  # alone: "assuming the intent is to save in a single process"
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+            dcp.save(state, checkpoint_id=tmp)
+    except BaseException as e:
+        if rank == 0:
+            _remove(tmp)
+        if isinstance(e, CheckpointException):  # a BaseException: make it an ordinary error
+            raise CheckpointWriteError(f"checkpoint {str(path)!r}: the write failed (the previous checkpoint "
+                                       f"is kept): {e}") from e
+        raise
+    _barrier()  # every rank's shards are on disk (dcp.save has synced its files)
+    if rank == 0:
+        _fsync_dir(tmp)
+        _remove(old)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        _remove(old)
+    _barrier()  # nobody reads or rewrites the checkpoint before it is in place
+    return path
+
+
+def load_sharded_checkpoint(path: str | Path, tensors: dict) -> dict:
+    """Load a sharded checkpoint directory into `tensors` (in place) and return its meta state.
+
+    `tensors` holds this process's destination tensors (e.g. {"model": ..., "optimizer": ...}
+    from `get_state_dict`): DTensors are read shard by shard, so the directory loads onto any
+    number of ranks; in a process without a process group every tensor is read whole.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    state = dict(tensors)
+    state[_META] = b""
+    # Without a process group dcp.load reads in this process alone (torch >= 2.11 at least).
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=Path(path))
+    for k in tensors:
+        tensors[k] = state[k]
+    return _loads(state[_META])
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / ".metadata").is_file()
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint that `path` names: a `latest.pt` file, a sharded directory, or a run
+    directory holding either (the newer of the two if both are there; a sharded checkpoint
+    interrupted between its two renames is found under its `.old` name)."""
+    path = Path(path)
+    if path.is_file() or is_sharded_checkpoint(path):
+        return path
+    if path.is_dir():
+        found = [p for p in (path / LATEST, path / LATEST_SHARDED) if p.is_file() or is_sharded_checkpoint(p)]
+        if not (path / LATEST_SHARDED).exists():
+            old = _siblings(path / LATEST_SHARDED)[1]
+            if is_sharded_checkpoint(old):
+                found.append(old)
+        if found:
+            return max(found, key=lambda p: (p / ".metadata" if p.is_dir() else p).stat().st_mtime)
+        raise CheckpointNotFoundError(f"checkpoint: no {LATEST} or {LATEST_SHARDED}/ in {str(path)!r}")
+    if is_sharded_checkpoint(_siblings(path)[1]):
+        return _siblings(path)[1]  # interrupted between the two renames of its last write
+    if path.name == LATEST and is_sharded_checkpoint(path.with_name(LATEST_SHARDED)):
+        return path.with_name(LATEST_SHARDED)  # the run was sharded: same checkpoint, other format
+    raise CheckpointNotFoundError(f"checkpoint: no such file or checkpoint directory {str(path)!r}")
+
+
+def read_checkpoint_meta(path: str | Path) -> dict:
+    """The non-tensor state of a checkpoint (config, progress, ...), without its tensors when sharded."""
+    path = resolve_checkpoint(path)
+    if path.is_dir():
+        return load_sharded_checkpoint(path, {})
+    return load_checkpoint(path)

@@ -51,7 +51,9 @@ def add_train_parser(sub) -> None:
                                    "loss_curve.png, checkpoints and samples.png to the run directory.")
     _recipe_args(p)
     p.add_argument("--out", help="run directory (default: the recipe's train.out_dir)")
-    p.add_argument("--resume", metavar="CKPT", help="resume from a checkpoint file or run directory")
+    p.add_argument("--resume", metavar="CKPT",
+                   help="resume from a checkpoint (latest.pt file, sharded latest.dcp/ directory, or run "
+                        "directory), onto any number of ranks")
     p.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda if available; LOCAL_RANK under torchrun)")
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (for smoke runs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.csv)")
@@ -65,10 +67,18 @@ def _train(args) -> int:
     from .trainer import Trainer
 
     cfg = _load(args)
-    ctx = init_distributed()
+    if args.resume:
+        from .checkpoint import CheckpointNotFoundError, resolve_checkpoint
+
+        try:
+            resolve_checkpoint(args.resume)
+        except CheckpointNotFoundError as e:
+            args.parser.error(str(e))
+    ctx = init_distributed(torch.device(args.device).type if args.device else None)  # gloo for --device cpu
     device = torch.device(args.device) if args.device else ctx.device
     trainer = Trainer(cfg, device=device, out_dir=args.out,
-                      wrap_model=lambda m: wrap_model(m, cfg.distributed, ctx))
+                      wrap_model=lambda m: wrap_model(m, cfg.distributed, ctx,
+                                                      param_dtype=getattr(torch, cfg.train.compute_dtype)))
     try:
         if args.resume:
             trainer.resume(args.resume)
@@ -85,7 +95,7 @@ def _train(args) -> int:
                                        out=trainer.out_dir / "samples.png", dtype=trainer.compute_dtype)
                 if grid:
                     result["samples_png"] = str(grid)
-            result["checkpoint"] = str(trainer.out_dir / "latest.pt")
+            result["checkpoint"] = str(trainer.last_checkpoint)
             result["loss_curve"] = str(trainer.out_dir / "loss_curve.png")
             print(json.dumps(result, indent=1))
     finally:
@@ -95,26 +105,33 @@ def _train(args) -> int:
 
 def add_eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="validation loss of a checkpoint (fixed t = k/8, fixed noise)")
-    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("checkpoint", help="checkpoint (latest.pt, sharded latest.dcp/) or run directory")
     p.add_argument("--samples", type=int, help="evaluate on the first N eval samples (default: the recipe's)")
     p.add_argument("--device")
     p.set_defaults(handler=_eval, parser=p)
 
 
-def _trainer_from_checkpoint(path: str, device):
-    from .checkpoint import load_checkpoint
+def _trainer_from_checkpoint(path: str, device, parser):
+    from .checkpoint import CheckpointNotFoundError, load_checkpoint, read_checkpoint_meta, resolve_checkpoint
     from .config import RunConfig
     from .trainer import Trainer
 
+    try:
+        path = resolve_checkpoint(path)
+    except CheckpointNotFoundError as e:
+        parser.error(str(e))
+    if path.is_dir():  # sharded: read the config alone, then the shards straight into the model
+        trainer = Trainer(RunConfig(**read_checkpoint_meta(path)["config"]), device=device)
+        trainer.resume(path)
+        return trainer
     state = load_checkpoint(path, map_location="cpu")
-    cfg = RunConfig(**state["config"])
-    trainer = Trainer(cfg, device=device)
+    trainer = Trainer(RunConfig(**state["config"]), device=device)
     trainer.load_state_dict(state)
     return trainer
 
 
 def _eval(args) -> int:
-    trainer = _trainer_from_checkpoint(args.checkpoint, args.device)
+    trainer = _trainer_from_checkpoint(args.checkpoint, args.device, args.parser)
     loss = trainer.evaluate(args.samples)
     print(json.dumps({"checkpoint": args.checkpoint, "step": trainer.step, "samples": trainer.samples,
                       "eval_loss": loss}))
@@ -123,7 +140,7 @@ def _eval(args) -> int:
 
 def add_sample_parser(sub) -> None:
     p = sub.add_parser("sample", help="generate images for prompts with a checkpoint (Euler, rectified flow)")
-    p.add_argument("checkpoint", help="checkpoint file or run directory")
+    p.add_argument("checkpoint", help="checkpoint (latest.pt, sharded latest.dcp/) or run directory")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     p.add_argument("--steps", type=int, default=20, help="Euler steps (default: 20)")
     p.add_argument("--seed", type=int, default=0)
@@ -135,7 +152,7 @@ def add_sample_parser(sub) -> None:
 
 
 def _sample(args) -> int:
-    trainer = _trainer_from_checkpoint(args.checkpoint, args.device)
+    trainer = _trainer_from_checkpoint(args.checkpoint, args.device, args.parser)
     encoders = None
     if args.vae or args.t5 or args.clip:
         if not (args.vae and args.t5 and args.clip):

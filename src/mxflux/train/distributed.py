@@ -1,8 +1,8 @@
 """Distributed training through PyTorch's own stack: torchrun + FSDP2 (default) or DDP.
 
 FSDP2 (`fully_shard`) shards each transformer block and the root: parameters are kept sharded
-in fp32 (the master copy) and all-gathered in bf16 for compute; gradients are reduced in the
-recipe's `reduce_dtype`. Forward inputs are NOT cast by FSDP: the timesteps must stay fp32
+in fp32 (the master copy) and all-gathered in the compute dtype (bf16 by default; fp32 when the
+recipe computes in fp32); gradients are reduced in the recipe's `reduce_dtype`. Forward inputs are NOT cast by FSDP: the timesteps must stay fp32
 until the ×1000 sinusoidal embedding (a bf16 t would lose the fine timesteps). DDP keeps full
 fp32 replicas, computes under bf16 autocast, and all-reduces in buckets of `ddp_bucket_mb`.
 """
@@ -54,8 +54,12 @@ def init_distributed(device_type: str | None = None) -> DistContext:
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def wrap_model(model: nn.Module, cfg: DistributedSection, ctx: DistContext) -> nn.Module:
-    """Shard (FSDP2) or replicate (DDP) `model` across the process group; identity when alone."""
+def wrap_model(model: nn.Module, cfg: DistributedSection, ctx: DistContext, *,
+               param_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """Shard (FSDP2) or replicate (DDP) `model` across the process group; identity when alone.
+
+    `param_dtype` is the dtype FSDP2 all-gathers parameters in: the trainer's compute dtype.
+    """
     if ctx.world_size == 1:
         return model
     if cfg.strategy == "ddp":
@@ -65,7 +69,7 @@ def wrap_model(model: nn.Module, cfg: DistributedSection, ctx: DistContext) -> n
                    bucket_cap_mb=cfg.ddp_bucket_mb)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, cfg.reduce_dtype),
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=getattr(torch, cfg.reduce_dtype),
                               cast_forward_inputs=False)
     for blocks in (model.double_blocks, model.single_blocks):
         for block in blocks:

@@ -14,10 +14,11 @@ __all__ = ["sample_latents", "noised", "cfg_dropout", "per_sample_mse", "euler_s
 
 
 def sample_latents(mean: torch.Tensor, logvar: torch.Tensor, shift: float, scale: float,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
-    """z ~ N(mean, exp(logvar)) in fp32, then (z − shift)·scale."""
+                   generator: torch.Generator | None = None, *, eps: torch.Tensor | None = None) -> torch.Tensor:
+    """z ~ N(mean, exp(logvar)) in fp32, then (z − shift)·scale; `eps` gives the N(0, 1) draws."""
     mean, std = mean.float(), torch.exp(0.5 * logvar.float())
-    eps = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
+    if eps is None:
+        eps = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
     return (mean + std * eps - shift) * scale
 
 
@@ -28,15 +29,18 @@ def noised(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tuple[torc
 
 
 def cfg_dropout(t5: torch.Tensor, clip: torch.Tensor, t5_empty: torch.Tensor, clip_empty: torch.Tensor,
-                p: float, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replace each sample's encodings by the empty prompt's with probability p.
+                p: float, generator: torch.Generator | None = None, *,
+                drop: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace each sample's encodings by the empty prompt's with probability p (or where the
+    bool [B] `drop` is set, when given).
 
     The empty encodings must already live on the device in the compute dtype (moved once at
     setup): a per-step host→device copy would break CUDA-graph capture (the seed's fix).
     """
     if p <= 0:
         return t5, clip
-    drop = torch.rand(t5.shape[0], generator=generator, device=t5.device) < p
+    if drop is None:
+        drop = torch.rand(t5.shape[0], generator=generator, device=t5.device) < p
     t5 = torch.where(drop.view(-1, 1, 1), t5_empty.to(t5.dtype).expand_as(t5), t5)
     clip = torch.where(drop.view(-1, 1), clip_empty.to(clip.dtype).expand_as(clip), clip)
     return t5, clip

@@ -1,17 +1,22 @@
 """The training loop: rectified-flow Flux training with fp32 master weights and bf16 compute.
 
 One `Trainer` owns the model (fp32 parameters; MX/FP8 modules and autocast compute in bf16),
-the AdamW optimizer with the MLPerf constants, the warm-up-then-constant LR, the data
-position and the training RNG, so that a checkpoint captures everything and a resumed run's
-next loss equals the uninterrupted run's.
+the AdamW optimizer with the MLPerf constants, the warm-up-then-constant LR and the data
+position, so that a checkpoint captures everything and a resumed run's next loss equals the
+uninterrupted run's. The training noise holds no state: every draw of a sample is a function
+of (train seed, optimizer step, dataset index) (`mxflux.train.noise`), and each global batch is
+the same set of samples on any number of ranks, so a run's losses do not depend on its world
+size (up to floating-point reduction order) and a checkpoint resumes onto any world size.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -19,12 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model import MX_LINEAR_PATTERNS, Flux, flux_config, image_ids, patchify, text_ids
+from ..model import MX_LINEAR_PATTERNS, Flux, image_ids, patchify, text_ids
 from ..nn import apply_precision
 from ..nn.linear import MXFP6Linear
-from .checkpoint import LATEST, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import (LATEST, LATEST_SHARDED, load_checkpoint, load_sharded_checkpoint, resolve_checkpoint,
+                         rng_state, save_checkpoint, save_sharded_checkpoint, set_rng_state)
 from .config import RunConfig
 from .flow import cfg_dropout, eval_noise, noised, per_sample_mse, sample_latents
+from .noise import training_draws
 
 __all__ = ["Trainer", "default_device"]
 
@@ -64,7 +71,8 @@ class Trainer:
         self.accum = cfg.batch.accumulation_steps(self.world)
 
         torch.manual_seed(cfg.train.seed)
-        self.model = Flux(flux_config(cfg.model.name)).to(self.device)  # fp32 master weights
+        with torch.device(self.device):  # initialised where it trains (a 12B model's CPU init takes minutes)
+            self.model = Flux(cfg.model.flux_config())  # fp32 master weights
         self.precision_report = apply_precision(self.model, cfg.precision, include=MX_LINEAR_PATTERNS)
         if cfg.model.activation_checkpointing or cfg.model.compile:
             self._wrap_blocks()
@@ -82,21 +90,23 @@ class Trainer:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
                                            eps=o.eps, weight_decay=o.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        # Training randomness (latent sampling, noise, t, CFG dropout) has its own generator on
-        # the device, seeded per rank, and travels in checkpoints.
-        self.generator = torch.Generator(device=self.device).manual_seed(cfg.train.seed * 1000 + self.rank)
+        # A partial, not the bound method: no Trainer <-> scheduler reference cycle, so a dropped
+        # Trainer frees its (GPU) memory at once instead of at the next garbage collection.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, functools.partial(_warmup_then_constant, cfg.optim.warmup_steps))
+        # Training randomness (latent sampling, noise, t, CFG dropout) has no generator state:
+        # each sample's draws are Philox of (seed, step, dataset index); see training_loss.
         self.step = 0  # optimizer steps taken
         self.samples = 0  # training samples consumed (global)
         self.epoch = 0
         self.batch_in_epoch = 0  # micro-batches of this epoch already consumed (this rank)
         self.last_eval: float | None = None
+        self.last_checkpoint: Path | None = None
 
     # --- setup helpers ----------------------------------------------------------------------
 
     def _lr_factor(self, step: int) -> float:
-        w = self.cfg.optim.warmup_steps
-        return min(1.0, (step + 1) / w) if w > 0 else 1.0
+        return _warmup_then_constant(self.cfg.optim.warmup_steps, step)
 
     def _wrap_blocks(self) -> None:
         """Per-block activation checkpointing and/or torch.compile (both switchable)."""
@@ -137,22 +147,31 @@ class Trainer:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def training_loss(self, batch: dict) -> torch.Tensor:
-        """Mean rectified-flow loss of one micro-batch (fp32 scalar, differentiable)."""
-        g = self.generator
-        x0 = sample_latents(batch["vae_mean"], batch["vae_logvar"], self.latent_shift, self.latent_scale, g)
-        noise = torch.randn(x0.shape, generator=g, device=self.device)
-        t = torch.rand(x0.shape[0], generator=g, device=self.device)
-        x_t, target = noised(x0, noise, t)
-        t5, clip = cfg_dropout(batch["t5"], batch["clip"], self.t5_empty, self.clip_empty,
-                               self.cfg.data.cfg_dropout, g)
+        """Mean rectified-flow loss of one micro-batch (fp32 scalar, differentiable).
+
+        Every random draw of a sample (latent ε, flow noise, t, CFG dropout) is a function of
+        (train seed, current optimizer step, its dataset index `batch["index"]`) alone, computed
+        on the device for the whole micro-batch at once.
+        """
+        mean = batch["vae_mean"]
+        d = training_draws(batch["index"], self.step, self.cfg.train.seed, tuple(mean.shape[1:]), mean.device)
+        x0 = sample_latents(mean, batch["vae_logvar"], self.latent_shift, self.latent_scale, eps=d.latent_eps)
+        x_t, target = noised(x0, d.noise, d.t)
+        p = self.cfg.data.cfg_dropout
+        t5, clip = cfg_dropout(batch["t5"], batch["clip"], self.t5_empty, self.clip_empty, p, drop=d.drop_u < p)
         with self._autocast():
-            pred = self.train_model(timesteps=t, **self._model_inputs(x_t, t5, clip))
+            pred = self.train_model(timesteps=d.t, **self._model_inputs(x_t, t5, clip))
         return per_sample_mse(pred, patchify(target)).mean()
 
     # --- training -----------------------------------------------------------------------------
 
     def _train_batches(self):
-        """Endless micro-batches for this rank, resumable at (epoch, batch_in_epoch)."""
+        """Endless micro-batches for this rank, resumable at (epoch, batch_in_epoch).
+
+        Each global batch is the same set of samples on any world size (the loader cuts the
+        epoch into global batches and gives each rank its slice), so the data position is
+        portable: `samples_in_epoch` in the checkpoint converts to any (world, micro-batch).
+        """
         from ..data import build_loader
 
         c = self.cfg
@@ -160,7 +179,11 @@ class Trainer:
             loader = build_loader(self.train_set, batch_size=c.batch.micro_batch_size, rank=self.rank,
                                   world_size=self.world, seed=c.train.seed, epoch=self.epoch,
                                   start_step=self.batch_in_epoch, num_workers=c.data.num_workers,
-                                  prefetch_factor=c.data.prefetch_factor, shuffle=True, drop_last=True)
+                                  prefetch_factor=c.data.prefetch_factor, shuffle=True, drop_last=True,
+                                  global_batch_size=c.batch.global_batch_size)
+            if self.batch_in_epoch == 0 and len(loader) == 0:
+                raise ValueError(f"the training set ({len(self.train_set)} samples) is smaller than one global "
+                                 f"batch ({c.batch.global_batch_size})")
             for batch in loader:
                 self.batch_in_epoch += 1
                 yield batch
@@ -232,81 +255,173 @@ class Trainer:
 
     # --- checkpoints --------------------------------------------------------------------------
 
-    def _full_state_options(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
+    # A checkpoint's tensors are keyed by parameter name (torch.distributed.checkpoint.state_dict):
+    # the same keys alone, under DDP and under FSDP2, so any checkpoint loads onto any world size.
+    # Its non-tensor part ("meta") is the config, LR schedule, progress and global RNG states;
+    # the data position is global (`samples_in_epoch`), the training noise has no state at all.
 
-        # Whole (unsharded) tensors on the CPU: a checkpoint loads onto any number of ranks.
-        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+    def _tensor_state(self, *, full: bool) -> dict:
+        """{"model", "optimizer"} by parameter name: this rank's shards, or (`full`) whole tensors
+        on the CPU of rank 0 (a collective under FSDP2/DDP: call on every rank)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    def state_dict(self) -> dict:
-        """Everything a resumed run needs. Under FSDP2/DDP this is a collective: call on all ranks."""
-        if self.world > 1:
-            from torch.distributed.checkpoint.state_dict import get_state_dict
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if full and self.world > 1 else None
+        fresh = not self.optimizer.state
+        model, optim = get_state_dict(self.model, self.optimizer, options=opts)
+        if fresh:  # get_state_dict initialised the optimizer state (a zero-lr step): undo that
+            self.optimizer.state.clear()
+        return {"model": model, "optimizer": optim}
 
-            model, optim = get_state_dict(self.model, self.optimizer, options=self._full_state_options())
-            generators = [None] * self.world
-            dist.all_gather_object(generators, self.generator.get_state())
-        else:
-            model, optim = self.model.state_dict(), self.optimizer.state_dict()
-            generators = [self.generator.get_state()]
+    def _meta_state(self) -> dict:
+        c = self.cfg.batch
         return {
+            "format": 2,
             "config": self.cfg.model_dump(mode="json"),
-            "model": model,
-            "optimizer": optim,
             "scheduler": self.scheduler.state_dict(),
             "progress": {"step": self.step, "samples": self.samples, "epoch": self.epoch,
-                         "batch_in_epoch": self.batch_in_epoch, "last_eval": self.last_eval},
+                         "samples_in_epoch": self.batch_in_epoch * c.micro_batch_size * self.world,
+                         "last_eval": self.last_eval},
             "rng": rng_state(),
             "world_size": self.world,
-            "generators": generators,  # one per rank: each rank's training noise stream
         }
 
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs, as whole tensors (the single-file checkpoint's layout).
+        Under FSDP2/DDP a collective that gathers the tensors on rank 0's CPU."""
+        return {**self._meta_state(), **self._tensor_state(full=True)}
+
     def load_state_dict(self, state: dict) -> None:
-        if self.world > 1:
-            from torch.distributed.checkpoint.state_dict import set_state_dict
+        """Load a whole-tensor state (`state_dict()`, a `latest.pt`) onto this world size."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"], options=self._full_state_options())
-        else:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        p = state["progress"]
-        self.step, self.samples, self.epoch = p["step"], p["samples"], p["epoch"]
-        self.batch_in_epoch, self.last_eval = p["batch_in_epoch"], p["last_eval"]
-        set_rng_state(state["rng"])
-        if state.get("world_size", 1) == self.world:
-            self.generator.set_state(state["generators"][self.rank].to(torch.uint8).cpu())
-        else:
-            # Another rank count: per-rank noise streams cannot carry over; derive fresh ones
-            # (and the per-rank data position: batch_in_epoch counts this rank's micro-batches).
-            self.generator.manual_seed(self.cfg.train.seed * 1000 + self.rank + 7919 * self.step)
-            self.batch_in_epoch = p["batch_in_epoch"] * state.get("world_size", 1) // self.world
+        optim = state["optimizer"]
+        if state.get("format", 1) < 2:  # optimizer.state_dict(): keyed by parameter number
+            optim = _optimizer_state_by_name(optim, self.model, self.optimizer)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim,
+                       options=StateDictOptions(full_state_dict=True) if self.world > 1 else None)
+        self._load_meta(state)
 
-    def save(self, path: str | Path | None = None) -> Path:
-        """Write a checkpoint atomically. A collective under FSDP2/DDP: rank 0 writes."""
-        path = Path(path) if path is not None else self.out_dir / LATEST
-        state = self.state_dict()
-        if self.rank == 0:
-            save_checkpoint(path, state)
-        if self.world > 1:
-            dist.barrier()
+    def _load_meta(self, meta: dict) -> None:
+        self.scheduler.load_state_dict(meta["scheduler"])
+        p = meta["progress"]
+        self.step, self.samples, self.epoch, self.last_eval = p["step"], p["samples"], p["epoch"], p["last_eval"]
+        per_batch = self.cfg.batch.micro_batch_size * self.world
+        if "samples_in_epoch" in p:
+            done = p["samples_in_epoch"]
+        else:  # format 1: micro-batches of one rank of the checkpoint's run
+            old = meta["config"]["batch"]
+            done = p["batch_in_epoch"] * old["micro_batch_size"] * meta.get("world_size", 1)
+            log.warning("checkpoint format 1 (per-rank noise generators): resuming with stateless noise; "
+                        "the continuation is not the one the old run would have taken")
+        if done % per_batch:
+            raise ValueError(f"checkpoint data position {done} samples into epoch {self.epoch} is not a whole "
+                             f"number of micro-batches x world size ({per_batch}): batch sizes changed")
+        self.batch_in_epoch = done // per_batch
+        set_rng_state(meta["rng"])
+
+    def save(self, path: str | Path | None = None, *, sharded: bool | None = None) -> Path:
+        """Write a checkpoint atomically; a collective under FSDP2/DDP.
+
+        Alone (or `sharded=False`): one file, `latest.pt` by default, written by rank 0. Under
+        torchrun: a sharded `torch.distributed.checkpoint` directory, `latest.dcp/` by default,
+        each rank writing its shards (nothing is gathered), renamed into place once all are done.
+        """
+        sharded = self.world > 1 if sharded is None else sharded
+        default = path is None
+        if default:
+            path = self.out_dir / (LATEST_SHARDED if sharded else LATEST)
+        path = Path(path)
+        if sharded:
+            save_sharded_checkpoint(path, self._tensor_state(full=False), self._meta_state(), rank=self.rank)
+        else:
+            state = self.state_dict()
+            if self.rank == 0:
+                save_checkpoint(path, state)
+            if self.world > 1:
+                dist.barrier()
+        if default and self.rank == 0:  # the other format's checkpoint (another world size) is stale now
+            stale = self.out_dir / (LATEST if sharded else LATEST_SHARDED)
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+        self.last_checkpoint = path
         return path
 
     def resume(self, path: str | Path) -> None:
-        self.load_state_dict(load_checkpoint(path, map_location=self.device))
+        """Continue from a checkpoint: a file, a sharded directory or a run directory; any world size."""
+        path = resolve_checkpoint(path)
+        if not path.is_dir():
+            self.load_state_dict(load_checkpoint(path, map_location="cpu"))
+            return
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        # Destination tensors: this rank's shards (FSDP2) or whole tensors (DDP, one process);
+        # dcp.load reads just those pieces, whatever sharding wrote them.
+        tensors = self._tensor_state(full=False)
+        meta = load_sharded_checkpoint(path, tensors)
+        set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict=tensors["optimizer"])
+        self._load_meta(meta)
+
+    def _snapshot(self) -> dict:
+        """This rank's local training state on the CPU (no collective, nothing gathered)."""
+        from torch.distributed.tensor import DTensor
+
+        def local(t):
+            if not isinstance(t, torch.Tensor):
+                return copy.deepcopy(t)
+            return (t.to_local() if isinstance(t, DTensor) else t).detach().to("cpu", copy=True)
+
+        params = list(self.model.parameters())
+        return {
+            "params": [local(p) for p in params],
+            "optim": [{k: local(v) for k, v in self.optimizer.state[p].items()} if p in self.optimizer.state
+                      else None for p in params],
+            "groups": [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                       for g in self.optimizer.param_groups],
+            "scheduler": copy.deepcopy(self.scheduler.state_dict()),
+            "progress": (self.step, self.samples, self.epoch, self.batch_in_epoch, self.last_eval),
+            "rng": rng_state(),
+        }
+
+    @torch.no_grad()
+    def _restore(self, snap: dict) -> None:
+        from torch.distributed.tensor import DTensor
+
+        def copy_into(dst, src):
+            (dst.to_local() if isinstance(dst, DTensor) else dst).copy_(src)
+
+        for p, saved, opt in zip(self.model.parameters(), snap["params"], snap["optim"]):
+            copy_into(p, saved)
+            if opt is None:
+                self.optimizer.state.pop(p, None)
+            else:
+                state = self.optimizer.state[p]
+                for k, v in opt.items():
+                    if isinstance(v, torch.Tensor) and isinstance(state.get(k), torch.Tensor):
+                        copy_into(state[k], v)
+                    else:
+                        state[k] = v
+        for g, saved in zip(self.optimizer.param_groups, snap["groups"]):
+            g.update(saved)
+        self.scheduler.load_state_dict(snap["scheduler"])
+        self.step, self.samples, self.epoch, self.batch_in_epoch, self.last_eval = snap["progress"]
+        set_rng_state(snap["rng"])
 
     def warmup_without_trace(self, steps: int) -> None:
         """Run `steps` optimizer steps to warm compile caches and allocators, then restore
         everything they touched (weights, optimizer, LR schedule, data position, every RNG), so
-        the timed run is exactly the run without them (the seed needed a fix here)."""
+        the timed run is exactly the run without them (the seed needed a fix here). The snapshot
+        is each rank's own shards, copied to the CPU: nothing is gathered."""
         if steps <= 0:
             return
-        snapshot = copy.deepcopy(self.state_dict())
+        snapshot = self._snapshot()
         batches = self._train_batches()
         for _ in range(steps):
             self.train_step([next(batches) for _ in range(self.accum)])
-        self.load_state_dict(snapshot)
+        del batches
+        self._restore(snapshot)
         if self.mx_modules():  # the warm-up's blocks are not the run's
             for m in self.mx_modules():
                 m.fold_outside_window.zero_()
@@ -380,6 +495,22 @@ class Trainer:
                             title=f"{c.name} ({c.precision.name})")
         return {"step": self.step, "samples": self.samples, "train_loss": result.get("loss"),
                 "eval_loss": self.last_eval}
+
+
+def _warmup_then_constant(warmup_steps: int, step: int) -> float:
+    """The LR factor at `step`: linear warm-up over `warmup_steps`, then 1 (MLPerf reference)."""
+    return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+
+def _optimizer_state_by_name(optim: dict, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """A format-1 `optimizer.state_dict()` (keyed by parameter number) keyed by parameter name,
+    as `get_state_dict` writes it. The optimizer was built from `model.parameters()`, in order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    by_number = {}
+    for saved, group in zip(optim["param_groups"], optimizer.param_groups):
+        by_number.update(zip(saved["params"], (names[id(p)] for p in group["params"])))
+    return {"state": {by_number[k]: v for k, v in optim["state"].items()},
+            "param_groups": [{**g, "params": [by_number[i] for i in g["params"]]} for g in optim["param_groups"]]}
 
 
 class _progress:

@@ -1,0 +1,87 @@
+"""`mxflux bench step`: the command line of the training-step throughput harness (torch-free
+to import; the harness itself is `mxflux.bench.step`)."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_bench_parser"]
+
+
+def _positive_int(text: str) -> int:
+    v = int(text) if text.lstrip("-").isdigit() else 0
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _count(text: str) -> int:
+    v = int(text) if text.isdigit() else -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = 0.0
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: `mxflux bench step` (training-step throughput, MFU, memory)")
+    bench = p.add_subparsers(title="benchmarks", metavar="BENCH")
+    s = bench.add_parser(
+        "step", help="training-step throughput of a recipe: images/s/GPU, ms per 512 images, MFU, peak memory",
+        description="Build the trainer of a recipe, run warm-up steps, then time optimizer steps (device-"
+                    "synchronised wall clock); optionally profile more steps for a breakdown of device time "
+                    "(GEMMs, MX packers, attention, communication, the rest). Warm-up and profiled steps are "
+                    "excluded from the timing. Batches are read before timing and reused, so data loading is "
+                    "not timed; the host-to-device copy is. Under torchrun: images/s/GPU = global images/s / "
+                    "world size, peak memory = the largest over ranks.")
+    s.add_argument("--recipe", required=True, help="built-in recipe name or a YAML file")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="recipe overrides, e.g. batch.micro_batch_size=32 'precision={fp8: hybrid}'")
+    s.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe override, as for `mxflux train` (repeatable)")
+    s.add_argument("--steps", type=_positive_int, default=8, help="timed optimizer steps (default: 8)")
+    s.add_argument("--warmup", type=_count, default=3, help="untimed warm-up steps first (default: 3)")
+    s.add_argument("--profile-steps", type=_count, default=0,
+                   help="steps profiled with torch.profiler after the timed ones, for the breakdown (default: 0)")
+    s.add_argument("--synthetic", action="store_true",
+                   help="random MLPerf-shaped data with the model's dims (also used when the recipe's data "
+                        "is missing or does not fit the model)")
+    s.add_argument("--image-size", type=_positive_int, default=256,
+                   help="synthetic data: image side in pixels (latent side = /8; default: 256)")
+    s.add_argument("--text-len", type=_positive_int, default=256, help="synthetic data: T5 tokens (default: 256)")
+    s.add_argument("--data-dir", help="where synthetic data is written and reused (default: a directory "
+                                      "under the system temp dir, keyed by the data's shape)")
+    s.add_argument("--peak-tflops", type=_positive_float,
+                   help="the device's peak dense bf16 TFLOP/s for MFU (default: 989 on H100/H200; none on CPU)")
+    s.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda if available; LOCAL_RANK under torchrun)")
+    s.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    s.set_defaults(handler=_step, parser=s)
+    p.set_defaults(handler=lambda args: (p.print_help(), 2)[1], parser=p)
+
+
+def _step(args) -> int:
+    from ..train.config import RecipeError
+    from . import step
+
+    try:
+        cfg = step.load_bench_recipe(args.recipe, [*args.overrides, *args.set_overrides])
+    except RecipeError as e:
+        args.parser.error(str(e))
+    result = step.bench_step(cfg, steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
+                             synthetic=args.synthetic, image_size=args.image_size, text_len=args.text_len,
+                             data_dir=args.data_dir, peak_tflops=args.peak_tflops, device=args.device,
+                             recipe=args.recipe, distributed=True)
+    if result is not None:  # rank 0
+        step.print_table([result])
+        if args.json:
+            step.write_json(args.json, result)
+    return 0
