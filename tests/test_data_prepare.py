@@ -129,3 +129,57 @@ def test_no_images_and_existing_output(models, tmp_path, images):
     with pytest.raises(DataError, match="never overwrites"):
         prepare_dataset(images, tmp_path / "taken", vae_path=models / "vae", t5_path=models / "t5",
                         clip_path=models / "clip")
+
+
+def test_train_and_sample_with_the_real_encoder_path(models, images, tmp_path, monkeypatch, capsys):
+    """A dataset from `data prepare` → `mxflux train` → `mxflux sample --vae --t5 --clip`: prompts go
+    through the T5/CLIP models, the sampled latents through the VAE decoder, into the PNG grid."""
+    import json
+
+    from mxflux.cli import main
+    from mxflux.data.prepare import _Encoders
+    from mxflux.train import sample as sample_module
+    from mxflux.train.cli import _trainer_from_checkpoint
+
+    data, run = tmp_path / "prepared", tmp_path / "run"
+    prepare_dataset(images, data, vae_path=models / "vae", t5_path=models / "t5", clip_path=models / "clip",
+                    t5_tokenizer_path=models / "tokenizer", clip_tokenizer_path=models / "tokenizer",
+                    t5_len=12, image_size=32, batch_size=4, num_eval=2)
+    sets = [f"data.root={data}", "data.num_workers=0", "model.overrides={context_in_dim: 24, vec_in_dim: 16}",
+            "batch.global_batch_size=2", "batch.micro_batch_size=2", "train.train_samples=4",
+            "train.eval_every_samples=4", "train.eval_samples=2", "train.eval_batch_size=2",
+            "train.sample_prompts=[]"]
+    assert main(["train", "tiny-bf16", "--device", "cpu", "--out", str(run), "--no-progress",
+                 *[a for s in sets for a in ("--set", s)]]) == 0
+
+    grids = []
+    real_save_grid = sample_module.save_grid
+    monkeypatch.setattr(sample_module, "save_grid", lambda images, *a, **kw: (grids.append(images),
+                                                                              real_save_grid(images, *a, **kw))[1])
+    prompts = ["a red circle at the top", "a small blue square"]
+    enc_args = ["--vae", str(models / "vae"), "--t5", str(models / "t5"), "--clip", str(models / "clip"),
+                "--t5-tokenizer", str(models / "tokenizer"), "--clip-tokenizer", str(models / "tokenizer")]
+    capsys.readouterr()
+    assert main(["sample", str(run), "--device", "cpu", "--steps", "3", "--seed", "5", "--out",
+                 str(tmp_path / "grid.png"), *[a for p in prompts for a in ("--prompt", p)], *enc_args]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["prompts"] == prompts
+    with Image.open(tmp_path / "grid.png") as im:
+        assert im.width > 100 and im.height > 100
+
+    # The grid holds exactly VAE.decode(Euler samples of the trained model for the encoded prompts).
+    trainer = _trainer_from_checkpoint(str(run), "cpu", None)
+    enc = _Encoders(vae_path=models / "vae", t5_path=models / "t5", clip_path=models / "clip",
+                    t5_tokenizer_path=models / "tokenizer", clip_tokenizer_path=models / "tokenizer",
+                    t5_len=12, device="cpu", dtype=trainer.compute_dtype)
+    t5, clip = enc.captions(prompts)
+    z = sample_module.generate_latents(trainer.model, t5, clip, latent_shape=(16, 4, 4), steps=3, seed=5,
+                                       shift=0.1159, scale=0.3611, dtype=trainer.compute_dtype)
+    with torch.no_grad():
+        want = (enc.vae.decode(z.to(enc.dtype)).sample.float() + 1) / 2
+    assert len(grids) == 1 and grids[0].shape == (2, 3, 32, 32)
+    torch.testing.assert_close(grids[0], want)
+    assert float(want.std()) > 0  # a decoded picture, not a constant
+
+    with pytest.raises(SystemExit):  # one encoder alone is a usage error naming the three flags
+        main(["sample", str(run), "--prompt", "x", "--vae", str(models / "vae")])
+    assert "--vae, --t5 and --clip" in capsys.readouterr().err

@@ -50,6 +50,20 @@ def test_forward_is_the_reference_mx_gemm(gen):
     assert torch.equal(layer(x), want)
 
 
+def test_training_autocast_does_not_change_the_gemm(gen):
+    """Inside a bf16 autocast region (a training step) the MX GEMM still accumulates in fp32 and
+    rounds once after the bias: the layer and the reference give the same bits as outside it."""
+    layer = MXFP6Linear(256, 96).bfloat16()
+    with torch.no_grad():
+        layer.bias.normal_(generator=gen)
+    x = torch.randn(64, 256, generator=gen).bfloat16()
+    want = mx_matmul(quantize(x), quantize(layer.weight.detach()), layer.bias.detach())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_layer = layer(x)
+        got_ref = mx_matmul(quantize(x), quantize(layer.weight.detach()), layer.bias.detach())
+    assert torch.equal(got_layer, want) and torch.equal(got_ref, want)
+
+
 def test_gemm_modes_agree_when_every_block_is_inside_the_window(gen):
     x = torch.randn(128, 512, generator=gen).bfloat16()
     dy = torch.randn(128, 256, generator=gen).bfloat16()

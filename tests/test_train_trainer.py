@@ -220,3 +220,30 @@ def test_mlperf_warmup_leaves_no_trace_and_the_log_fails_only_where_it_must(demo
 
     failed = set(re.findall(r"CHECK for '(\w+)' failed", report)) | set(re.findall(r"Failed checks for (\w+)", report))
     assert failed == {"evaluation_frequency", "eval_accuracy"}, report
+
+
+def test_classifier_free_guidance_mixes_prompt_and_empty_velocities(gen):
+    from mxflux.model import Flux, flux_config
+    from mxflux.train.sample import generate_latents
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = Flux(flux_config("flux-tiny", depth=1, depth_single_blocks=1))
+    for p in model.parameters():  # break the zero init so that the prompt matters
+        torch.nn.init.normal_(p, std=0.05)
+    t5, clip = torch.randn(3, 8, 64, generator=gen), torch.randn(3, 32, generator=gen)
+    empty = (torch.randn(8, 64, generator=gen), torch.randn(32, generator=gen))
+    kw = dict(latent_shape=(16, 4, 4), steps=4, seed=3, shift=0.0, scale=1.0, dtype=torch.float32)
+    plain = generate_latents(model, t5, clip, **kw)
+    only_empty = generate_latents(model, empty[0].expand(3, 8, 64), empty[1].expand(3, 32), **kw)
+    # g = 1 is the conditional model; g = 0 the empty prompt's; an empty prompt equal to the
+    # prompt leaves any g without effect; and g = 3 is neither.
+    torch.testing.assert_close(generate_latents(model, t5, clip, guidance=1.0, empty=empty, **kw), plain)
+    torch.testing.assert_close(generate_latents(model, t5, clip, guidance=0.0, empty=empty, **kw), only_empty,
+                               rtol=1e-5, atol=1e-5)
+    same = (t5[0], clip[0])
+    torch.testing.assert_close(generate_latents(model, t5[:1], clip[:1], guidance=3.0, empty=same, **kw), plain[:1],
+                               rtol=1e-5, atol=1e-5)
+    guided = generate_latents(model, t5, clip, guidance=3.0, empty=empty, **kw)
+    assert (guided - plain).abs().max() > 1e-3 and (guided - only_empty).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="empty: classifier-free guidance"):
+        generate_latents(model, t5, clip, guidance=3.0, **kw)

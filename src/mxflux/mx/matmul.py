@@ -12,12 +12,15 @@ __all__ = ["mx_matmul"]
 
 
 @contextlib.contextmanager
-def _no_tf32():
-    """The reference accumulates in true fp32: TF32 would silently drop 13 mantissa bits."""
+def _true_fp32(device_type: str):
+    """The reference accumulates in true fp32: not TF32 (which drops 13 mantissa bits), and not
+    in the bf16 of an enclosing autocast region (a training step's), which would run the matmul
+    in bf16 and round its result once more before the bias is added."""
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        yield
+        with torch.autocast(device_type, enabled=False):
+            yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
 
@@ -56,7 +59,7 @@ def mx_matmul(
         raise ValueError(f"bias: expected a tensor of shape ({n},), got {getattr(bias, 'shape', bias)}")
     av = a.dequantize(torch.float32, unrotate=False)
     bv = b.dequantize(torch.float32, unrotate=False)
-    with _no_tf32():
+    with _true_fp32(av.device.type):
         c = av @ bv.t()
     if bias is not None:
         c = c + bias.float()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..mx.matmul import _no_tf32
+from ..mx.matmul import _true_fp32
 
 __all__ = ["GEMM_MODES", "dequantize_operand", "scaled_gemm_reference"]
 
@@ -37,7 +37,7 @@ def scaled_gemm_reference(
 ) -> torch.Tensor:
     a = dequantize_operand(a_data, a_scale)
     b = dequantize_operand(b_data, b_scale)
-    with _no_tf32():
+    with _true_fp32(a.device.type):
         out = a @ b.t()
     if bias is not None:
         out = out + bias.float()

@@ -92,7 +92,8 @@ def _train(args) -> int:
             if cfg.train.sample_prompts:
                 grid = _sample_to_grid(trainer.model, trainer.train_set, list(cfg.train.sample_prompts),
                                        steps=cfg.train.sample_steps, seed=cfg.train.seed,
-                                       out=trainer.out_dir / "samples.png", dtype=trainer.compute_dtype)
+                                       out=trainer.out_dir / "samples.png", dtype=trainer.compute_dtype,
+                                       guidance=cfg.train.sample_guidance)
                 if grid:
                     result["samples_png"] = str(grid)
             result["checkpoint"] = str(trainer.last_checkpoint)
@@ -143,11 +144,15 @@ def add_sample_parser(sub) -> None:
     p.add_argument("checkpoint", help="checkpoint (latest.pt, sharded latest.dcp/) or run directory")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     p.add_argument("--steps", type=int, default=20, help="Euler steps (default: 20)")
+    p.add_argument("--guidance", type=float, help="classifier-free guidance scale, 1 = none "
+                                                  "(default: the checkpoint recipe's train.sample_guidance)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="samples.png", help="PNG grid to write (default: samples.png)")
     p.add_argument("--device")
     for name in ("vae", "t5", "clip"):
         p.add_argument(f"--{name}", help=f"local {name.upper()} model path (datasets made by `mxflux data prepare`)")
+    p.add_argument("--t5-tokenizer", metavar="PATH", help="T5 tokenizer directory (default: --t5; FLUX.1: tokenizer_2/)")
+    p.add_argument("--clip-tokenizer", metavar="PATH", help="CLIP tokenizer directory (default: --clip; FLUX.1: tokenizer/)")
     p.set_defaults(handler=_sample, parser=p)
 
 
@@ -159,20 +164,26 @@ def _sample(args) -> int:
             args.parser.error("--vae, --t5 and --clip: give all three, or none for the demo dataset")
         from ..data.prepare import _Encoders
 
-        encoders = _Encoders(vae_path=args.vae, t5_path=args.t5, clip_path=args.clip, t5_tokenizer_path=None,
-                             clip_tokenizer_path=None, t5_len=trainer.train_set.t5_shape[0],
+        encoders = _Encoders(vae_path=args.vae, t5_path=args.t5, clip_path=args.clip,
+                             t5_tokenizer_path=args.t5_tokenizer, clip_tokenizer_path=args.clip_tokenizer,
+                             t5_len=trainer.train_set.t5_shape[0],
                              device=trainer.device, dtype=trainer.compute_dtype)
+    guidance = trainer.cfg.train.sample_guidance if args.guidance is None else args.guidance
+    if guidance < 0:
+        args.parser.error(f"--guidance: expected a scale >= 0, got {guidance}")
     grid = _sample_to_grid(trainer.model, trainer.train_set, args.prompt, steps=args.steps, seed=args.seed,
-                           out=Path(args.out), dtype=trainer.compute_dtype, encoders=encoders)
+                           out=Path(args.out), dtype=trainer.compute_dtype, encoders=encoders, guidance=guidance)
     if grid is None:
         args.parser.error("this dataset has no built-in decoder: pass --vae, --t5 and --clip")
     print(json.dumps({"samples": str(grid), "prompts": args.prompt}))
     return 0
 
 
-def _sample_to_grid(model, dataset, prompts, *, steps, seed, out, dtype, encoders=None):
+def _sample_to_grid(model, dataset, prompts, *, steps, seed, out, dtype, encoders=None, guidance=1.0):
     """Encode prompts, sample latents, decode and save a grid; None if no decoder is known."""
     import torch
+
+    from ..data import load_empty_encodings
 
     from .sample import generate_latents, save_grid
 
@@ -193,7 +204,10 @@ def _sample_to_grid(model, dataset, prompts, *, steps, seed, out, dtype, encoder
                 x = encoders.vae.decode(z.to(encoders.device, encoders.dtype)).sample.float()
             return (x + 1) / 2
 
+    # The guidance's empty prompt: the dataset's own empty encodings (what CFG dropout trained on).
+    empty = load_empty_encodings(dataset.root) if guidance != 1.0 else None
     z = generate_latents(model, t5, clip, latent_shape=dataset.latent_shape, steps=steps, seed=seed,
-                         shift=dataset.latent_shift, scale=dataset.latent_scale, dtype=dtype)
+                         shift=dataset.latent_shift, scale=dataset.latent_scale, dtype=dtype,
+                         guidance=guidance, empty=empty)
     images = decode(z.cpu() if encoders is None else z)
     return save_grid(images.cpu(), out, captions=list(prompts))

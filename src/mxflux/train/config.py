@@ -107,6 +107,7 @@ class TrainSection(_Section):
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     sample_prompts: tuple[str, ...] = ()
     sample_steps: int = Field(20, ge=1)
+    sample_guidance: float = Field(1.0, ge=0.0)  # classifier-free guidance scale for samples (1 = none)
 
 
 class DistributedSection(_Section):
