@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # One device call that runs the named stages in order and leaves logs and results under $OUT:
-#   PYTHONPATH=src bash benchmarks/gpu_run.sh tests demo convergence step fsdp12b
+#   PYTHONPATH=src bash benchmarks/gpu_run.sh tests convergence step fsdp12b
 # tests        the CUDA test suite (tests/gpu)
-# demo         the default demo recipe (tiny-mxfp6, batch 16) for the CPU budget's step count at
-#              three learning rates: eval loss and samples.png per LR (the CPU run's settings)
 # convergence  benchmarks/convergence.py: bf16 vs MXFP6, same seed, width 768
-# step         benchmarks/bench_step.py at the flux-12b width, compiled, bf16/FP8/MXFP6 side by side
+# step         benchmarks/bench_step.py at the flux-12b width (2+4 blocks), compiled, micro-batch 64,
+#              bf16/FP8/MXFP6 side by side
 # fsdp12b      flux-12b with FSDP2 over every visible GPU (`mxflux bench step` under torchrun)
 # Two GPUs, one call (background job + `wait`, never a pgrep on a pattern the command line contains):
 #   export OUT; CUDA_VISIBLE_DEVICES=1 bash benchmarks/gpu_run.sh convergence >$OUT/conv.log 2>&1 &
@@ -27,18 +26,13 @@ for stage in "$@"; do
   case $stage in
     tests)
       python3 -m pytest -q --tb=short ${GPU_TESTS:-tests/gpu} -p no:cacheprovider 2>&1 | grep -v "^W11" | tail -25 | tee "$OUT/gpu_tests.log" ;;
-    demo)
-      for lr in ${DEMO_LRS:-1e-3 2e-3 4e-3}; do
-        python3 -m mxflux.cli train tiny-mxfp6 --device cuda --no-progress --out "$OUT/demo_lr$lr" \
-          --set optim.lr=$lr --set train.train_samples=${DEMO_SAMPLES:-7200} --set train.eval_every_samples=2400 \
-          --set train.eval_samples=512 2>&1 | tail -3
-        grep eval "$OUT/demo_lr$lr/metrics.csv" | cut -d, -f1,4 | tr '\n' ' '; echo
-        mv "$OUT/demo_lr$lr/samples.png" "$OUT/demo_lr$lr.png"; rm -rf "$OUT/demo_lr$lr"  # 8 files come back at most
-      done ;;
     convergence)
       python3 benchmarks/convergence.py --out "$OUT" ${CONVERGENCE_ARGS:-} 2>&1 | grep -v "^W11" | tail -8 ;;
     step)
-      python3 benchmarks/bench_step.py --json "$OUT/bench_step.json" ${STEP_ARGS:---compile} 2>&1 | grep -v "^W11" | tail -30 ;;
+      # STEP_MODEL is one argument (YAML needs the spaces); STEP_ARGS are plain options.
+      python3 benchmarks/bench_step.py --json "$OUT/bench_step.json" \
+        "${STEP_MODEL:-model.overrides={depth: 2, depth_single_blocks: 4}}" \
+        ${STEP_ARGS:---compile --mbs 64 --steps 8 --warmup 3 --profile-steps 1} 2>&1 | grep -v "^W11" | tail -30 ;;
     fsdp12b)  # the full flux-12b under FSDP2 on all visible GPUs, bf16 then MXFP6 (same recipe otherwise)
       n=$(nvidia-smi -L | wc -l)
       for prec in mxfp6 bf16; do
