@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from mxflux import __version__
+from mxflux.argtypes import positive_float, positive_int
 
 # ---------------------------------------------------------------------------------------------
 # Argument types: each raises ArgumentTypeError, which argparse reports against the argument.
@@ -44,30 +45,6 @@ def _formats(text: str) -> list[str]:
     return list(dict.fromkeys(names))  # drop repeats, keep order
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = 0.0
-    if not v > 0:  # also rejects NaN
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
-
-
-# ---------------------------------------------------------------------------------------------
-# Subcommands
-
-
 def _add_numerics(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "numerics",
@@ -85,12 +62,12 @@ def _add_numerics(sub: argparse._SubParsersAction) -> None:
                      help="read X from a .pt (tensor or dict of tensors) or .safetensors file, "
                           "viewed as [rows, last dim]")
     p.add_argument("--key", metavar="NAME", help="tensor to read from a --file holding several")
-    p.add_argument("--df", type=_positive_float, help="degrees of freedom of --dist student-t (default: 3)")
+    p.add_argument("--df", type=positive_float, help="degrees of freedom of --dist student-t (default: 3)")
     p.add_argument("--shape", type=_shape, metavar="MxK",
                    help="shape of synthetic X, multiples of 32 (default: 4096x3072)")
     p.add_argument("--formats", type=_formats, default=["e2m3"], metavar="LIST",
                    help="comma-separated element formats: e2m3,e3m2,e2m1,e4m3,e5m2 (default: e2m3)")
-    p.add_argument("--weight-rows", type=_positive_int, default=1024, metavar="N",
+    p.add_argument("--weight-rows", type=positive_int, default=1024, metavar="N",
                    help="rows N of the GEMM's weight operand W [N,K] (default: 1024)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic X and of W (default: 0)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")

@@ -3,33 +3,10 @@ to import; the harness itself is `mxflux.bench.step`)."""
 
 from __future__ import annotations
 
-import argparse
+
+from ..argtypes import non_negative_int, positive_float, positive_int
 
 __all__ = ["add_bench_parser"]
-
-
-def _positive_int(text: str) -> int:
-    v = int(text) if text.lstrip("-").isdigit() else 0
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
-
-
-def _count(text: str) -> int:
-    v = int(text) if text.isdigit() else -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = 0.0
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
 
 
 def add_bench_parser(sub) -> None:
@@ -48,19 +25,19 @@ def add_bench_parser(sub) -> None:
                    help="recipe overrides, e.g. batch.micro_batch_size=32 'precision={fp8: hybrid}'")
     s.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a recipe override, as for `mxflux train` (repeatable)")
-    s.add_argument("--steps", type=_positive_int, default=8, help="timed optimizer steps (default: 8)")
-    s.add_argument("--warmup", type=_count, default=3, help="untimed warm-up steps first (default: 3)")
-    s.add_argument("--profile-steps", type=_count, default=0,
+    s.add_argument("--steps", type=positive_int, default=8, help="timed optimizer steps (default: 8)")
+    s.add_argument("--warmup", type=non_negative_int, default=3, help="untimed warm-up steps first (default: 3)")
+    s.add_argument("--profile-steps", type=non_negative_int, default=0,
                    help="steps profiled with torch.profiler after the timed ones, for the breakdown (default: 0)")
     s.add_argument("--synthetic", action="store_true",
                    help="random MLPerf-shaped data with the model's dims (also used when the recipe's data "
                         "is missing or does not fit the model)")
-    s.add_argument("--image-size", type=_positive_int, default=256,
+    s.add_argument("--image-size", type=positive_int, default=256,
                    help="synthetic data: image side in pixels (latent side = /8; default: 256)")
-    s.add_argument("--text-len", type=_positive_int, default=256, help="synthetic data: T5 tokens (default: 256)")
+    s.add_argument("--text-len", type=positive_int, default=256, help="synthetic data: T5 tokens (default: 256)")
     s.add_argument("--data-dir", help="where synthetic data is written and reused (default: a directory "
                                       "under the system temp dir, keyed by the data's shape)")
-    s.add_argument("--peak-tflops", type=_positive_float,
+    s.add_argument("--peak-tflops", type=positive_float,
                    help="the device's peak dense bf16 TFLOP/s for MFU (default: 989 on H100/H200; none on CPU)")
     s.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda if available; LOCAL_RANK under torchrun)")
     s.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mxflux.mx import FORMATS, MXTensor, fold_to_e4m3, mx_matmul, quantize, snr_db
+from mxflux.mx import MXTensor, fold_to_e4m3, mx_matmul, quantize, snr_db
 
 __all__ = [
     "DEFAULT_SHAPE",
