@@ -84,8 +84,8 @@ def main(argv=None):
     procs = {}
     for prec in args.precisions:
         run_dir = base / prec
-        cmd = [sys.executable, __file__, "--worker", prec, "--run-dir", str(run_dir)] + [
-            a for a in (argv if argv is not None else sys.argv[1:])]
+        cmd = [sys.executable, __file__, "--worker", prec, "--run-dir", str(run_dir),
+               *(argv if argv is not None else sys.argv[1:])]
         procs[prec] = subprocess.Popen(cmd, env=os.environ.copy())
     failed = [p for p, proc in procs.items() if proc.wait() != 0]
     if failed:

@@ -16,11 +16,13 @@ fall back to the reference otherwise, and MXFLUX_REFERENCE=1 forces the referenc
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..mx.fold import _group_size
 from ..mx.formats import FORMATS, code_table, get_format
 from ..mx.hadamard import HADAMARD_SCALE
 from ..mx.quantize import _max_code
@@ -168,27 +170,31 @@ if HAS_NUMBA:
             inexact[r] = n_out
 
 
+@lru_cache(maxsize=None)
+def _format_args(name: str) -> tuple:
+    """The kernel's per-format arguments, in `_pack_rows`'s order (computed once per format)."""
+    f = FORMATS[name]
+    return (f.ebits, f.mbits, f.bias, f.emax, int(np.float32(f.min_normal).view(np.int32)),
+            np.float32(2.0 ** (f.mbits - f.emin)), _max_code(f), code_table(f).numpy(), f.fold_shift,
+            f.fold_window)
+
+
 def _fold_rows(v: torch.Tensor, fmt: str, granularity: str | int, hadamard: bool, poison: bool):
     """(E4M3 data, fp32 scales, n_inexact) of fp32 [R, C] `v` quantized along C (see module doc)."""
     f = get_format(fmt)
     if f.fold_shift is None:
         raise ValueError(f"fmt: elements of format {f.name!r} are not exactly representable in E4M3")
     r, c = v.shape
-    group = c if granularity == "row" else int(granularity)
-    if c % 32 or (c and c % group) or group % 32:
-        raise ValueError(f"x: {c} columns do not split into blocks of 32 and groups of {group}")
+    if c % 32:
+        raise ValueError(f"x: {c} columns do not split into blocks of 32")
+    group = _group_size(granularity, c, 32) if c else 32
     vn = v.contiguous().numpy()
     # Poisoned (0xFF: NaN in E4M3 and fp32) for tests: an element the kernel missed fails them.
     out = np.full((r, c), 0xFF if poison else 0, np.uint8)
-    out_scale = np.full((r, c // group if c else 0), np.nan if poison else 0.0, np.float32)
+    out_scale = np.full((r, c // group), np.nan if poison else 0.0, np.float32)
     inexact = np.full(r, -(1 << 40) if poison else 0, np.int64)
     if r and c:
-        min_normal_bits = int(np.float32(f.min_normal).view(np.int32))
-        sub_mul = np.float32(2.0 ** (f.mbits - f.emin))
-        table = code_table(f).numpy()
-        _pack_rows(vn, group, hadamard, np.float32(HADAMARD_SCALE), f.ebits, f.mbits, f.bias, f.emax,
-                   min_normal_bits, sub_mul, _max_code(f), table, f.fold_shift, f.fold_window,
-                   out, out_scale, inexact)
+        _pack_rows(vn, group, hadamard, np.float32(HADAMARD_SCALE), *_format_args(f.name), out, out_scale, inexact)
     data = torch.from_numpy(out).view(torch.float8_e4m3fn)
     return data, torch.from_numpy(out_scale), torch.tensor(int(inexact.sum()), dtype=torch.int64)
 
@@ -228,5 +234,5 @@ def pack_cpu(
         col_data, col_scale, n = _fold_rows(vt, fmt, granularity, hadamard, _poison)
         n_inexact = n_inexact + n
     if colsum:
-        sums = v.float().sum(dim=0)
+        sums = vf.sum(dim=0)
     return Packed(row_data, row_scale, col_data, col_scale, sums, n_inexact)
