@@ -166,14 +166,18 @@ def test_train_and_sample_with_the_real_encoder_path(models, images, tmp_path, m
     with Image.open(tmp_path / "grid.png") as im:
         assert im.width > 100 and im.height > 100
 
-    # The grid holds exactly VAE.decode(Euler samples of the trained model for the encoded prompts).
+    # The grid holds exactly VAE.decode(Euler samples of the trained model for the encoded prompts),
+    # guided as the recipe says, against the dataset's empty encodings.
     trainer = _trainer_from_checkpoint(str(run), "cpu", None)
+    guidance = trainer.cfg.train.sample_guidance
+    assert guidance == 3.0
     enc = _Encoders(vae_path=models / "vae", t5_path=models / "t5", clip_path=models / "clip",
                     t5_tokenizer_path=models / "tokenizer", clip_tokenizer_path=models / "tokenizer",
                     t5_len=12, device="cpu", dtype=trainer.compute_dtype)
     t5, clip = enc.captions(prompts)
     z = sample_module.generate_latents(trainer.model, t5, clip, latent_shape=(16, 4, 4), steps=3, seed=5,
-                                       shift=0.1159, scale=0.3611, dtype=trainer.compute_dtype)
+                                       shift=0.1159, scale=0.3611, dtype=trainer.compute_dtype,
+                                       guidance=guidance, empty=load_empty_encodings(data))
     with torch.no_grad():
         want = (enc.vae.decode(z.to(enc.dtype)).sample.float() + 1) / 2
     assert len(grids) == 1 and grids[0].shape == (2, 3, 32, 32)
