@@ -14,6 +14,7 @@ buffers larger than L2 together. Prints a short table and writes JSON to $OUT (o
     PYTHONPATH=src python3 benchmarks/bench_kernels.py            # full run (H200: ~1-2 min)
     PYTHONPATH=src python3 benchmarks/bench_kernels.py --quick    # one shape, for a smoke test
     PYTHONPATH=src python3 benchmarks/bench_kernels.py --precompile  # fill Triton's cache in parallel
+    PYTHONPATH=src python3 benchmarks/bench_kernels.py --fp8      # FP8Linear's casts: kernel vs eager
 """
 
 from __future__ import annotations
@@ -85,6 +86,33 @@ def bench_pack(m, k, gran, colsum, copy_gbs, prologue="none"):
     ms = _bench(fn)
     gbs = pack_bytes(m, k, gran, colsum) / (ms * 1e-3) / 1e9
     return {"ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs}
+
+
+def bench_fp8_cast(m, c, fmt, colsum, copy_gbs):
+    """FP8Linear's row-wise casts (both orientations): Triton kernel vs the eager reference, and
+    the MX packer (granularity "row", the same two-pass structure) on the same tensor."""
+    from mxflux.kernels import fp8_pack_cuda, pack_cuda
+    from mxflux.ops.pack_reference import fp8_pack_reference
+
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    nbuf = max(2, -(-3 * l2 // (m * c * 2)))
+    xs = [torch.randn(m, c, device="cuda").bfloat16() for _ in range(nbuf)]
+    i = [0]
+
+    def rotating(f):
+        def fn():
+            i[0] = (i[0] + 1) % nbuf
+            return f(xs[i[0]])
+        return fn
+
+    nbytes = pack_bytes(m, c, "row", colsum)  # same bytes as the row-scaled MX pack
+    out = {}
+    for name, f in (("fp8_kernel", lambda x: fp8_pack_cuda(x, fmt=fmt, colsum=colsum)),
+                    ("fp8_eager", lambda x: fp8_pack_reference(x, fmt=fmt, colsum=colsum)),
+                    ("mx_row", lambda x: pack_cuda(x, granularity="row", colsum=colsum))):
+        ms = _bench(rotating(f))
+        out[name] = {"ms": ms, "pct_copy": 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs}
+    return out
 
 
 def bench_gemms(m, k, n):
@@ -198,6 +226,7 @@ def main():
     ap.add_argument("--profile-one", metavar="GRAN", help="run pack_cuda on X [16384, 3072] a few times "
                     "(for `ncu -k regex:_pack_kernel`), granularity GRAN")
     ap.add_argument("--ab", action="store_true", help="time both packer I/O variants at two shapes")
+    ap.add_argument("--fp8", action="store_true", help="only FP8Linear's casts: kernel vs eager vs MX pack")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA device")
@@ -217,6 +246,23 @@ def main():
                     row.append(f"{io} {r['ms'] * 1e3:7.1f} us {r['pct_copy']:5.1f}%")
                 print(f"  X[{m}x{k}] gran {str(g):>3s}: " + " | ".join(row), flush=True)
         os.environ["MXFLUX_PACK_IO"] = "auto"
+        return
+    if args.fp8:
+        _warm_up()
+        copy = copy_bandwidth()
+        print(f"FP8 row-wise casts, both orientations (copy {copy:.0f} GB/s): us and % of copy", flush=True)
+        rows = []
+        for m, c, fmt, colsum in ((16384, 3072, "e4m3", False), (16384, 12288, "e4m3", False),
+                                  (16384, 9216, "e5m2", True), (32768, 15360, "e4m3", False)):
+            r = bench_fp8_cast(m, c, fmt, colsum, copy)
+            rows.append({"M": m, "cols": c, "fmt": fmt, "colsum": colsum, **r})
+            print(f"  [{m}x{c}] {fmt}{' +colsum' if colsum else ''}: " + " | ".join(
+                f"{k} {v['ms'] * 1e3:7.1f} us {v['pct_copy']:5.1f}%" for k, v in r.items())
+                + f" | eager/kernel {r['fp8_eager']['ms'] / r['fp8_kernel']['ms']:.1f}x", flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "bench_fp8_cast.json"), "w") as f:
+                json.dump({"copy_GBps": copy, "date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
         return
     if args.profile_one:
         from mxflux.kernels import pack_cuda

@@ -83,7 +83,7 @@ DISTS = {"normal": normal, "student_t": student_t, "adversarial": adversarial}
 
 # ------------------------------------------------------------------ comparison
 def _bits(t):
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.view(torch.int32)
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
 
 
 def assert_bits_equal(name, got, want):

@@ -138,3 +138,23 @@ def test_gemm_errors_name_the_argument():
     with pytest.raises(ValueError, match="K and N"):
         b = torch.zeros(40, 256, device="cuda").to(torch.float8_e4m3fn)
         scaled_gemm_cuda(a, s, b, torch.ones(40, 1, device="cuda"))
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("mm_out_dtype", [True, False], ids=["mm_out_dtype", "fp32_fallback"])
+def test_exact_mode_accumulates_in_fp32_under_autocast(mm_out_dtype, gen, monkeypatch):
+    """A training step's bf16 autocast must not turn the exact mode's fp32 GEMM into a bf16 one
+    (that would round the product once before the fp32 bias and again after it)."""
+    import mxflux.kernels.gemm as gemm
+
+    caps = dict(gemm._caps(torch.empty(0, device="cuda")), mm_out_dtype=mm_out_dtype)
+    monkeypatch.setattr(gemm, "_caps", lambda t: caps)
+    a, b, _ = operands(512, 1024, 3072, 32, gen)  # 1x32 scales select the exact mode
+    bias = 0.1 * torch.randn(1024, generator=_gen(gen), device="cuda")  # fp32 bias: the fp32 branch
+    want = scaled_gemm_reference(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, torch.bfloat16)
+    st = ulp_stats(got, want, torch.zeros_like(got, dtype=torch.float32))
+    assert st["equal"] > 0.99 and st["far_unexplained"] == 0, st  # double rounding: ~1/3 differ

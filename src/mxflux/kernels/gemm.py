@@ -22,6 +22,8 @@ import functools
 
 import torch
 
+from ..mx.matmul import _true_fp32
+
 __all__ = ["GEMM_SHAPE_RULES", "scaled_gemm_cuda", "gemm_mode"]
 
 # What cuBLAS (through torch 2.11 + CUDA 13 on an H200) needs; see benchmarks/RESULTS.md.
@@ -206,15 +208,12 @@ def _exact(a_data, a_scale, b_data, b_scale, bias, out_dtype):
             return torch.nn.functional.linear(a, b, bias)
         finally:
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flag
-    if _caps(a_data)["mm_out_dtype"]:
-        out = torch.mm(a, b.t(), out_dtype=torch.float32)
-    else:  # true fp32 GEMM on the exact values: correct, slower
-        old = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        try:
+    # true fp32 accumulation: no TF32, and not the bf16 of an enclosing autocast region
+    with _true_fp32(a.device.type):
+        if _caps(a_data)["mm_out_dtype"]:
+            out = torch.mm(a, b.t(), out_dtype=torch.float32)
+        else:  # an fp32 GEMM on the exact values: correct, slower
             out = a.float() @ b.float().t()
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = old
     return _finish(out, bias, out_dtype)
 
 

@@ -15,7 +15,7 @@ import os
 import torch
 
 from .gemm_reference import scaled_gemm_reference
-from .pack_reference import pack_reference, padded_rows
+from .pack_reference import FP8_DTYPES, fp8_pack_reference, pack_reference, padded_rows
 
 __all__ = ["mx_pack", "scaled_gemm", "fp8_pack", "use_kernels"]
 
@@ -109,33 +109,19 @@ def _(a_data, a_scale, b_data, b_scale, bias, out_dtype):
 
 # --- FP8 baseline (DESIGN.md: the MLPerf FP8 recipe): row-wise current scaling -------------
 
-FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-
-def _fp8_rowwise(v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row current scaling: scale = amax/max(dtype), data = v/scale saturated into dtype."""
-    fmax = torch.finfo(dtype).max
-    amax = v.abs().amax(dim=1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
-    data = (v.float() / scale).clamp(-fmax, fmax).to(dtype)
-    return data, scale
-
 
 @torch.library.custom_op("mxflux::fp8_pack", mutates_args=())
 def fp8_pack(
     x: torch.Tensor, row: bool, col: bool, fmt: str, colsum: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both orientations of a row-wise-scaled FP8 operand; the col copy is zero-padded to 32 rows."""
-    dtype = FP8_DTYPES[fmt]
-    row_data, row_scale = _fp8_rowwise(x, dtype) if row else (_empty(x.device), _empty(x.device))
-    if col:
-        r = x.shape[0]
-        xt = torch.nn.functional.pad(x, (0, 0, 0, padded_rows(r) - r)).t().contiguous()
-        col_data, col_scale = _fp8_rowwise(xt, dtype)
+    """Both orientations of a row-wise-scaled FP8 operand (fp8_pack_reference); unrequested outputs empty."""
+    if use_kernels(x) and x.dtype == torch.bfloat16 and x.numel() > 0:
+        from ..kernels import fp8_pack_cuda
+
+        outs = fp8_pack_cuda(x, row=row, col=col, fmt=fmt, colsum=colsum)
     else:
-        col_data, col_scale = _empty(x.device), _empty(x.device)
-    sums = x.float().sum(dim=0) if colsum else _empty(x.device)
-    return row_data, row_scale, col_data, col_scale, sums
+        outs = fp8_pack_reference(x, row=row, col=col, fmt=fmt, colsum=colsum)
+    return tuple(_empty(x.device) if t is None else t for t in outs)
 
 
 @fp8_pack.register_fake

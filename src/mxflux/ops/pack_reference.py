@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..mx import fold_to_e4m3, quantize
 
-__all__ = ["PROLOGUES", "Packed", "apply_prologue", "pack_reference", "padded_rows"]
+__all__ = ["FP8_DTYPES", "PROLOGUES", "Packed", "apply_prologue", "fp8_pack_reference", "pack_reference", "padded_rows"]
 
 PROLOGUES = ("none", "gelu_tanh", "gelu_tanh_grad")
 
@@ -86,3 +86,37 @@ def pack_reference(
     if colsum:
         sums = v.float().sum(dim=0)
     return Packed(row_data, row_scale, col_data, col_scale, sums, n_inexact)
+
+
+# --- FP8 baseline (DESIGN.md: the MLPerf FP8 recipe): row-wise current scaling -------------
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _fp8_rowwise(v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row current scaling: scale = amax/max(dtype), data = v/scale saturated into dtype."""
+    fmax = torch.finfo(dtype).max
+    amax = v.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    data = (v.float() / scale).clamp(-fmax, fmax).to(dtype)
+    return data, scale
+
+
+def fp8_pack_reference(x: torch.Tensor, *, row: bool = True, col: bool = True, fmt: str = "e4m3",
+                       colsum: bool = False):
+    """Both orientations of a row-wise-scaled FP8 operand of x [R, C] (what `fp8_pack_cuda` matches).
+
+    Returns (row_data [R, C], row_scale [R, 1], col_data [C, Rp], col_scale [C, 1], colsum [C]),
+    None for what was not asked for; the col copy is x transposed and zero-padded to Rp rows.
+    """
+    if fmt not in FP8_DTYPES:
+        raise ValueError(f"fmt: expected one of {sorted(FP8_DTYPES)}, got {fmt!r}")
+    dtype = FP8_DTYPES[fmt]
+    row_data, row_scale = _fp8_rowwise(x, dtype) if row else (None, None)
+    col_data = col_scale = None
+    if col:
+        r = x.shape[0]
+        xt = F.pad(x, (0, 0, 0, padded_rows(r) - r)).t().contiguous()
+        col_data, col_scale = _fp8_rowwise(xt, dtype)
+    sums = x.float().sum(dim=0) if colsum else None
+    return row_data, row_scale, col_data, col_scale, sums
