@@ -66,10 +66,10 @@ def linear_rows(ms, quick: bool):
             for mode in ("rowwise", "blockwise", "exact"):
                 t[f"mxfp6-{mode}"] = bench(fwd_bwd(MXFP6Linear.from_linear(base, mx_gemm=mode), x, dy))
             t["fp8"] = bench(fwd_bwd(FP8Linear.from_linear(base), x, dy))
-            peer = peer_linear(base)
+            peer_name, peer = peer_linear(base)
             if peer is not None:
                 t["peer"] = bench(fwd_bwd(peer, x, dy))
-            row = {"layer": name, "M": m, "K": k, "N": n, **{f"ms_{k_}": v for k_, v in t.items()},
+            row = {"layer": name, "M": m, "K": k, "N": n, "peer": peer_name, **{f"ms_{k_}": v for k_, v in t.items()},
                    "tflops_bf16": flops / t["bf16"] / 1e9, "tflops_mxfp6": flops / t["mxfp6-rowwise"] / 1e9}
             row["speedup_mxfp6_vs_bf16"] = t["bf16"] / t["mxfp6-rowwise"]
             row["speedup_fp8_vs_bf16"] = t["bf16"] / t["fp8"]
@@ -85,23 +85,49 @@ def linear_rows(ms, quick: bool):
     return rows
 
 
+class _TorchaoMXFP8Linear(nn.Module):
+    """torchao 0.18's MX training matmul (`moe_training.mxfp8_linear`), emulated on Hopper:
+    MXFP8 (E4M3 elements, block 32) quantize-dequantize in PyTorch ops, then bf16 GEMMs. torchao
+    0.18 has no MXFP6 training path any more; this is its closest MX training linear."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+        self.weight = nn.Parameter(base.weight.detach().clone())
+        self.bias = nn.Parameter(base.bias.detach().clone()) if base.bias is not None else None
+        self._mm = lambda x, w: _to_mxfp8_then_scaled_mm(x, w, KernelPreference.EMULATED,
+                                                        ScaleCalculationMode.RCEIL)
+
+    def forward(self, x):
+        y = self._mm(x, self.weight)
+        return y if self.bias is None else y + self.bias
+
+
 def peer_linear(base: nn.Linear):
-    """torchao's MX training linear (emulated on Hopper: dequantize + bf16 GEMM), if importable."""
+    """A peer's MX training linear on this card (emulated on Hopper), if torchao provides one:
+    the old `MXLinear` (MXFP6 E2M3), else torchao 0.18's MXFP8 training matmul."""
     try:
         from torchao.prototype.mx_formats.config import MXLinearConfig
-        from torchao.prototype.mx_formats.mx_linear import MXLinear
         from torchao.prototype.mx_formats.constants import DTYPE_FP6_E2M3
-    except Exception as e:  # noqa: BLE001 - any import problem means "no peer"
-        print(f"peer: torchao MX unavailable ({type(e).__name__}: {e})", file=sys.stderr)
-        return None
-    try:
-        cfg = MXLinearConfig(elem_dtype=DTYPE_FP6_E2M3, block_size=32)
+        from torchao.prototype.mx_formats.mx_linear import MXLinear
+
         lin = nn.Linear(base.in_features, base.out_features, device="cuda", dtype=torch.bfloat16)
         lin.load_state_dict(base.state_dict())
-        return MXLinear.from_float(lin, cfg) if hasattr(MXLinear, "from_float") else None
+        return "torchao MXLinear (MXFP6 E2M3, emulated)", MXLinear.from_float(
+            lin, MXLinearConfig(elem_dtype=DTYPE_FP6_E2M3, block_size=32))
+    except Exception as e:  # noqa: BLE001 - any import problem means "try the next peer"
+        first = f"{type(e).__name__}: {e}"
+    try:
+        peer = _TorchaoMXFP8Linear(base)
+        x = torch.randn(64, base.in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        peer(x).sum().backward()  # fails here, not in the timing, if this card cannot run it
+        return "torchao 0.18 MXFP8 training matmul (emulated)", peer
     except Exception as e:  # noqa: BLE001
-        print(f"peer: torchao MXLinear failed ({type(e).__name__}: {e})", file=sys.stderr)
-        return None
+        print(f"peer: torchao MX training unavailable ({first}; {type(e).__name__}: {e})", file=sys.stderr)
+        return None, None
 
 
 def mlp_rows(ms):

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device call that runs the named stages in order and leaves logs and results under $OUT:
 #   PYTHONPATH=src bash benchmarks/gpu_run.sh tests convergence step fsdp12b
-# tests        the CUDA test suite (tests/gpu)
+# tests        the CUDA test suite (tests/gpu; GPU_TESTS="files" for a subset)
+# fp8cast      benchmarks/bench_kernels.py --fp8: FP8Linear's Triton casts vs eager vs the MX packer
+# kernels      benchmarks/bench_kernels.py: every packer and GEMM at the Flux-12B shapes
+# layers       benchmarks/bench_layers.py: MXFP6Linear / FusedMXFP6MLP / FP8Linear / peer vs bf16
 # convergence  benchmarks/convergence.py: bf16 vs MXFP6, same seed, width 768
 # step         benchmarks/bench_step.py at the flux-12b width (2+4 blocks), compiled, micro-batch 64,
 #              bf16/FP8/MXFP6 side by side
@@ -26,6 +29,12 @@ for stage in "$@"; do
   case $stage in
     tests)
       python3 -m pytest -q --tb=short ${GPU_TESTS:-tests/gpu} -p no:cacheprovider 2>&1 | grep -v "^W11" | tail -25 | tee "$OUT/gpu_tests.log" ;;
+    fp8cast)
+      python3 benchmarks/bench_kernels.py --fp8 --out "$OUT" 2>&1 | grep -v "^W11" | tail -12 ;;
+    kernels)
+      python3 benchmarks/bench_kernels.py --out "$OUT" 2>&1 | grep -v "^W11" | tail -120 ;;
+    layers)
+      python3 benchmarks/bench_layers.py --json "$OUT/bench_layers.json" ${LAYERS_ARGS:-} 2>&1 | grep -v "^W11" | tail -40 ;;
     convergence)
       python3 benchmarks/convergence.py --out "$OUT" ${CONVERGENCE_ARGS:-} 2>&1 | grep -v "^W11" | tail -8 ;;
     step)

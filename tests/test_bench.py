@@ -79,3 +79,32 @@ def test_device_busy_time_skips_annotations_and_merges_overlaps():
         ev(6, "my_range", 0, 500, is_user_annotation=True),
     ]
     assert _busy_us(events) == 60.0  # [10, 60] + [100, 110]
+
+
+def test_cuda_breakdown_counts_each_kernel_once_by_its_name():
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from mxflux.bench.step import device_time_breakdown
+
+    def ev(i, name, start, end, device=DeviceType.CUDA, **kw):
+        return FunctionEvent(i, name, 0, start, end, device_type=device, **kw)
+
+    gemm = ev(3, "nvjet_sm90_qqtst_128x128_bias_TNT", 10, 40)
+    events = [
+        ev(0, "aten::_scaled_mm", 0, 50, DeviceType.CPU),
+        ev(1, "Torch-Compiled Region", 0, 1000, DeviceType.CPU),
+        ev(2, "Torch-Compiled Region", 0, 1000),
+        gemm, gemm,  # the same device event listed twice is one kernel
+        ev(4, "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", 40, 60),  # attention, not gemm
+        ev(5, "_pack_kernel", 60, 70), ev(6, "_fp8_cast_kernel", 70, 75),
+        ev(7, "ncclDevKernel_AllGather_RING_LL", 50, 90),  # overlaps on another stream
+        ev(8, "void at::native::multi_tensor_apply_kernel<...>", 100, 130),
+        ev(9, "my_range", 0, 500, is_user_annotation=True),
+    ]
+    b = device_time_breakdown(events, 2)
+    got = {c: v["ms_per_step"] * 2e3 for c, v in b["categories"].items()}
+    assert got == pytest.approx({"gemm": 30, "attention": 20, "mx_pack": 15, "communication": 40, "other": 30})
+    assert b["total_ms_per_step"] * 2e3 == pytest.approx(135)
+    assert b["busy_ms_per_step"] * 2e3 == pytest.approx(110)  # [10, 90] + [100, 130]
+    assert b["top"][0]["category"] == "communication"

@@ -14,11 +14,11 @@ timing. It reports:
   `peak_tflops` elsewhere, and MFU is null without one (CPU);
 - peak memory: CUDA's max allocated over the timed steps (the largest over ranks), or on the CPU
   the process's peak resident set size (ru_maxrss, whole process lifetime);
-- with profiling, device time per step split into GEMMs (aten::mm/addmm/_scaled_mm and
-  mxflux::scaled_gemm kernels), MX packers (mxflux::mx_pack/fp8_pack, Triton pack kernels),
-  attention (flash/SDPA kernels), communication (NCCL) and the rest: each kernel goes to the
-  category of the innermost profiled op around its launch that has one, else by its name. On
-  the CPU the same split is made of the ops' self CPU time.
+- with profiling, device time per step split into GEMMs (cuBLAS kernels), MX and FP8 packers
+  (our Triton kernels), attention (flash/SDPA kernels), communication (NCCL) and the rest, each
+  kernel counted once from the device side and classified by its name, next to the device's
+  busy time (the union of its activity). On the CPU the split is of the ops' self CPU time,
+  each op going to the category of the innermost op around it that has one.
 
 The batches of the first (at most) two steps are read before anything is timed and reused, so
 data loading is not in the timing; the host-to-device copy of each batch is. The training noise
@@ -64,12 +64,13 @@ _OP_RULES = (
     ("communication", re.compile(r"nccl|gloo|c10d::|all_gather|allgather|reduce_scatter|all_reduce|allreduce"
                                  r"|broadcast", re.I)),
 )
-# Kernels whose ops say nothing: by the kernel's own name.
+# On CUDA, every kernel by its own name (first match; attention before gemm: cuDNN's attention
+# kernels contain "wgmma"). The exact mode's dequantize kernel counts as MX quantization work.
 _KERNEL_RULES = (
     ("communication", re.compile(r"nccl", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
-    ("mx_pack", re.compile(r"_pack_kernel|_prologue_kernel")),
-    ("gemm", re.compile(r"gemm|nvjet|xmma|cublas", re.I)),
+    ("mx_pack", re.compile(r"_pack_kernel|_prologue_kernel|_fp8_amax_kernel|_fp8_cast_kernel|_dequant_kernel")),
+    ("gemm", re.compile(r"gemm|nvjet|xmma|cublas|triton_tem_", re.I)),
 )
 
 
@@ -171,19 +172,31 @@ def _classify(event, kernel_name: str | None) -> str:
     return "other"
 
 
-def _busy_us(events) -> float:
-    """Microseconds the device was busy: the union of its activity intervals (kernels, copies).
+def _device_activities(events) -> list:
+    """The device-side kernel and copy events of a profile, each once.
 
     Skips the GPU-side mirrors of user annotations (record_function, compiled regions): they
-    span whole regions, overlapping the kernels inside them; summing them once counted a 242 ms
-    step as 1630 ms of device time. The union also keeps overlapping streams from adding up.
+    span whole regions, overlapping the kernels inside them (an eager run once summed a 242 ms
+    step to 1630 ms of device time that way).
     """
     from torch.autograd import DeviceType
 
     cpu_names = {e.name for e in events if e.device_type == DeviceType.CPU}
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-                   and e.name not in cpu_names)
+    seen, out = set(), []
+    for e in events:
+        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False) or e.name in cpu_names:
+            continue
+        key = (e.name, e.time_range.start, e.time_range.end, e.device_index)
+        if key not in seen:
+            seen.add(key)
+            out.append(e)
+    return out
+
+
+def _busy_us(events) -> float:
+    """Microseconds the device was busy: the union of its activity intervals (kernels, copies),
+    so that kernels overlapping on several streams (NCCL next to compute) count once."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in _device_activities(events))
     busy, cur_start, cur_end = 0.0, None, None
     for start, end in spans:
         if cur_end is None or start > cur_end:
@@ -197,37 +210,42 @@ def _busy_us(events) -> float:
     return busy
 
 
+def _kernel_category(name: str) -> str:
+    for category, rule in _KERNEL_RULES:
+        if rule.search(name):
+            return category
+    return "other"
+
+
 def device_time_breakdown(events, steps: int, *, device_type: str = "cuda", top: int = 12) -> dict:
     """Split a profile's device time per step into CATEGORIES (and the top kernels or ops).
 
-    `events` is `prof.events()`. On CUDA the time is the kernels' (each attributed through the
-    op that launched it); on the CPU it is the ops' self CPU time.
+    `events` is `prof.events()`. On CUDA every kernel and copy is counted once, from the device
+    side, and classified by its own name (each kernel library names its kernels: cuBLAS nvjet /
+    gemm, cuDNN and flash attention, NCCL, our Triton packers). Summing the kernels listed under
+    each host op instead counted some kernels twice: 448 ms of "device time" for a 282 ms step.
+    `busy_ms_per_step` is the union of the device's activity intervals (overlapping streams
+    once); it is at most the step's wall time. On the CPU the split is the ops' self CPU time.
     """
-    from torch.autograd import DeviceType
-
     us = dict.fromkeys(CATEGORIES, 0.0)
     by_name: dict[tuple[str, str], float] = {}
-    attributed = 0.0
-    for e in events:
-        if e.device_type != DeviceType.CPU:
-            continue
-        if device_type == "cuda":
-            for k in e.kernels:
-                cat = _classify(e, k.name)
-                us[cat] += k.duration
-                attributed += k.duration
-                by_name[(k.name, cat)] = by_name.get((k.name, cat), 0.0) + k.duration
-        elif e.self_cpu_time_total > 0:
-            cat = _classify(e, None)
-            us[cat] += e.self_cpu_time_total
-            by_name[(e.name, cat)] = by_name.get((e.name, cat), 0.0) + e.self_cpu_time_total
-    if device_type == "cuda":  # device activity no op claimed (e.g. launched outside the profiled ops)
-        device_us = _busy_us(events)
-        if device_us > attributed:
-            us["other"] += device_us - attributed
+    if device_type == "cuda":
+        for e in _device_activities(events):
+            cat = _kernel_category(e.name)
+            d = e.time_range.end - e.time_range.start
+            us[cat] += d
+            by_name[(e.name, cat)] = by_name.get((e.name, cat), 0.0) + d
+    else:
+        from torch.autograd import DeviceType
+
+        for e in events:
+            if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0:
+                cat = _classify(e, None)
+                us[cat] += e.self_cpu_time_total
+                by_name[(e.name, cat)] = by_name.get((e.name, cat), 0.0) + e.self_cpu_time_total
     total = sum(us.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
-    return {
+    out = {
         "source": "CUDA kernel time" if device_type == "cuda" else "CPU op self time",
         "steps": steps,
         "total_ms_per_step": total / 1e3 / steps,
@@ -235,6 +253,9 @@ def device_time_breakdown(events, steps: int, *, device_type: str = "cuda", top:
                        for c in CATEGORIES},
         "top": [{"name": n[:120], "category": c, "ms_per_step": t / 1e3 / steps} for (n, c), t in ranked],
     }
+    if device_type == "cuda":
+        out["busy_ms_per_step"] = _busy_us(events) / 1e3 / steps
+    return out
 
 
 def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps: int = 0,
@@ -409,6 +430,9 @@ def print_table(results: list[dict], *, baseline: int | None = 0, console=None) 
         table.add_section()
         table.add_row("device ms / step", *(_fmt(r["breakdown"] and r["breakdown"]["total_ms_per_step"], ".1f")
                                             for r in results))
+        if any(r.get("breakdown") and "busy_ms_per_step" in r["breakdown"] for r in results):
+            table.add_row("  busy (union)", *(_fmt(r["breakdown"] and r["breakdown"].get("busy_ms_per_step"), ".1f")
+                                              for r in results))
         for cat in CATEGORIES:
             table.add_row(f"  {cat}", *(
                 "–" if not r.get("breakdown") else

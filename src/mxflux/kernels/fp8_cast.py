@@ -69,7 +69,7 @@ if HAS_TRITON:
         return x.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF
 
     @triton.jit
-    def _amax_kernel(x_ptr, sx, R, C, row_amax, col_amax, sums, n_rt,
+    def _fp8_amax_kernel(x_ptr, sx, R, C, row_amax, col_amax, sums, n_rt,
                      DO_ROW: tl.constexpr, DO_COL: tl.constexpr, DO_COLSUM: tl.constexpr,
                      HW: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """Pass 1: per-row and per-column max of |x| (bf16 bits) and column sums, by atomics."""
@@ -102,7 +102,7 @@ if HAS_TRITON:
         return tl.where(amax > 0, tl.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), 1.0)
 
     @triton.jit
-    def _cast_kernel(x_ptr, sx, R, C, Rp, row_amax, col_amax, row_data, row_scale, col_data, col_scale,
+    def _fp8_cast_kernel(x_ptr, sx, R, C, Rp, row_amax, col_amax, row_data, row_scale, col_data, col_scale,
                      DO_ROW: tl.constexpr, DO_COL: tl.constexpr, FMT: tl.constexpr, FMAX: tl.constexpr,
                      HW: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
         """Pass 2: x / scale, saturated, to FP8, in both orientations (the column one transposed)."""
@@ -178,11 +178,11 @@ def fp8_pack_cuda(x: torch.Tensor, *, row: bool = True, col: bool = True, fmt: s
         opts = {} if _interpreting() else {"num_warps": 8}
         n_ct, n_rt = -(-C // _BC), -(-R // _BR)
         slots = max(1, min(n_rt, (4 * _num_sms(dev.index or 0) if dev.type == "cuda" else 4) // n_ct))
-        _amax_kernel[(n_ct, slots)](x, x.stride(0), R, C, row_amax, col_amax, sums, n_rt,
+        _fp8_amax_kernel[(n_ct, slots)](x, x.stride(0), R, C, row_amax, col_amax, sums, n_rt,
                                     DO_ROW=row, DO_COL=col, DO_COLSUM=colsum, HW=hw, BR=_BR, BC=_BC, **opts)
         if row or col:
             dummy = ws
-            _cast_kernel[(n_ct, -(-Rp // _BR))](
+            _fp8_cast_kernel[(n_ct, -(-Rp // _BR))](
                 x, x.stride(0), R, C, Rp, row_amax, col_amax,
                 row_data if row else dummy, row_scale if row else dummy,
                 col_data if col else dummy, col_scale if col else dummy,
