@@ -247,3 +247,21 @@ def test_classifier_free_guidance_mixes_prompt_and_empty_velocities(gen):
     assert (guided - plain).abs().max() > 1e-3 and (guided - only_empty).abs().max() > 1e-3
     with pytest.raises(ValueError, match="empty: classifier-free guidance"):
         generate_latents(model, t5, clip, guidance=3.0, **kw)
+
+
+def test_adamw_implementation_is_chosen_and_validated(demo_root, tmp_path):
+    """`optim.implementation`: auto is torch's default on the CPU (fused on CUDA); fused and
+    foreach train; anything else is rejected naming the field."""
+    auto = make_trainer(demo_root, tmp_path / "a", recipe="tiny-bf16")
+    assert not auto.optimizer.defaults.get("fused") and not auto.optimizer.defaults.get("foreach")
+    losses = {}
+    for impl in ("fused", "foreach"):
+        tr = make_trainer(demo_root, tmp_path / impl, f"optim.implementation={impl}", recipe="tiny-bf16")
+        assert tr.optimizer.defaults[impl] is True
+        batch = next(tr._train_batches())
+        before = [p.detach().clone() for p in tr.model.parameters()]
+        losses[impl] = tr.train_step([batch])["loss"]
+        assert any(not torch.equal(a, p) for a, p in zip(before, tr.model.parameters()))
+    assert losses["fused"] == losses["foreach"]  # same weights and batch before the first update
+    with pytest.raises(ValueError, match="implementation"):
+        load_recipe("tiny-bf16", ["optim.implementation=apex"])

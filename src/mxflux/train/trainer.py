@@ -88,8 +88,12 @@ class Trainer:
                                                               dtype=self.compute_dtype)
 
         o = cfg.optim
+        impl = o.implementation
+        if impl == "auto":  # fused on CUDA; torch's own default elsewhere
+            impl = "fused" if self.device.type == "cuda" else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
-                                           eps=o.eps, weight_decay=o.weight_decay)
+                                           eps=o.eps, weight_decay=o.weight_decay,
+                                           **({impl: True} if impl else {}))
         # A partial, not the bound method: no Trainer <-> scheduler reference cycle, so a dropped
         # Trainer frees its (GPU) memory at once instead of at the next garbage collection.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
