@@ -28,7 +28,8 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests)
-      python3 -m pytest -q --tb=short ${GPU_TESTS:-tests/gpu} -p no:cacheprovider 2>&1 | grep -v "^W11" | tail -25 | tee "$OUT/gpu_tests.log" ;;
+      python3 -m pytest -q --tb=short ${GPU_TESTS:-tests/gpu} -p no:cacheprovider 2>&1 | grep -v "^W11" > "$OUT/gpu_tests.log"
+      grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests.log" | tail -40 ;;
     fp8cast)
       python3 benchmarks/bench_kernels.py --fp8 --out "$OUT" 2>&1 | grep -v "^W11" | tail -12 ;;
     kernels)
@@ -46,7 +47,7 @@ for stage in "$@"; do
       n=$(nvidia-smi -L | wc -l)
       for prec in mxfp6 bf16; do
         block=$([ $prec = bf16 ] && echo 'precision={}' || echo 'precision={fp6: e2m3, fused_mlp: "off"}')
-        python3 -m torch.distributed.run --nproc_per_node $n -m mxflux.cli bench step --recipe flux12b-mxfp6-dev \
+        timeout ${FSDP_TIMEOUT:-300} python3 -m torch.distributed.run --nproc_per_node $n -m mxflux.cli bench step --recipe flux12b-mxfp6-dev \
           --synthetic --steps ${FSDP_STEPS:-4} --warmup 2 --json "$OUT/fsdp12b_$prec.json" "$block" \
           ${FSDP_ARGS:-model.compile=false model.activation_checkpointing=true batch.micro_batch_size=8} \
           batch.global_batch_size=$((8 * n)) data.num_workers=2 2>&1 | grep -v "^W11" | tail -12

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .pack import HAS_TRITON, _check_input, _interpreting, _num_sms
+from .pack import HAS_TRITON, _check_input, _interpreting, _launch_opts, _num_sms
 
 if HAS_TRITON:
     import triton
@@ -96,6 +96,12 @@ if HAS_TRITON:
             tl.atomic_add(sums + cols, col_sum, mask=cmask, sem="relaxed")
 
     @triton.jit
+    def _saturate(v, FMAX: tl.constexpr):
+        """clamp(v, -fmax, fmax) keeping NaN (the hardware's max/min would return the other operand)."""
+        nan = tl.PropagateNan.ALL
+        return tl.minimum(tl.maximum(v, -FMAX, propagate_nan=nan), FMAX, propagate_nan=nan)
+
+    @triton.jit
     def _scale_of(amax_bits, FMAX: tl.constexpr):
         """The reference's scale: amax > 0 ? amax / fmax : 1 (IEEE division, NaN stays NaN)."""
         amax = (amax_bits << 16).to(tl.float32, bitcast=True)  # bf16 bits -> fp32, exact
@@ -118,14 +124,14 @@ if HAS_TRITON:
         if DO_ROW:
             rs = _scale_of(tl.load(row_amax + rows, mask=rmask, other=0), FMAX)
             v = tl.div_rn(xf, tl.broadcast_to(rs[:, None], xf.shape))
-            v = tl.minimum(tl.maximum(v, -FMAX), FMAX)
+            v = _saturate(v, FMAX)
             q = _to_fp8(v, FMT, HW)
             tl.store(row_data + rows[:, None].to(tl.int64) * C + cols[None, :], q, mask=m)
             tl.store(row_scale + rows, rs, mask=rmask & (pc == 0))
         if DO_COL:
             cs = _scale_of(tl.load(col_amax + cols, mask=cmask, other=0), FMAX)
             v = tl.div_rn(xf, tl.broadcast_to(cs[None, :], xf.shape))
-            v = tl.minimum(tl.maximum(v, -FMAX), FMAX)
+            v = _saturate(v, FMAX)
             qt = tl.trans(_to_fp8(v, FMT, HW))  # [BC, BR]: contiguous along the column orientation's rows
             pmask = cmask[:, None] & (rows < Rp)[None, :]  # rows R..Rp are x's zero padding: 0 bytes
             tl.store(col_data + cols[:, None].to(tl.int64) * Rp + rows[None, :], qt, mask=pmask)
@@ -175,7 +181,7 @@ def fp8_pack_cuda(x: torch.Tensor, *, row: bool = True, col: bool = True, fmt: s
         x = x.contiguous()
     if row or col or colsum:
         hw = (not _interpreting()) if _hw is None else bool(_hw)
-        opts = {} if _interpreting() else {"num_warps": 8}
+        opts = _launch_opts(8)  # IEEE subnormals in libdevice's division, as torch's kernels
         n_ct, n_rt = -(-C // _BC), -(-R // _BR)
         slots = max(1, min(n_rt, (4 * _num_sms(dev.index or 0) if dev.type == "cuda" else 4) // n_ct))
         _fp8_amax_kernel[(n_ct, slots)](x, x.stride(0), R, C, row_amax, col_amax, sums, n_rt,

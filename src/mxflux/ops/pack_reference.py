@@ -97,7 +97,10 @@ def _fp8_rowwise(v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     """Per-row current scaling: scale = amax/max(dtype), data = v/scale saturated into dtype."""
     fmax = torch.finfo(dtype).max
     amax = v.abs().amax(dim=1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax))
+    # A tensor divisor, not the Python float: torch's CUDA kernel turns division by a CPU scalar
+    # into multiplication by its rounded reciprocal (one bit off for ~half of the amaxes), the CPU
+    # divides. IEEE division on every device is the definition the Triton casts reproduce.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, fmax), torch.ones_like(amax))
     data = (v.float() / scale).clamp(-fmax, fmax).to(dtype)
     return data, scale
 
