@@ -4,6 +4,7 @@ Every ratio is measured side by side in one run (these machines are noisy; absol
 mean something on the GPU). Times are forward+backward medians from triton.testing.do_bench.
 
     PYTHONPATH=src python benchmarks/bench_layers.py [--m 16384 32768] [--quick] [--json OUT.json]
+    PYTHONPATH=src python benchmarks/bench_layers.py --profile proj 16384 --profile proj 32768
 
 Also measures, on a real Flux training step (one double + one single block at width 3072,
 zero-init broken), the fraction of MX blocks outside the FP8 fold window for every operand of
@@ -210,15 +211,49 @@ def fold_window_study(batch: int = 4):
     return {"summary": summary, "tensors": per_tensor}
 
 
+def profile_layer(name: str, m: int, variants=("bf16", "mxfp6", "fp8"), steps: int = 5) -> None:
+    """Per-kernel device time of one linear's forward+backward (where a slow shape spends it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    k, n = FLUX_LINEARS[name]
+    base = nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    mods = {"bf16": base, "mxfp6": MXFP6Linear.from_linear(base), "fp8": FP8Linear.from_linear(base)}
+    for v in variants:
+        step = fwd_bwd(mods[v], x, dy)
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+        kernels: dict[str, list[float]] = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                kernels.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+        total = sum(sum(t) for t in kernels.values()) / steps
+        print(f"{name} M={m} {v}: {total / 1e3:.3f} ms of kernels per fwd+bwd", flush=True)
+        for kname, ts in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:8]:
+            print(f"    {sum(ts) / steps / 1e3:7.3f} ms  x{len(ts) // steps}  {kname[:110]}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--m", type=int, nargs="+", default=[16384, 32768])
     ap.add_argument("--quick", action="store_true", help="two linear shapes only")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", nargs="*", default=[], choices=["linear", "mlp", "fold"])
+    ap.add_argument("--profile", nargs=2, metavar=("LAYER", "M"), action="append",
+                    help=f"only print the kernels of one linear's fwd+bwd (LAYER in {list(FLUX_LINEARS)})")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_layers: needs a CUDA device")
+    if args.profile:
+        for layer, m in args.profile:
+            profile_layer(layer, int(m))
+        return
     print(f"device: {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if "fold" not in args.skip:

@@ -43,14 +43,15 @@ for stage in "$@"; do
       python3 benchmarks/bench_step.py --json "$OUT/bench_step.json" \
         "${STEP_MODEL:-model.overrides={depth: 2, depth_single_blocks: 4}}" \
         ${STEP_ARGS:---compile --mbs 64 --steps 8 --warmup 3 --profile-steps 1} 2>&1 | grep -v "^W11" | tail -30 ;;
-    fsdp12b)  # the full flux-12b under FSDP2 on all visible GPUs, bf16 then MXFP6 (same recipe otherwise)
+    fsdp12b)  # the full flux-12b under FSDP2 on all visible GPUs, MXFP6 then bf16 (same recipe otherwise)
       n=$(nvidia-smi -L | wc -l)
       for prec in mxfp6 bf16; do
         block=$([ $prec = bf16 ] && echo 'precision={}' || echo 'precision={fp6: e2m3, fused_mlp: "off"}')
+        mbs=${FSDP_MBS:-8}
         timeout ${FSDP_TIMEOUT:-300} python3 -m torch.distributed.run --nproc_per_node $n -m mxflux.cli bench step --recipe flux12b-mxfp6-dev \
-          --synthetic --steps ${FSDP_STEPS:-4} --warmup 2 --json "$OUT/fsdp12b_$prec.json" "$block" \
-          ${FSDP_ARGS:-model.compile=false model.activation_checkpointing=true batch.micro_batch_size=8} \
-          batch.global_batch_size=$((8 * n)) data.num_workers=2 2>&1 | grep -v "^W11" | tail -12
+          --synthetic --steps ${FSDP_STEPS:-4} --warmup 2 --profile-steps ${FSDP_PROFILE:-1} --json "$OUT/fsdp12b_$prec.json" "$block" \
+          ${FSDP_ARGS:-model.compile=false model.activation_checkpointing=true} batch.micro_batch_size=$mbs \
+          batch.global_batch_size=$((mbs * n)) data.num_workers=2 2>&1 | grep -v "^W11" | tail -22
       done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -98,8 +98,8 @@ if HAS_TRITON:
     @triton.jit
     def _saturate(v, FMAX: tl.constexpr):
         """clamp(v, -fmax, fmax) keeping NaN (the hardware's max/min would return the other operand)."""
-        nan = tl.PropagateNan.ALL
-        return tl.minimum(tl.maximum(v, -FMAX, propagate_nan=nan), FMAX, propagate_nan=nan)
+        v = tl.maximum(v, -FMAX, propagate_nan=tl.PropagateNan.ALL)
+        return tl.minimum(v, FMAX, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
     def _scale_of(amax_bits, FMAX: tl.constexpr):
