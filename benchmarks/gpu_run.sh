@@ -5,6 +5,7 @@
 # fp8cast      benchmarks/bench_kernels.py --fp8: FP8Linear's Triton casts vs eager vs the MX packer
 # kernels      benchmarks/bench_kernels.py: every packer and GEMM at the Flux-12B shapes
 # layers       benchmarks/bench_layers.py: MXFP6Linear / FusedMXFP6MLP / FP8Linear / peer vs bf16
+# layerprofile per-kernel times of single linears (LAYER_PROFILE="proj 16384 proj 32768")
 # convergence  benchmarks/convergence.py: bf16 vs MXFP6, same seed, width 768
 # step         benchmarks/bench_step.py at the flux-12b width (2+4 blocks), compiled, micro-batch 64,
 #              bf16/FP8/MXFP6 side by side
@@ -34,6 +35,10 @@ for stage in "$@"; do
       python3 benchmarks/bench_kernels.py --fp8 --out "$OUT" 2>&1 | grep -v "^W11" | tail -12 ;;
     kernels)
       python3 benchmarks/bench_kernels.py --out "$OUT" 2>&1 | grep -v "^W11" | tail -120 ;;
+    layerprofile)  # per-kernel time of single linears' fwd+bwd (LAYER_PROFILE="proj 16384 qkv 32768 ...")
+      set -- ${LAYER_PROFILE:-proj 16384 proj 32768}; a=()
+      while [ $# -ge 2 ]; do a+=(--profile "$1" "$2"); shift 2; done
+      python3 benchmarks/bench_layers.py "${a[@]}" 2>&1 | grep -v "^W11" | tail -60 ;;
     layers)
       python3 benchmarks/bench_layers.py --json "$OUT/bench_layers.json" ${LAYERS_ARGS:-} 2>&1 | grep -v "^W11" | tail -40 ;;
     convergence)

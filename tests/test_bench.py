@@ -108,3 +108,6 @@ def test_cuda_breakdown_counts_each_kernel_once_by_its_name():
     assert b["total_ms_per_step"] * 2e3 == pytest.approx(135)
     assert b["busy_ms_per_step"] * 2e3 == pytest.approx(110)  # [10, 90] + [100, 130]
     assert b["top"][0]["category"] == "communication"
+    assert b["idle_gaps"][0] == {"ms": pytest.approx(0.01), "after": "ncclDevKernel_AllGather_RING_LL",
+                                 "before": "void at::native::multi_tensor_apply_kernel<...>"}
+    assert [h["name"] for h in b["host_top"]] == ["Torch-Compiled Region", "aten::_scaled_mm"]

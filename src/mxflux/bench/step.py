@@ -210,6 +210,31 @@ def _busy_us(events) -> float:
     return busy
 
 
+def _idle_gaps(events, top: int = 6) -> list[dict]:
+    """The longest stretches with no device activity, with the activities either side of each
+    (where a host-bound step waits: a sync, a slow launch, Python between regions)."""
+    acts = sorted(_device_activities(events), key=lambda e: e.time_range.start)
+    gaps, end, last = [], None, None
+    for e in acts:
+        if end is not None and e.time_range.start > end:
+            gaps.append((e.time_range.start - end, last.name, e.name))
+        if end is None or e.time_range.end > end:
+            end, last = e.time_range.end, e
+    gaps.sort(key=lambda g: -g[0])
+    return [{"ms": g / 1e3, "after": a[:80], "before": b[:80]} for g, a, b in gaps[:top]]
+
+
+def _host_top(events, top: int = 8) -> list[dict]:
+    """Host ops by self CPU time (what the CPU did while the device may have waited)."""
+    from torch.autograd import DeviceType
+
+    by_name: dict[str, float] = {}
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.self_cpu_time_total
+    return [{"name": n[:80], "ms": t / 1e3} for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]
+
+
 def _kernel_category(name: str) -> str:
     for category, rule in _KERNEL_RULES:
         if rule.search(name):
@@ -255,6 +280,8 @@ def device_time_breakdown(events, steps: int, *, device_type: str = "cuda", top:
     }
     if device_type == "cuda":
         out["busy_ms_per_step"] = _busy_us(events) / 1e3 / steps
+        out["idle_gaps"] = _idle_gaps(events)
+        out["host_top"] = _host_top(events)
     return out
 
 
