@@ -68,7 +68,10 @@ _K_KAPPA = float(torch.tensor(0.044715, dtype=torch.float32))
 _K_3KAPPA = float(torch.tensor(3.0, dtype=torch.float32) * torch.tensor(_K_KAPPA, dtype=torch.float32))
 
 
+@functools.cache
 def _interpreting() -> bool:
+    """Triton's CPU interpreter. Read once, as Triton itself reads it when the kernels are defined
+    (an environment lookup per call was a measurable part of the launch path's host time)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -1,7 +1,12 @@
 """torch.library custom ops for every MX/FP8 step, with fake (meta) implementations.
 
 Being opaque custom ops with fake impls is what lets `torch.compile` trace MX linears with no
-graph breaks (DESIGN.md §4). Each op dispatches on the device: CUDA runs the Triton packers
+graph breaks (DESIGN.md §4). They are defined with the low-level `torch.library.Library` API
+(a schema string and one Python kernel for every backend) rather than the `custom_op`
+decorator: the decorator's Python wrapper cost ~100 us of host time per call (measured with an
+empty body: 120 us vs 28 us), and a training step of Flux-12B makes thousands of these calls, so
+the step became host-bound (benchmarks/RESULTS.md). The ops are only ever called inside our
+autograd Functions, so they need no autograd formula of their own. Each op dispatches on the device: CUDA runs the Triton packers
 and cuBLAS FP8 GEMMs of `mxflux.kernels`; on the CPU the packer is the compiled, bit-identical
 `kernels.pack_cpu` (numba) and the GEMM the reference; everything else runs the pure-PyTorch
 reference, which is also the definition the kernels are tested against. `MXFLUX_REFERENCE=1`
@@ -35,8 +40,22 @@ def _empty(device) -> torch.Tensor:
     return torch.empty(0, dtype=_EMPTY_DTYPE, device=device)
 
 
-@torch.library.custom_op("mxflux::mx_pack", mutates_args=("counter",))
-def mx_pack(
+_LIB = torch.library.Library("mxflux", "DEF")  # kept alive for the process: it owns the registrations
+_LIB.define("mx_pack(Tensor x, Tensor? aux, Tensor(a!) counter, bool row, bool col, int granularity, "
+            "bool hadamard, str prologue, bool colsum) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+_LIB.define("scaled_gemm(Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, Tensor? bias, "
+            "ScalarType out_dtype) -> Tensor")
+_LIB.define("fp8_pack(Tensor x, bool row, bool col, str fmt, bool colsum) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+def _register(name: str, kernel, fake):
+    """One Python kernel for every backend (it dispatches on the device itself), and the fake."""
+    _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"mxflux::{name}", fake, lib=_LIB)
+    return getattr(torch.ops.mxflux, name)
+
+
+def _mx_pack(
     x: torch.Tensor,
     aux: torch.Tensor | None,
     counter: torch.Tensor,
@@ -68,8 +87,7 @@ def mx_pack(
     return tuple(_empty(x.device) if t is None else t for t in outs)
 
 
-@mx_pack.register_fake
-def _(x, aux, counter, row, col, granularity, hadamard, prologue, colsum):
+def _mx_pack_fake(x, aux, counter, row, col, granularity, hadamard, prologue, colsum):
     r, c = x.shape
     rp = padded_rows(r, _granularity(granularity))
     e = x.new_empty(0, dtype=_EMPTY_DTYPE)
@@ -85,8 +103,10 @@ def _(x, aux, counter, row, col, granularity, hadamard, prologue, colsum):
     )
 
 
-@torch.library.custom_op("mxflux::scaled_gemm", mutates_args=())
-def scaled_gemm(
+mx_pack = _register("mx_pack", _mx_pack, _mx_pack_fake)
+
+
+def _scaled_gemm(
     a_data: torch.Tensor,
     a_scale: torch.Tensor,
     b_data: torch.Tensor,
@@ -102,16 +122,17 @@ def scaled_gemm(
     return scaled_gemm_reference(a_data, a_scale, b_data, b_scale, bias, out_dtype)
 
 
-@scaled_gemm.register_fake
-def _(a_data, a_scale, b_data, b_scale, bias, out_dtype):
+def _scaled_gemm_fake(a_data, a_scale, b_data, b_scale, bias, out_dtype):
     return a_data.new_empty(a_data.shape[0], b_data.shape[0], dtype=out_dtype)
+
+
+scaled_gemm = _register("scaled_gemm", _scaled_gemm, _scaled_gemm_fake)
 
 
 # --- FP8 baseline (DESIGN.md: the MLPerf FP8 recipe): row-wise current scaling -------------
 
 
-@torch.library.custom_op("mxflux::fp8_pack", mutates_args=())
-def fp8_pack(
+def _fp8_pack(
     x: torch.Tensor, row: bool, col: bool, fmt: str, colsum: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Both orientations of a row-wise-scaled FP8 operand (fp8_pack_reference); unrequested outputs empty."""
@@ -124,8 +145,7 @@ def fp8_pack(
     return tuple(_empty(x.device) if t is None else t for t in outs)
 
 
-@fp8_pack.register_fake
-def _(x, row, col, fmt, colsum):
+def _fp8_pack_fake(x, row, col, fmt, colsum):
     r, c = x.shape
     rp = padded_rows(r)
     dtype = FP8_DTYPES[fmt]
@@ -137,3 +157,6 @@ def _(x, row, col, fmt, colsum):
         x.new_empty(c, 1, dtype=torch.float32) if col else e.clone(),
         x.new_empty(c, dtype=torch.float32) if colsum else e.clone(),
     )
+
+
+fp8_pack = _register("fp8_pack", _fp8_pack, _fp8_pack_fake)
