@@ -107,6 +107,7 @@ def test_cuda_breakdown_counts_each_kernel_once_by_its_name():
     assert got == pytest.approx({"gemm": 30, "attention": 20, "mx_pack": 15, "communication": 40, "other": 30})
     assert b["total_ms_per_step"] * 2e3 == pytest.approx(135)
     assert b["busy_ms_per_step"] * 2e3 == pytest.approx(110)  # [10, 90] + [100, 130]
+    assert b["span_ms_per_step"] * 2e3 == pytest.approx(120) and b["activities_per_step"] == 3.0  # 6 kernels, the duplicate once
     assert b["top"][0]["category"] == "communication"
     assert b["idle_gaps"][0] == {"ms": pytest.approx(0.01), "after": "ncclDevKernel_AllGather_RING_LL",
                                  "before": "void at::native::multi_tensor_apply_kernel<...>"}

@@ -280,6 +280,11 @@ def device_time_breakdown(events, steps: int, *, device_type: str = "cuda", top:
     }
     if device_type == "cuda":
         out["busy_ms_per_step"] = _busy_us(events) / 1e3 / steps
+        acts = _device_activities(events)
+        if acts:  # the device's first-to-last span: busy + the bubbles between kernels
+            span = max(e.time_range.end for e in acts) - min(e.time_range.start for e in acts)
+            out["span_ms_per_step"] = span / 1e3 / steps
+            out["activities_per_step"] = len(acts) / steps
         out["idle_gaps"] = _idle_gaps(events)
         out["host_top"] = _host_top(events)
     return out
