@@ -265,3 +265,15 @@ def test_adamw_implementation_is_chosen_and_validated(demo_root, tmp_path):
     assert losses["fused"] == losses["foreach"]  # same weights and batch before the first update
     with pytest.raises(ValueError, match="implementation"):
         load_recipe("tiny-bf16", ["optim.implementation=apex"])
+
+
+def test_blocks_compile_with_the_recipe_mode(demo_root, tmp_path, monkeypatch):
+    """`model.compile_mode` reaches torch.compile for every block; a bad mode names the field."""
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: modes.append(mode) or fn)
+    tr = make_trainer(demo_root, tmp_path, "model.compile=true", "model.compile_mode=reduce-overhead",
+                      recipe="tiny-bf16")
+    n_blocks = len(tr.model.double_blocks) + len(tr.model.single_blocks)
+    assert modes == ["reduce-overhead"] * n_blocks and n_blocks > 0
+    with pytest.raises(ValueError, match="compile_mode"):
+        load_recipe("tiny-bf16", ["model.compile_mode=fast"])

@@ -28,6 +28,9 @@ class ModelSection(_Section):
     # Fields of that FluxConfig to replace, e.g. {depth: 4, depth_single_blocks: 8} (studies, benchmarks)
     overrides: dict[str, int | float] = {}
     compile: bool = False  # torch.compile each transformer block
+    # torch.compile's mode for those blocks; "reduce-overhead" replays them as CUDA graphs (fewer
+    # host launches and inter-kernel bubbles; not yet measured here, see benchmarks/NOTES.md)
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     activation_checkpointing: bool = False  # recompute each block in backward
 
     def flux_config(self):

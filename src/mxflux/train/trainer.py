@@ -122,7 +122,7 @@ class Trainer:
                 if self.cfg.model.activation_checkpointing:
                     fwd = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(fwd)
                 if self.cfg.model.compile:
-                    fwd = torch.compile(fwd)
+                    fwd = torch.compile(fwd, mode=self.cfg.model.compile_mode)
                 block.forward = fwd
 
     def mx_modules(self) -> list[MXFP6Linear]:
