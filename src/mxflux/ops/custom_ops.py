@@ -6,11 +6,13 @@ graph breaks (DESIGN.md §4). They are defined with the low-level `torch.library
 decorator: the decorator's Python wrapper cost ~100 us of host time per call (measured with an
 empty body: 120 us vs 28 us), and a training step of Flux-12B makes thousands of these calls, so
 the step became host-bound (benchmarks/RESULTS.md). The ops are only ever called inside our
-autograd Functions, so they need no autograd formula of their own. Each op dispatches on the device: CUDA runs the Triton packers
-and cuBLAS FP8 GEMMs of `mxflux.kernels`; on the CPU the packer is the compiled, bit-identical
-`kernels.pack_cpu` (numba) and the GEMM the reference; everything else runs the pure-PyTorch
-reference, which is also the definition the kernels are tested against. `MXFLUX_REFERENCE=1`
-forces the reference everywhere (for A/B numerics checks).
+autograd Functions, so they need no autograd formula of their own.
+
+Each op dispatches on the device: CUDA runs the Triton packers and cuBLAS FP8 GEMMs of
+`mxflux.kernels`; on the CPU the packer is the compiled, bit-identical `kernels.pack_cpu`
+(numba) and the GEMM the reference; everything else runs the pure-PyTorch reference, which is
+also the definition the kernels are tested against. `MXFLUX_REFERENCE=1` forces the reference
+everywhere (for A/B numerics checks).
 """
 
 from __future__ import annotations
