@@ -54,8 +54,8 @@ PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 CATEGORIES = ("gemm", "mx_pack", "attention", "communication", "other")
 
-# The first profiled op (walking outward from the one that launched a kernel) that matches a
-# rule gives the kernel's category.
+# On the CPU, the first profiled op (walking outward from an op) that matches a rule gives the
+# op's category.
 _OP_RULES = (
     ("mx_pack", re.compile(r"mxflux::(mx_pack|fp8_pack)")),
     ("gemm", re.compile(r"^(aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm|_scaled_grouped_mm|matmul|linear)"
@@ -158,17 +158,14 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def _classify(event, kernel_name: str | None) -> str:
+def _classify(event) -> str:
+    """A host op's category: the first op (walking outward from it) that matches an _OP_RULES rule."""
     e = event
     while e is not None:
         for category, rule in _OP_RULES:
             if rule.search(e.name):
                 return category
         e = e.cpu_parent
-    if kernel_name:
-        for category, rule in _KERNEL_RULES:
-            if rule.search(kernel_name):
-                return category
     return "other"
 
 
@@ -265,7 +262,7 @@ def device_time_breakdown(events, steps: int, *, device_type: str = "cuda", top:
 
         for e in events:
             if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0:
-                cat = _classify(e, None)
+                cat = _classify(e)
                 us[cat] += e.self_cpu_time_total
                 by_name[(e.name, cat)] = by_name.get((e.name, cat), 0.0) + e.self_cpu_time_total
     total = sum(us.values())
