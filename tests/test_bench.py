@@ -107,8 +107,25 @@ def test_cuda_breakdown_counts_each_kernel_once_by_its_name():
     assert got == pytest.approx({"gemm": 30, "attention": 20, "mx_pack": 15, "communication": 40, "other": 30})
     assert b["total_ms_per_step"] * 2e3 == pytest.approx(135)
     assert b["busy_ms_per_step"] * 2e3 == pytest.approx(110)  # [10, 90] + [100, 130]
+    assert b["exposed_communication_ms_per_step"] * 2e3 == pytest.approx(15)  # NCCL [50, 90] alone in [75, 90]
     assert b["span_ms_per_step"] * 2e3 == pytest.approx(120) and b["activities_per_step"] == 3.0  # 6 kernels, the duplicate once
     assert b["top"][0]["category"] == "communication"
     assert b["idle_gaps"][0] == {"ms": pytest.approx(0.01), "after": "ncclDevKernel_AllGather_RING_LL",
                                  "before": "void at::native::multi_tensor_apply_kernel<...>"}
     assert [h["name"] for h in b["host_top"]] == ["Torch-Compiled Region", "aten::_scaled_mm"]
+
+
+def test_exposed_communication_is_nccl_time_no_other_kernel_overlaps():
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from mxflux.bench.step import _exposed_comm_us
+
+    def ev(i, name, start, end):
+        return FunctionEvent(i, name, 0, start, end, device_type=DeviceType.CUDA)
+
+    events = [ev(0, "ncclKernel_AllGather", 0, 10), ev(1, "ncclKernel_ReduceScatter", 20, 30),
+              ev(2, "ncclKernel_AllGather", 35, 50), ev(3, "nvjet_gemm", 5, 25), ev(4, "triton_poi", 28, 40)]
+    # comm 35 us; overlapped [5,10] [20,25] [28,30] [35,40] = 17 us
+    assert _exposed_comm_us(events) == pytest.approx(18)
+    assert _exposed_comm_us(events[3:]) == 0

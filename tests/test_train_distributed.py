@@ -46,6 +46,10 @@ def test_fsdp_and_ddp_agree_and_resume_exactly(data, tmp_path):
     ddp = train(2, tmp_path / "ddp", data, "--max-steps", "4", "--set", "distributed.strategy=ddp", port=29612)
     assert len(full) == 4
     assert ddp == pytest.approx(full, rel=1e-5)  # same samples, same noise, same reduction
+    # FSDP2 units of 2 blocks (fewer, bigger collectives): the same arithmetic per element
+    grouped = train(2, tmp_path / "grouped", data, "--max-steps", "4", "--set", "distributed.strategy=fsdp",
+                    "--set", "distributed.fsdp_blocks_per_unit=2", port=29616)
+    assert grouped == pytest.approx(full, rel=1e-6)
 
     half = train(2, tmp_path / "half", data, "--max-steps", "2", "--set", "distributed.strategy=fsdp", port=29613)
     resumed = train(2, tmp_path / "half", data, "--max-steps", "2", "--resume", str(tmp_path / "half"),
@@ -149,3 +153,29 @@ def test_sharded_checkpoint_is_atomic_in_one_process(tmp_path, monkeypatch):
     # One process reads a sharded directory whole, too (torch.distributed.checkpoint.format_utils).
     state = load_checkpoint(run)
     assert state["v"] == 3 and torch.equal(state["w"], torch.full((4,), 7.0))
+
+
+def test_fsdp_units_group_consecutive_blocks(monkeypatch):
+    """`fsdp_blocks_per_unit=2`: each pair of consecutive blocks of a kind shares one FSDP2 unit
+    (one all-gather, one reduce-scatter); 1 gives every block its own (one-process gloo group)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from mxflux.model import Flux, flux_config
+    from mxflux.train.config import DistributedSection
+    from mxflux.train.distributed import DistContext, wrap_model
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29617")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        ctx = DistContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))  # "not alone"
+        units = {}
+        for n in (1, 2):
+            model = Flux(flux_config("flux-tiny", depth=3, depth_single_blocks=4))
+            wrap_model(model, DistributedSection(fsdp_blocks_per_unit=n), ctx, param_dtype=torch.float32)
+            states = [fully_shard.state(b) for b in [*model.double_blocks, *model.single_blocks]]
+            units[n] = len({id(s) for s in states})
+        assert units == {1: 7, 2: 2 + 2}  # doubles (0,1)(2); singles (0,1)(2,3)
+    finally:
+        dist.destroy_process_group()

@@ -190,21 +190,43 @@ def _device_activities(events) -> list:
     return out
 
 
+def _merged(spans) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as sorted, disjoint intervals."""
+    out: list[list[float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def _length(spans) -> float:
+    return sum(b - a for a, b in spans)
+
+
 def _busy_us(events) -> float:
     """Microseconds the device was busy: the union of its activity intervals (kernels, copies),
     so that kernels overlapping on several streams (NCCL next to compute) count once."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in _device_activities(events))
-    busy, cur_start, cur_end = 0.0, None, None
-    for start, end in spans:
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                busy += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        busy += cur_end - cur_start
-    return busy
+    return _length(_merged((e.time_range.start, e.time_range.end) for e in _device_activities(events)))
+
+
+def _exposed_comm_us(events) -> float:
+    """Microseconds in which communication kernels ran and nothing else did: the collective time
+    that compute did not hide (the union of NCCL intervals minus its overlap with all others)."""
+    comm, rest = [], []
+    for e in _device_activities(events):
+        (comm if _kernel_category(e.name) == "communication" else rest).append((e.time_range.start, e.time_range.end))
+    comm, rest = _merged(comm), _merged(rest)
+    overlap, j = 0.0, 0
+    for a, b in comm:  # both lists sorted and disjoint: one sweep
+        while j < len(rest) and rest[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(rest) and rest[k][0] < b:
+            overlap += min(b, rest[k][1]) - max(a, rest[k][0])
+            k += 1
+    return _length(comm) - overlap
 
 
 def _idle_gaps(events, top: int = 6) -> list[dict]:
@@ -277,6 +299,7 @@ def device_time_breakdown(events, steps: int, *, device_type: str = "cuda", top:
     }
     if device_type == "cuda":
         out["busy_ms_per_step"] = _busy_us(events) / 1e3 / steps
+        out["exposed_communication_ms_per_step"] = _exposed_comm_us(events) / 1e3 / steps
         acts = _device_activities(events)
         if acts:  # the device's first-to-last span: busy + the bubbles between kernels
             span = max(e.time_range.end for e in acts) - min(e.time_range.start for e in acts)
@@ -462,6 +485,9 @@ def print_table(results: list[dict], *, baseline: int | None = 0, console=None) 
         if any(r.get("breakdown") and "busy_ms_per_step" in r["breakdown"] for r in results):
             table.add_row("  busy (union)", *(_fmt(r["breakdown"] and r["breakdown"].get("busy_ms_per_step"), ".1f")
                                               for r in results))
+            table.add_row("  exposed comm.", *(
+                _fmt(r["breakdown"] and r["breakdown"].get("exposed_communication_ms_per_step"), ".1f")
+                for r in results))
         for cat in CATEGORIES:
             table.add_row(f"  {cat}", *(
                 "–" if not r.get("breakdown") else

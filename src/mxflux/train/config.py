@@ -121,6 +121,11 @@ class DistributedSection(_Section):
     strategy: Literal["fsdp", "ddp"] = "fsdp"
     ddp_bucket_mb: float = Field(25.0, gt=0)
     fsdp_reshard_after_forward: bool = True
+    # FSDP2's communication granularity: consecutive transformer blocks (of one kind) that share
+    # one unit, i.e. one parameter all-gather and one gradient reduce-scatter. Larger units mean
+    # fewer, bigger collectives and more unsharded parameters alive at once (the analogue of the
+    # seed's ddp_bucket_size sweep; benchmarks/sweep_comm.py).
+    fsdp_blocks_per_unit: int = Field(1, ge=1)
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
 
 

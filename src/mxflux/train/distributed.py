@@ -71,9 +71,13 @@ def wrap_model(model: nn.Module, cfg: DistributedSection, ctx: DistContext, *,
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=getattr(torch, cfg.reduce_dtype),
                               cast_forward_inputs=False)
+    n = cfg.fsdp_blocks_per_unit
     for blocks in (model.double_blocks, model.single_blocks):
-        for block in blocks:
-            fully_shard(block, mp_policy=mp, reshard_after_forward=cfg.fsdp_reshard_after_forward)
+        blocks = list(blocks)
+        for i in range(0, len(blocks), n):
+            unit = blocks[i:i + n]  # one all-gather / reduce-scatter for these blocks together
+            fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=mp,
+                        reshard_after_forward=cfg.fsdp_reshard_after_forward)
     fully_shard(model, mp_policy=mp, reshard_after_forward=cfg.fsdp_reshard_after_forward)
     return model
 
