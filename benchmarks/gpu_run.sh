@@ -10,6 +10,7 @@
 # step         benchmarks/bench_step.py at the flux-12b width (2+4 blocks), compiled, micro-batch 64,
 #              bf16/FP8/MXFP6 side by side
 # fsdp12b      flux-12b with FSDP2 over every visible GPU (`mxflux bench step` under torchrun)
+# sweepcomm    benchmarks/sweep_comm.py: FSDP2 blocks per unit for SWEEP_RECIPE on every visible GPU
 # Two GPUs, one call (background job + `wait`, never a pgrep on a pattern the command line contains):
 #   export OUT; CUDA_VISIBLE_DEVICES=1 bash benchmarks/gpu_run.sh convergence >$OUT/conv.log 2>&1 &
 #   CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_run.sh step >$OUT/step.log 2>&1; wait
@@ -58,6 +59,11 @@ for stage in "$@"; do
           ${FSDP_ARGS:-model.compile=false model.activation_checkpointing=true} batch.micro_batch_size=$mbs \
           batch.global_batch_size=$((mbs * n)) data.num_workers=2 2>&1 | grep -v "^W11" | tail -22
       done ;;
+    sweepcomm)  # FSDP2 blocks per unit (communication granularity), SWEEP_RECIPE on all visible GPUs
+      n=$(nvidia-smi -L | wc -l)
+      timeout ${SWEEP_TIMEOUT:-540} python3 -m torch.distributed.run --nproc_per_node $n benchmarks/sweep_comm.py \
+        --recipe ${SWEEP_RECIPE:-flux12b-mxfp6-mlperf} ${SWEEP_ARGS:---units 1,2,4 --mbs 64 --steps 4 --warmup 2} \
+        --json "$OUT/sweep_comm.json" 2>&1 | grep -v "^W11" | tail -40 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

@@ -24,3 +24,23 @@ def test_convergence_study_runs_both_precisions_and_writes_curves(tmp_path):
     assert last < first  # the loss falls
     assert abs(r["final_ratio_mxfp6_over_bf16"] - r["curves"]["mxfp6"][-1][1] / r["curves"]["bf16"][-1][1]) < 1e-12
     assert (tmp_path / result.name.replace(".json", ".png")).stat().st_size > 1000
+
+
+def test_comm_sweep_runs_every_setting_on_two_ranks(tmp_path):
+    """benchmarks/sweep_comm.py under torchrun with 2 gloo ranks: FSDP units 1 and 2 and one DDP
+    bucket size, each through the harness, and a JSON with one result per setting."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29631",
+           str(ROOT / "benchmarks" / "sweep_comm.py"), "--recipe", "tiny-bf16", "--units", "1,2",
+           "--ddp-buckets", "1", "--mbs", "2", "--steps", "1", "--warmup", "1", "--profile-steps", "0",
+           "--image-size", "128", "--text-len", "64", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, timeout=600, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [r["label"] for r in results] == ["fsdp u1", "fsdp u2", "ddp 1MB"]
+    assert all(r["world_size"] == 2 and r["global_batch_size"] == 4 and r["images_per_s_per_gpu"] > 0
+               for r in results)
+    assert [(r["distributed"]["strategy"], r["distributed"]["fsdp_blocks_per_unit"], r["distributed"]["ddp_bucket_mb"])
+            for r in results] == [("fsdp", 1, 25.0), ("fsdp", 2, 25.0), ("ddp", 1, 1.0)]
+    assert "optimum: " in proc.stdout

@@ -415,6 +415,7 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
         "compile": cfg.model.compile,
         "device": _device_name(device),
         "world_size": ctx.world_size,
+        "distributed": cfg.distributed.model_dump() if ctx.world_size > 1 else None,
         "global_batch_size": g,
         "micro_batch_size": cfg.batch.micro_batch_size,
         "accumulation_steps": cfg.batch.accumulation_steps(ctx.world_size),
