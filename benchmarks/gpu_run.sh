@@ -10,6 +10,7 @@
 # step         benchmarks/bench_step.py at the flux-12b width (2+4 blocks), compiled, micro-batch 64,
 #              bf16/FP8/MXFP6 side by side
 # fsdp12b      flux-12b with FSDP2 over every visible GPU (`mxflux bench step` under torchrun)
+# host         benchmarks/bench_host.py: host time per MX/FP8 op call (op dispatch, our Python, Triton launch)
 # sweepcomm    benchmarks/sweep_comm.py: FSDP2 blocks per unit for SWEEP_RECIPE on every visible GPU
 # Two GPUs, one call (background job + `wait`, never a pgrep on a pattern the command line contains):
 #   export OUT; CUDA_VISIBLE_DEVICES=1 bash benchmarks/gpu_run.sh convergence >$OUT/conv.log 2>&1 &
@@ -59,6 +60,8 @@ for stage in "$@"; do
           ${FSDP_ARGS:-model.compile=false model.activation_checkpointing=true} batch.micro_batch_size=$mbs \
           batch.global_batch_size=$((mbs * n)) data.num_workers=2 2>&1 | grep -v "^W11" | tail -22
       done ;;
+    host)  # host time per op call (benchmarks/bench_host.py)
+      python3 benchmarks/bench_host.py --json "$OUT/bench_host.json" 2>&1 | grep -v "^W11" | tail -15 ;;
     sweepcomm)  # FSDP2 blocks per unit (communication granularity), SWEEP_RECIPE on all visible GPUs
       n=$(nvidia-smi -L | wc -l)
       timeout ${SWEEP_TIMEOUT:-540} python3 -m torch.distributed.run --nproc_per_node $n benchmarks/sweep_comm.py \

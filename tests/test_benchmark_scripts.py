@@ -44,3 +44,14 @@ def test_comm_sweep_runs_every_setting_on_two_ranks(tmp_path):
     assert [(r["distributed"]["strategy"], r["distributed"]["fsdp_blocks_per_unit"], r["distributed"]["ddp_bucket_mb"])
             for r in results] == [("fsdp", 1, 25.0), ("fsdp", 2, 25.0), ("ddp", 1, 1.0)]
     assert "optimum: " in proc.stdout
+
+
+def test_host_overhead_benchmark_runs(tmp_path):
+    """benchmarks/bench_host.py on the CPU: the op dispatch around a stubbed packer, as JSON."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = tmp_path / "host.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host.py"), "--device", "cpu", "--calls", "50",
+                    "--rows", "64", "--cols", "128", "--json", str(out)], check=True, env=env, timeout=300)
+    r = json.loads(out.read_text())["us_per_call"]
+    assert set(r) == {"elementwise op (calibration)", "mx_pack op, packer stubbed"}
+    assert all(v > 0 for v in r.values())

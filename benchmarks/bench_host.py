@@ -1,0 +1,110 @@
+"""Host time per MX / FP8 op call: where a host-bound step (Flux-12B at small micro-batches) goes.
+
+    PYTHONPATH=src python3 benchmarks/bench_host.py [--calls 2000] [--rows 256] [--json out.json]
+
+Every op is called in a loop on a small operand (256 x 3072 by default, so the device work per
+call is a few microseconds and the host is the limit), and the wall time per call is reported:
+
+- `mx_pack` op (packer + dispatch), `pack_cuda` called directly, and `pack_cuda` with its Triton
+  launches stubbed out: op dispatch, our Python, and Triton's launch, each by difference;
+- `scaled_gemm` op against `torch._scaled_mm` called directly;
+- `fp8_pack` op (FP8Linear's casts);
+- a calibration: one tiny elementwise op (the host's cost of any launch).
+
+On a machine without CUDA it measures what it can: the op dispatch around a stubbed packer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def per_call_us(fn, calls: int, sync) -> float:
+    """Median over 5 rounds of the wall time per call (the device synchronised per round)."""
+    for _ in range(min(50, calls)):
+        fn()
+    sync()
+    rounds = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(calls // 5):
+            fn()
+        sync()
+        rounds.append((time.perf_counter() - t) / (calls // 5) * 1e6)
+    return sorted(rounds)[2]
+
+
+class _NoLaunch:
+    """Stands in for a Triton JITFunction: `kernel[grid](...)` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def measure(device: str, rows: int, cols: int, calls: int) -> dict[str, float]:
+    from mxflux.ops.custom_ops import fp8_pack, mx_pack, scaled_gemm
+
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    x = torch.randn(rows, cols, device=device).bfloat16()
+    counter = torch.zeros(1, dtype=torch.int64, device=device)
+    op_args = (x, None, counter, True, True, 0, True, "none", False)
+    out = {"elementwise op (calibration)": per_call_us(lambda: x.add_(0), calls, sync)}
+    if cuda:
+        from mxflux.kernels import pack as pack_module
+        from mxflux.kernels import pack_cuda
+
+        out["mx_pack op"] = per_call_us(lambda: mx_pack(*op_args), calls, sync)
+        out["pack_cuda direct"] = per_call_us(lambda: pack_cuda(x, counter=counter), calls, sync)
+        real = pack_module._pack_kernel
+        pack_module._pack_kernel = _NoLaunch()
+        try:
+            out["pack_cuda, launches stubbed"] = per_call_us(lambda: pack_cuda(x, counter=counter), calls, sync)
+            out["mx_pack op, launches stubbed"] = per_call_us(lambda: mx_pack(*op_args), calls, sync)
+        finally:
+            pack_module._pack_kernel = real
+        p = pack_cuda(x, col=False)
+        w = pack_cuda(torch.randn(cols, cols, device=device).bfloat16(), col=False)
+        out["scaled_gemm op"] = per_call_us(
+            lambda: scaled_gemm(p.row_data, p.row_scale, w.row_data, w.row_scale, None, torch.bfloat16), calls, sync)
+        out["torch._scaled_mm direct"] = per_call_us(
+            lambda: torch._scaled_mm(p.row_data, w.row_data.t(), p.row_scale, w.row_scale.t(),
+                                     out_dtype=torch.bfloat16, use_fast_accum=False), calls, sync)
+        out["fp8_pack op"] = per_call_us(lambda: fp8_pack(x, True, True, "e4m3", False), calls, sync)
+    else:  # the op dispatch around a packer that returns at once
+        import mxflux.kernels.pack_numba as pack_numba
+
+        packed = pack_numba.pack_cpu(x, row=True, col=True, granularity="row", hadamard=True,
+                                     prologue="none", aux=None, colsum=False)
+        real = pack_numba.pack_cpu
+        pack_numba.pack_cpu = lambda *a, **k: packed
+        try:
+            out["mx_pack op, packer stubbed"] = per_call_us(lambda: mx_pack(*op_args), calls, sync)
+        finally:
+            pack_numba.pack_cpu = real
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--cols", type=int, default=3072)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", help="write the results as JSON")
+    args = ap.parse_args(argv)
+    res = measure(args.device, args.rows, args.cols, args.calls)
+    print(f"host time per call, {args.device}, operand {args.rows}x{args.cols}:")
+    for name, us in res.items():
+        print(f"  {name:34s} {us:8.1f} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "rows": args.rows, "cols": args.cols, "us_per_call": res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
