@@ -6,9 +6,23 @@ Every generator draws from a seed taken from the test's `gen` fixture (fresh per
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
+
+# Triton kernel tests run on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1,
+# small shapes): the device their inputs live on, and the marks that skip them elsewhere.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def triton_marks() -> list:
+    from mxflux.kernels import HAS_TRITON
+
+    return [pytest.mark.gpu,
+            pytest.mark.skipif(not HAS_TRITON or not (torch.cuda.is_available() or INTERPRETED),
+                               reason="needs Triton and a CUDA device (or TRITON_INTERPRET=1)")]
 
 # ------------------------------------------------------------------ inputs
 # Generated on the tensor's device from a seed drawn from the test's generator (fast at Flux sizes).

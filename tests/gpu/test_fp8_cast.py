@@ -9,24 +9,17 @@ torch's CPU conversion keeps it, the GPU's canonical NaN does not).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from pack_inputs import DISTS, assert_bits_equal, assert_colsum_close
+from pack_inputs import DISTS, INTERPRETED, TRITON_DEVICE, assert_bits_equal, assert_colsum_close, triton_marks
 
-from mxflux.kernels import HAS_TRITON, fp8_pack_cuda
+from mxflux.kernels import fp8_pack_cuda
 from mxflux.ops.custom_ops import fp8_pack
 from mxflux.ops.pack_reference import fp8_pack_reference
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAS_TRITON or not (torch.cuda.is_available() or INTERPRETED),
-                       reason="needs Triton and a CUDA device (or TRITON_INTERPRET=1)"),
-]
+DEVICE = TRITON_DEVICE
+pytestmark = triton_marks()
 
 SHAPES = [(96, 256), (33, 96), (200, 160)] if INTERPRETED else \
     [(4096, 3072), (4096, 12288), (1000, 3072), (777, 3104), (33, 96)]

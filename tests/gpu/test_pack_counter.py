@@ -5,23 +5,16 @@ Runs on CUDA, and on the CPU under Triton's interpreter (TRITON_INTERPRET=1, sma
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from pack_inputs import adversarial, assert_bits_equal
+from pack_inputs import INTERPRETED, TRITON_DEVICE, adversarial, assert_bits_equal, triton_marks
 
-from mxflux.kernels import HAS_TRITON, pack_cuda
+from mxflux.kernels import pack_cuda
 from mxflux.ops.pack_reference import pack_reference
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not HAS_TRITON or not (torch.cuda.is_available() or INTERPRETED),
-                       reason="needs Triton and a CUDA device (or TRITON_INTERPRET=1)"),
-]
+DEVICE = TRITON_DEVICE
+pytestmark = triton_marks()
 SHAPE = (96, 128) if INTERPRETED else (1000, 3072)
 
 

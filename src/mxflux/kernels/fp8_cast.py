@@ -29,7 +29,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .pack import _bf16_to_f32, _f32_to_e4m3
+    from .pack import _bf16_to_f32, _f32_to_e4m3, _f32_to_fp8_bits
 
 __all__ = ["fp8_pack_cuda"]
 
@@ -43,18 +43,8 @@ if HAS_TRITON:
         """E5M2 byte of fp32 x (|x| <= 57344 or NaN): nearest even, NaN -> 0x7F (torch's byte)."""
         if HW:
             return x.to(tl.float8e5).to(tl.uint8, bitcast=True)
-        else:
-            bits = x.to(tl.int32, bitcast=True)
-            sign = (bits >> 24) & 0x80
-            mag = bits & 0x7FFFFFFF
-            a = mag.to(tl.float32, bitcast=True)
-            # normal range: round the fp32 mantissa to 2 bits, ties to even (carries bump the exponent)
-            normal = ((mag + 0xFFFFF + ((mag >> 21) & 1)) >> 21) - 448
-            # subnormal range (< 2^-14): the fp32 quantum at 2^7 is E5M2's 2^-16
-            sub = (((a + 128.0) - 128.0) * 65536.0).to(tl.int32)
-            code = tl.where(a < 6.103515625e-05, sub, tl.minimum(normal, 0x7B)) | sign
-            code = tl.where(mag > 0x7F800000, 0x7F, code)
-            return code.to(tl.uint8)
+        else:  # 2 mantissa bits, bias 15; subnormals below 2^-14 in steps of 2^-16 (the fp32 quantum at 2^7)
+            return _f32_to_fp8_bits(x, 21, 448, 6.103515625e-05, 128.0, 65536.0, 0x7B)
 
     @triton.jit
     def _to_fp8(v, FMT: tl.constexpr, HW: tl.constexpr):

@@ -140,22 +140,30 @@ if HAS_TRITON:
         return tl.where(k >= -14, (k + 15) << 10, sub)
 
     @triton.jit
+    def _f32_to_fp8_bits(x, SHIFT: tl.constexpr, BIAS_OFF: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                         SUB_Q: tl.constexpr, SUB_R: tl.constexpr, MAX_CODE: tl.constexpr):
+        """FP8 byte of fp32 x in integer arithmetic (the interpreter's own casts round half-up):
+        nearest even, saturating at MAX_CODE, NaN -> 0x7F. SHIFT = 23 - mantissa bits, BIAS_OFF =
+        (127 - bias) << mantissa bits; below MIN_NORMAL the fp32 quantum at SUB_Q is the format's
+        subnormal step and SUB_R its reciprocal."""
+        bits = x.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80
+        mag = bits & 0x7FFFFFFF
+        a = mag.to(tl.float32, bitcast=True)
+        # normal range: round the fp32 mantissa, ties to even (carries bump the exponent)
+        normal = ((mag + ((1 << (SHIFT - 1)) - 1) + ((mag >> SHIFT) & 1)) >> SHIFT) - BIAS_OFF
+        sub = (((a + SUB_Q) - SUB_Q) * SUB_R).to(tl.int32)
+        code = tl.where(a < MIN_NORMAL, sub, tl.minimum(normal, MAX_CODE)) | sign
+        code = tl.where(mag > 0x7F800000, 0x7F, code)
+        return code.to(tl.uint8)
+
+    @triton.jit
     def _f32_to_e4m3(x, HW: tl.constexpr):
         """E4M3 byte of fp32 x: nearest even, saturating at ±448, NaN -> 0x7F."""
         if HW:
             return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            bits = x.to(tl.int32, bitcast=True)
-            sign = (bits >> 24) & 0x80
-            mag = bits & 0x7FFFFFFF
-            a = mag.to(tl.float32, bitcast=True)
-            # normal range: round the fp32 mantissa to 3 bits, ties to even (carries bump the exponent)
-            normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960
-            # subnormal range (< 2^-6): the fp32 quantum at 2^14 is E4M3's 2^-9
-            sub = (((a + 16384.0) - 16384.0) * 512.0).to(tl.int32)
-            code = tl.where(a < 0.015625, sub, tl.minimum(normal, 0x7E)) | sign
-            code = tl.where(mag > 0x7F800000, 0x7F, code)
-            return code.to(tl.uint8)
+        else:  # 3 mantissa bits, bias 7; subnormals below 2^-6 in steps of 2^-9 (the fp32 quantum at 2^14)
+            return _f32_to_fp8_bits(x, 20, 960, 0.015625, 16384.0, 512.0, 0x7E)
 
     @triton.jit
     def _refold(b1, f16bits, HW: tl.constexpr):
