@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import NamedTuple
 
 import torch
 
@@ -615,7 +614,9 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _grid(n_col_tiles: int, n_row_tiles: int, sms: int, warps: int) -> tuple[int, int]:
+def _grid(n_col_tiles: int, n_row_tiles: int, device: torch.device, warps: int) -> tuple[int, int]:
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
     # persistent along rows (the loop prefetches the next tile); ~2 waves of resident CTAs
     resident = 2 if warps <= 8 else 1
     target = 2 * resident * sms
@@ -623,52 +624,13 @@ def _grid(n_col_tiles: int, n_row_tiles: int, sms: int, warps: int) -> tuple[int
     return (n_col_tiles, p)
 
 
-class _LaunchPlan(NamedTuple):
-    g: int  # granularity code: 0 (row), 32, 128
-    rp: int  # rows of the column orientation
-    ngroups_row: int
-    ngroups_col: int
-    r4: int  # R rounded up to 4 (the workspace's 16-byte-aligned parts)
-    ws_len: int  # int32 words of the zeroed workspace
-    grid: tuple[int, int]
-    n_row_tiles: int
-    meta: dict  # the kernel's constexprs and launch options (read-only)
-
-
-@functools.lru_cache(maxsize=4096)
-def _launch_plan(R: int, C: int, granularity, row: bool, col: bool, colsum: bool, hadamard: bool,
-                 prologue: str, hw: bool, device_index: int, pack_io: str) -> _LaunchPlan:
-    """Everything about a launch that depends only on the shape and the flags, validated and
-    computed once per distinct call: a training step repeats the same few hundred calls, and
-    host time per call is what bounds a large model at small micro-batches (RESULTS.md)."""
-    from ..ops.pack_reference import padded_rows  # lazy: ops may import us
-
-    if C % 32:
-        raise ValueError(f"x: {C} columns is not a multiple of the block size 32")
-    g = _GRAN_IDS[granularity]
-    if g == 128 and row and C % 128:
-        raise ValueError(f"granularity: 128 must divide the row length, got C={C}")
-    rp = padded_rows(R, granularity)  # whole blocks, and whole 1x128 groups for granularity 128
-    r4 = -(-R // 4) * 4
-    nb, warps = _TILE[g]
-    n_rt = -(-rp // _BR)
-    sms = (_num_sms(device_index) if device_index >= 0 else 4)
-    grid = _grid(-(-C // (nb * 32)), n_rt, sms, warps)
-    meta = dict(
-        DO_ROW=row, DO_COL=col, DO_COLSUM=colsum, GRAN=g, HADAMARD=hadamard,
-        PROLOGUE=_PROLOGUE_IDS[prologue], HW=hw, BR=_BR, NB=nb, COAL=_coalesced(prologue, pack_io),
-        **_launch_opts(warps),
-    )
-    return _LaunchPlan(g, rp, 1 if g == 0 else C // g, 1 if g == 0 else max(rp // g, 0), r4,
-                       4 + C + (r4 + C if g == 0 else 0), grid, n_rt, meta)
-
-
-def _coalesced(prologue: str, mode: str) -> bool:
+def _coalesced(prologue: str) -> bool:
     """How tiles are read. "coalesced": [128, 64] bf16 tile loads, re-laid out once through
     shared memory into whole-blocks-per-thread (8-12 % faster measured without a prologue);
     "blocks": each thread loads its own blocks' 16-byte quarters (faster with a prologue, whose
     col-orientation rebuild adds layout conversions to the coalesced variant). MXFLUX_PACK_IO
     (auto | coalesced | blocks) overrides the choice for A/B runs; both are tested."""
+    mode = os.environ.get("MXFLUX_PACK_IO", "auto")
     if mode not in ("auto", "coalesced", "blocks"):
         raise ValueError(f"MXFLUX_PACK_IO: expected auto, coalesced or blocks, got {mode!r}")
     return mode == "coalesced" or (mode == "auto" and prologue == "none")
@@ -700,7 +662,6 @@ def pack_cuda(
     prologue: str = "none",
     aux: torch.Tensor | None = None,
     colsum: bool = False,
-    counter: torch.Tensor | None = None,
     _hw: bool | None = None,
     _poison: bool = False,
 ):
@@ -708,12 +669,9 @@ def pack_cuda(
 
     x is a CUDA bfloat16 [R, C] matrix (C a multiple of 32, R any). Only fmt "e2m3" and
     granularity "row", 128 or 32 have kernels. colsum equals the reference up to fp32
-    summation order; n_inexact is a 0-d int64 CUDA tensor (no host synchronisation). With
-    `counter` (a one-element int64 tensor on x's device) the kernels add the count of blocks
-    outside the fold window to it directly, and n_inexact is that counter: one launch and one
-    small op fewer per call than adding n_inexact afterwards (the custom op's path).
+    summation order; n_inexact is a 0-d int64 CUDA tensor (no host synchronisation).
     """
-    from ..ops.pack_reference import PROLOGUES, Packed  # lazy: ops may import us
+    from ..ops.pack_reference import PROLOGUES, Packed, padded_rows  # lazy: ops may import us
 
     if not HAS_TRITON:
         raise RuntimeError("pack_cuda: Triton is not installed; use mxflux.ops.pack_reference on this machine")
@@ -735,20 +693,21 @@ def pack_cuda(
     for name, flag in (("row", row), ("col", col), ("hadamard", hadamard), ("colsum", colsum)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name}: expected a bool, got {flag!r}")
-    if counter is not None and (counter.dtype != torch.int64 or counter.numel() != 1
-                                or counter.device != x.device):
-        raise ValueError(f"counter: expected one int64 element on {x.device}, got {counter.dtype} "
-                         f"{tuple(counter.shape)} on {counter.device}")
     R, C = x.shape
+    if C % 32:
+        raise ValueError(f"x: {C} columns is not a multiple of the block size 32")
+    Rp = padded_rows(R, granularity)  # whole blocks, and whole 1x128 groups for granularity 128
+    g = _GRAN_IDS[granularity]
+    if g == 128 and row and C % 128:
+        raise ValueError(f"granularity: 128 must divide the row length, got C={C}")
     dev = x.device
-    hw = (not _interpreting()) if _hw is None else bool(_hw)
-    plan = _launch_plan(R, C, granularity, row, col, colsum, hadamard, prologue, hw,
-                        dev.index if dev.type == "cuda" else -1, os.environ.get("MXFLUX_PACK_IO", "auto"))
-    Rp, g = plan.rp, plan.g
+
+    ngroups_row = 1 if g == 0 else C // g
+    ngroups_col = 1 if g == 0 else max(Rp // g, 0)
     row_data = torch.empty((R, C), dtype=torch.uint8, device=dev) if row else None
-    row_scale = torch.empty((R, plan.ngroups_row), dtype=torch.float32, device=dev) if row else None
+    row_scale = torch.empty((R, ngroups_row), dtype=torch.float32, device=dev) if row else None
     col_data = torch.empty((C, Rp), dtype=torch.uint8, device=dev) if col else None
-    col_scale = torch.empty((C, plan.ngroups_col), dtype=torch.float32, device=dev) if col else None
+    col_scale = torch.empty((C, ngroups_col), dtype=torch.float32, device=dev) if col else None
 
     if _poison:  # tests: 0xFF bytes are NaN in fp32 and E4M3, so an unwritten element shows
         for t in (row_data, row_scale, col_data, col_scale):
@@ -758,27 +717,35 @@ def pack_cuda(
     # One zero-filled workspace (one launch): n_inexact int64 | colsum fp32 [C] | e_ref int32 [R + C]
     # (each part starts on a 16-byte boundary, so pointer alignment never changes the compiled kernel;
     # the e_ref parts hold e + 128 for a live block, 0 where none was seen)
-    r4 = plan.r4
-    ws = torch.zeros(plan.ws_len, dtype=torch.int32, device=dev)
-    ninexact = ws[:2].view(torch.int64) if counter is None else counter
+    r4 = -(-R // 4) * 4
+    ws = torch.zeros(4 + C + (r4 + C if g == 0 else 0), dtype=torch.int32, device=dev)
+    ninexact = ws[:2].view(torch.int64)
     sums = ws[4:4 + C].view(torch.float32)
     row_eref = ws[4 + C:4 + C + r4] if g == 0 else ws
     col_eref = ws[4 + C + r4:] if g == 0 else ws
 
+    hw = (not _interpreting()) if _hw is None else bool(_hw)
     if R > 0 and (row or col or colsum):
         dummy = ws
         xw = _rows_contiguous(x)
         aw = _rows_contiguous(aux) if prologue == "gelu_tanh_grad" else xw
-        grid = plan.grid
+        nb, warps = _TILE[g]
+        n_rt = -(-Rp // _BR)
+        grid = _grid(-(-C // (nb * 32)), n_rt, dev, warps)
         args = (
             xw, aw, xw.stride(0), aw.stride(0), R, C, Rp,
             row_data if row else dummy, row_scale if row else dummy,
             col_data if col else dummy, col_scale if col else dummy,
-            sums, ninexact, row_eref, col_eref, plan.n_row_tiles, grid[1],
+            sums, ninexact, row_eref, col_eref, n_rt, grid[1],
+        )
+        meta = dict(
+            DO_ROW=row, DO_COL=col, DO_COLSUM=colsum, GRAN=g, HADAMARD=hadamard,
+            PROLOGUE=_PROLOGUE_IDS[prologue], HW=hw, BR=_BR, NB=nb, COAL=_coalesced(prologue),
+            **_launch_opts(warps),
         )
         if g == 0 and (row or col):
-            _pack_kernel[grid](*args, PASS=1, **plan.meta)
-        _pack_kernel[grid](*args, PASS=2, **plan.meta)
+            _pack_kernel[grid](*args, PASS=1, **meta)
+        _pack_kernel[grid](*args, PASS=2, **meta)
 
     f8 = torch.float8_e4m3fn
     return Packed(
@@ -787,7 +754,7 @@ def pack_cuda(
         col_data.view(f8) if col else None,
         col_scale,
         sums if colsum else None,
-        ninexact.view(()) if counter is None else counter,
+        ninexact.view(()),
     )
 
 

@@ -77,14 +77,14 @@ def _mx_pack(
         from ..kernels import pack_cuda
 
         p = pack_cuda(x, row=row, col=col, granularity=_granularity(granularity), hadamard=hadamard,
-                      prologue=prologue, aux=aux, colsum=colsum, counter=counter)  # counts into counter
+                      prologue=prologue, aux=aux, colsum=colsum)
     else:
         from ..kernels.pack_numba import cpu_kernel_available, pack_cpu
 
         pack = pack_cpu if x.device.type == "cpu" and cpu_kernel_available() else pack_reference
         p = pack(x, row=row, col=col, granularity=_granularity(granularity), hadamard=hadamard,
                  prologue=prologue, aux=aux, colsum=colsum)
-        counter.add_(p.n_inexact.reshape(counter.shape))
+    counter.add_(p.n_inexact.reshape(counter.shape))
     outs = (p.row_data, p.row_scale, p.col_data, p.col_scale, p.colsum)
     return tuple(_empty(x.device) if t is None else t for t in outs)
 
