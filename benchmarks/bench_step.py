@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from mxflux.bench.step import bench_step, load_bench_recipe, print_table, write_json
+from mxflux.bench.step import bench_settings, print_table, write_json
 
 PRECISIONS = {
     "bf16": "precision={}",
@@ -56,14 +56,9 @@ def main(argv=None):
     common = [f"model.compile={str(args.compile).lower()}", f"batch.global_batch_size={args.mbs * world}",
               f"batch.micro_batch_size={args.mbs}", *([f"model.name={args.model}"] if args.model else []),
               *args.overrides]
-    results = []
-    for prec in args.precisions:
-        cfg = load_bench_recipe(args.recipe, [PRECISIONS[prec], *common])
-        r = bench_step(cfg, steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
-                       synthetic=True, peak_tflops=args.peak_tflops, recipe=args.recipe, label=prec)
-        if r is not None:
-            results.append(r)
-            print(f"{prec}: {r['images_per_s_per_gpu']:.1f} images/s/GPU, {r['step_ms']:.1f} ms/step", flush=True)
+    results = bench_settings(args.recipe, [(p, [PRECISIONS[p]]) for p in args.precisions], common=common,
+                             steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
+                             synthetic=True, peak_tflops=args.peak_tflops)
     if results:
         print_table(results)
         if args.json:

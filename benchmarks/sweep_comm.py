@@ -75,7 +75,7 @@ def main(argv=None):
 
     import torch.distributed as dist
 
-    from mxflux.bench.step import bench_step, load_bench_recipe, print_table, write_json
+    from mxflux.bench.step import bench_settings, print_table, write_json
     from mxflux.train.distributed import init_distributed
 
     world = init_distributed().world_size
@@ -83,19 +83,13 @@ def main(argv=None):
     common = list(args.overrides)
     if args.mbs:
         common = [f"batch.micro_batch_size={args.mbs}", f"batch.global_batch_size={args.mbs * world}", *common]
-    results = []
-    for label, extra in settings(args.units, reshard, args.ddp_buckets):
-        cfg = load_bench_recipe(args.recipe, [*extra, *common])
-        r = bench_step(cfg, steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
-                       synthetic=args.synthetic, image_size=args.image_size, text_len=args.text_len,
-                       recipe=args.recipe, label=label)
-        if r is not None:
-            b = r.get("breakdown") or {}
-            r["communication_ms_per_step"] = (b.get("categories", {}).get("communication") or {}).get("ms_per_step")
-            r["exposed_communication_ms_per_step"] = b.get("exposed_communication_ms_per_step")
-            results.append(r)
-            print(f"{label}: {r['images_per_s_per_gpu']:.2f} images/s/GPU, {r['step_ms']:.1f} ms/step, "
-                  f"peak {r['peak_memory_gib']:.1f} GiB", flush=True)
+    results = bench_settings(args.recipe, settings(args.units, reshard, args.ddp_buckets), common=common,
+                             steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
+                             synthetic=args.synthetic, image_size=args.image_size, text_len=args.text_len)
+    for r in results:  # the collective time, and the part of it no compute hid
+        b = r.get("breakdown") or {}
+        r["communication_ms_per_step"] = (b.get("categories", {}).get("communication") or {}).get("ms_per_step")
+        r["exposed_communication_ms_per_step"] = b.get("exposed_communication_ms_per_step")
     if results:
         print_table(results)
         best = max(results, key=lambda r: r["images_per_s_per_gpu"])

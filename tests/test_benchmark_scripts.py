@@ -55,3 +55,15 @@ def test_host_overhead_benchmark_runs(tmp_path):
     r = json.loads(out.read_text())["us_per_call"]
     assert set(r) == {"elementwise op (calibration)", "mx_pack op, packer stubbed"}
     assert all(v > 0 for v in r.values())
+
+
+def test_step_benchmark_runs_precisions_side_by_side(tmp_path):
+    """benchmarks/bench_step.py on the CPU: one result per precision, in the order asked for."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "step.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_step.py"), "--recipe", "tiny-bf16",
+                    "--precisions", "mxfp6,bf16", "--mbs", "2", "--steps", "1", "--warmup", "0",
+                    "--json", str(out)], check=True, cwd=tmp_path, env=env, timeout=600)
+    results = json.loads(out.read_text())
+    assert [(r["label"], r["precision"]) for r in results] == [("mxfp6", "mxfp6"), ("bf16", "bf16")]
+    assert all(r["images_per_s_per_gpu"] > 0 and r["global_batch_size"] == 2 for r in results)

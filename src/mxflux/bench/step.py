@@ -46,7 +46,7 @@ from ..model import flux_config
 from ..model.configs import flops_per_sample
 from ..train.config import RunConfig, load_recipe
 
-__all__ = ["bench_step", "load_bench_recipe", "device_time_breakdown", "print_table", "write_json",
+__all__ = ["bench_step", "bench_settings", "load_bench_recipe", "device_time_breakdown", "print_table", "write_json",
            "PEAK_BF16_TFLOPS", "CATEGORIES"]
 
 # Peak dense (non-sparse) bf16 tensor-core rates, TFLOP/s, by a substring of the device name.
@@ -502,6 +502,21 @@ def print_table(results: list[dict], *, baseline: int | None = 0, console=None) 
     if any(r["synthetic_data"] for r in results):
         notes.append("data: synthetic MLPerf-shaped shards")
     console.print("; ".join(notes), style="dim")
+
+
+def bench_settings(recipe: str, settings: list[tuple[str, list[str]]], *, common=(), **kwargs) -> list[dict]:
+    """`bench_step` for every (label, overrides) setting of `recipe`, one after the other in this
+    process, so that their ratios are measured side by side; `common` overrides apply to all and
+    `kwargs` go to `bench_step`. The results on rank 0 ([] on the other ranks)."""
+    results = []
+    for label, overrides in settings:
+        cfg = load_bench_recipe(recipe, [*overrides, *common])
+        r = bench_step(cfg, recipe=recipe, label=label, **kwargs)
+        if r is not None:
+            results.append(r)
+            print(f"{label}: {r['images_per_s_per_gpu']:.2f} images/s/GPU, {r['step_ms']:.1f} ms/step, "
+                  f"peak {r['peak_memory_gib']:.1f} GiB", flush=True)
+    return results
 
 
 def write_json(path: str | os.PathLike, result) -> Path:
