@@ -64,7 +64,7 @@ def test_device_busy_time_skips_annotations_and_merges_overlaps():
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent
 
-    from mxflux.bench.step import _busy_us
+    from mxflux.bench.step import _busy_us, _device_activities
 
     def ev(i, name, start, end, device=DeviceType.CUDA, **kw):
         return FunctionEvent(i, name, 0, start, end, device_type=device, **kw)
@@ -78,7 +78,7 @@ def test_device_busy_time_skips_annotations_and_merges_overlaps():
         ev(5, "Memcpy HtoD", 100, 110),
         ev(6, "my_range", 0, 500, is_user_annotation=True),
     ]
-    assert _busy_us(events) == 60.0  # [10, 60] + [100, 110]
+    assert _busy_us(_device_activities(events)) == 60.0  # [10, 60] + [100, 110]
 
 
 def test_cuda_breakdown_counts_each_kernel_once_by_its_name():
@@ -119,7 +119,7 @@ def test_exposed_communication_is_nccl_time_no_other_kernel_overlaps():
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent
 
-    from mxflux.bench.step import _exposed_comm_us
+    from mxflux.bench.step import _device_activities, _exposed_comm_us
 
     def ev(i, name, start, end):
         return FunctionEvent(i, name, 0, start, end, device_type=DeviceType.CUDA)
@@ -127,5 +127,5 @@ def test_exposed_communication_is_nccl_time_no_other_kernel_overlaps():
     events = [ev(0, "ncclKernel_AllGather", 0, 10), ev(1, "ncclKernel_ReduceScatter", 20, 30),
               ev(2, "ncclKernel_AllGather", 35, 50), ev(3, "nvjet_gemm", 5, 25), ev(4, "triton_poi", 28, 40)]
     # comm 35 us; overlapped [5,10] [20,25] [28,30] [35,40] = 17 us
-    assert _exposed_comm_us(events) == pytest.approx(18)
-    assert _exposed_comm_us(events[3:]) == 0
+    assert _exposed_comm_us(_device_activities(events)) == pytest.approx(18)
+    assert _exposed_comm_us(_device_activities(events[3:])) == 0

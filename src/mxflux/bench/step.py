@@ -205,17 +205,18 @@ def _length(spans) -> float:
     return sum(b - a for a, b in spans)
 
 
-def _busy_us(events) -> float:
-    """Microseconds the device was busy: the union of its activity intervals (kernels, copies),
-    so that kernels overlapping on several streams (NCCL next to compute) count once."""
-    return _length(_merged((e.time_range.start, e.time_range.end) for e in _device_activities(events)))
+def _busy_us(acts) -> float:
+    """Microseconds the device was busy: the union of the intervals of `acts` (its kernels and
+    copies, from _device_activities), so that kernels overlapping on several streams (NCCL next
+    to compute) count once."""
+    return _length(_merged((e.time_range.start, e.time_range.end) for e in acts))
 
 
-def _exposed_comm_us(events) -> float:
+def _exposed_comm_us(acts) -> float:
     """Microseconds in which communication kernels ran and nothing else did: the collective time
     that compute did not hide (the union of NCCL intervals minus its overlap with all others)."""
     comm, rest = [], []
-    for e in _device_activities(events):
+    for e in acts:
         (comm if _kernel_category(e.name) == "communication" else rest).append((e.time_range.start, e.time_range.end))
     comm, rest = _merged(comm), _merged(rest)
     overlap, j = 0.0, 0
@@ -229,10 +230,10 @@ def _exposed_comm_us(events) -> float:
     return _length(comm) - overlap
 
 
-def _idle_gaps(events, top: int = 6) -> list[dict]:
+def _idle_gaps(acts, top: int = 6) -> list[dict]:
     """The longest stretches with no device activity, with the activities either side of each
     (where a host-bound step waits: a sync, a slow launch, Python between regions)."""
-    acts = sorted(_device_activities(events), key=lambda e: e.time_range.start)
+    acts = sorted(acts, key=lambda e: e.time_range.start)
     gaps, end, last = [], None, None
     for e in acts:
         if end is not None and e.time_range.start > end:
@@ -273,8 +274,9 @@ def device_time_breakdown(events, steps: int, *, device_type: str = "cuda", top:
     """
     us = dict.fromkeys(CATEGORIES, 0.0)
     by_name: dict[tuple[str, str], float] = {}
+    acts = _device_activities(events) if device_type == "cuda" else []
     if device_type == "cuda":
-        for e in _device_activities(events):
+        for e in acts:
             cat = _kernel_category(e.name)
             d = e.time_range.end - e.time_range.start
             us[cat] += d
@@ -298,14 +300,13 @@ def device_time_breakdown(events, steps: int, *, device_type: str = "cuda", top:
         "top": [{"name": n[:120], "category": c, "ms_per_step": t / 1e3 / steps} for (n, c), t in ranked],
     }
     if device_type == "cuda":
-        out["busy_ms_per_step"] = _busy_us(events) / 1e3 / steps
-        out["exposed_communication_ms_per_step"] = _exposed_comm_us(events) / 1e3 / steps
-        acts = _device_activities(events)
+        out["busy_ms_per_step"] = _busy_us(acts) / 1e3 / steps
+        out["exposed_communication_ms_per_step"] = _exposed_comm_us(acts) / 1e3 / steps
         if acts:  # the device's first-to-last span: busy + the bubbles between kernels
             span = max(e.time_range.end for e in acts) - min(e.time_range.start for e in acts)
             out["span_ms_per_step"] = span / 1e3 / steps
             out["activities_per_step"] = len(acts) / steps
-        out["idle_gaps"] = _idle_gaps(events)
+        out["idle_gaps"] = _idle_gaps(acts)
         out["host_top"] = _host_top(events)
     return out
 
