@@ -1,14 +1,14 @@
-"""Host time per MX / FP8 op call: where a host-bound step (Flux-12B at small micro-batches) goes.
+"""Host time per MX op call: where a host-bound step (Flux-12B at small micro-batches) goes.
 
     PYTHONPATH=src python3 benchmarks/bench_host.py [--calls 2000] [--rows 256] [--json out.json]
 
 Every op is called in a loop on a small operand (256 x 3072 by default, so the device work per
 call is a few microseconds and the host is the limit), and the wall time per call is reported:
 
-- `mx_pack` op (packer + dispatch), `pack_cuda` called directly, and `pack_cuda` with its Triton
-  launches stubbed out: op dispatch, our Python, and Triton's launch, each by difference;
+- `mx_operands` op (packer + dispatch), `mx_operands_cuda` called directly, and `mx_operands_cuda`
+  with its Triton launches stubbed out: op dispatch, our Python, and Triton's launch, each by
+  difference;
 - `scaled_gemm` op against `torch._scaled_mm` called directly;
-- `fp8_pack` op (FP8Linear's casts);
 - a calibration: one tiny elementwise op (the host's cost of any launch).
 
 On a machine without CUDA it measures what it can: the op dispatch around a stubbed packer.
@@ -46,46 +46,45 @@ class _NoLaunch:
 
 
 def measure(device: str, rows: int, cols: int, calls: int) -> dict[str, float]:
-    from mxflux.ops.custom_ops import fp8_pack, mx_pack, scaled_gemm
+    from mxflux.ops import custom_ops
+    from mxflux.ops.custom_ops import mx_operands, scaled_gemm
 
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     x = torch.randn(rows, cols, device=device).bfloat16()
-    counter = torch.zeros(1, dtype=torch.int64, device=device)
-    op_args = (x, None, counter, True, True, 0, True, "none", False)
+    outside = torch.zeros(1, dtype=torch.int64, device=device)
+    op_args = (x, None, outside, True, True, "rowwise", True, "none", False)
     out = {"elementwise op (calibration)": per_call_us(lambda: x.add_(0), calls, sync)}
     if cuda:
-        from mxflux.kernels import pack as pack_module
-        from mxflux.kernels import pack_cuda
+        from mxflux.kernels import mx_operands_cuda
+        from mxflux.kernels import operands_cuda as operands_module
 
-        out["mx_pack op"] = per_call_us(lambda: mx_pack(*op_args), calls, sync)
-        out["pack_cuda direct"] = per_call_us(lambda: pack_cuda(x), calls, sync)
-        real = pack_module._pack_kernel
-        pack_module._pack_kernel = _NoLaunch()
+        out["mx_operands op"] = per_call_us(lambda: mx_operands(*op_args), calls, sync)
+        out["mx_operands_cuda direct"] = per_call_us(lambda: mx_operands_cuda(x), calls, sync)
+        real = operands_module._pack_kernel
+        operands_module._pack_kernel = _NoLaunch()
         try:
-            out["pack_cuda, launches stubbed"] = per_call_us(lambda: pack_cuda(x), calls, sync)
-            out["mx_pack op, launches stubbed"] = per_call_us(lambda: mx_pack(*op_args), calls, sync)
+            out["mx_operands_cuda, launches stubbed"] = per_call_us(lambda: mx_operands_cuda(x), calls, sync)
+            out["mx_operands op, launches stubbed"] = per_call_us(lambda: mx_operands(*op_args), calls, sync)
         finally:
-            pack_module._pack_kernel = real
-        p = pack_cuda(x, col=False)
-        w = pack_cuda(torch.randn(cols, cols, device=device).bfloat16(), col=False)
+            operands_module._pack_kernel = real
+        p = mx_operands_cuda(x, col=False)
+        w = mx_operands_cuda(torch.randn(cols, cols, device=device).bfloat16(), col=False)
         out["scaled_gemm op"] = per_call_us(
-            lambda: scaled_gemm(p.row_data, p.row_scale, w.row_data, w.row_scale, None, torch.bfloat16), calls, sync)
+            lambda: scaled_gemm(p.row_data, p.row_scale, w.row_data, w.row_scale, "rowwise", None, torch.bfloat16),
+            calls, sync)
         out["torch._scaled_mm direct"] = per_call_us(
             lambda: torch._scaled_mm(p.row_data, w.row_data.t(), p.row_scale, w.row_scale.t(),
                                      out_dtype=torch.bfloat16, use_fast_accum=False), calls, sync)
-        out["fp8_pack op"] = per_call_us(lambda: fp8_pack(x, True, True, "e4m3", False), calls, sync)
     else:  # the op dispatch around a packer that returns at once
-        import mxflux.kernels.pack_numba as pack_numba
-
-        packed = pack_numba.pack_cpu(x, row=True, col=True, granularity="row", hadamard=True,
-                                     prologue="none", aux=None, colsum=False)
-        real = pack_numba.pack_cpu
-        pack_numba.pack_cpu = lambda *a, **k: packed
+        packed = custom_ops.mx_operands_cpu(x, row=True, col=True, hadamard=True, prologue="none", aux=None,
+                                            colsum=False)
+        real = custom_ops.mx_operands_cpu
+        custom_ops.mx_operands_cpu = lambda *a, **k: packed
         try:
-            out["mx_pack op, packer stubbed"] = per_call_us(lambda: mx_pack(*op_args), calls, sync)
+            out["mx_operands op, packer stubbed"] = per_call_us(lambda: mx_operands(*op_args), calls, sync)
         finally:
-            pack_numba.pack_cpu = real
+            custom_ops.mx_operands_cpu = real
     return out
 
 

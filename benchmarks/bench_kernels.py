@@ -3,7 +3,7 @@
 One run measures, at the Flux-12B linear shapes (K -> N) with M = 16384 and 32768:
 
 - copy bandwidth (device-to-device, bytes read + written): the ceiling for the packers;
-- pack_cuda achieved GB/s for X [M, K] and dY [M, N] (both orientations; dY with its column
+- mx_operands_cuda achieved GB/s for X [M, K] and dY [M, N] (both orientations; dY with its column
   sums), per granularity, counting bytes = bf16 read + 1 B per element per orientation + scales;
 - GEMM TFLOP/s per mode (rowwise / blockwise / exact) on packed operands, next to bf16 torch.mm
   and FP8 row-wise torch._scaled_mm on plain casts.
@@ -14,7 +14,6 @@ buffers larger than L2 together. Prints a short table and writes JSON to $OUT (o
     PYTHONPATH=src python3 benchmarks/bench_kernels.py            # full run (H200: ~1-2 min)
     PYTHONPATH=src python3 benchmarks/bench_kernels.py --quick    # one shape, for a smoke test
     PYTHONPATH=src python3 benchmarks/bench_kernels.py --precompile  # fill Triton's cache in parallel
-    PYTHONPATH=src python3 benchmarks/bench_kernels.py --fp8      # FP8Linear's casts: kernel vs eager
 """
 
 from __future__ import annotations
@@ -27,6 +26,8 @@ import time
 
 import torch
 
+from mxflux.mx import FoldGranularity, padded_rows
+
 LINEARS = [  # (name, K, N) of Flux-12B's MX linears
     ("qkv", 3072, 9216),
     ("proj", 3072, 3072),
@@ -36,7 +37,7 @@ LINEARS = [  # (name, K, N) of Flux-12B's MX linears
     ("linear2", 15360, 3072),
 ]
 MS = (16384, 32768)
-GRANS = ("row", 128, 32)
+GRANS = tuple(FoldGranularity)
 
 
 def _bench(fn, rep_ms=60):
@@ -64,15 +65,15 @@ def copy_bandwidth():
     return 2 * n / (ms * 1e-3) / 1e9  # GB/s, read + write
 
 
-def pack_bytes(r, c, gran, colsum):
-    rp = -(-r // 32) * 32
-    g_row = 1 if gran == "row" else c // gran
-    g_col = 1 if gran == "row" else rp // gran
+def pack_bytes(r, c, gran: FoldGranularity, colsum):
+    rp = padded_rows(r, gran)
+    g_row = gran.groups(c)
+    g_col = gran.groups(rp)
     return 2 * r * c + r * c + c * rp + 4 * (r * g_row + c * g_col) + (4 * c if colsum else 0)
 
 
 def bench_pack(m, k, gran, colsum, copy_gbs, prologue="none"):
-    from mxflux.kernels import pack_cuda
+    from mxflux.kernels import mx_operands_cuda
 
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     nbuf = max(2, -(-3 * l2 // (m * k * 2)))
@@ -81,42 +82,15 @@ def bench_pack(m, k, gran, colsum, copy_gbs, prologue="none"):
 
     def fn():
         i[0] = (i[0] + 1) % nbuf
-        return pack_cuda(xs[i[0]], granularity=gran, colsum=colsum, prologue=prologue)
+        return mx_operands_cuda(xs[i[0]], granularity=gran, colsum=colsum, prologue=prologue)
 
     ms = _bench(fn)
     gbs = pack_bytes(m, k, gran, colsum) / (ms * 1e-3) / 1e9
     return {"ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs}
 
 
-def bench_fp8_cast(m, c, fmt, colsum, copy_gbs):
-    """FP8Linear's row-wise casts (both orientations): Triton kernel vs the eager reference, and
-    the MX packer (granularity "row", the same two-pass structure) on the same tensor."""
-    from mxflux.kernels import fp8_pack_cuda, pack_cuda
-    from mxflux.ops.pack_reference import fp8_pack_reference
-
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    nbuf = max(2, -(-3 * l2 // (m * c * 2)))
-    xs = [torch.randn(m, c, device="cuda").bfloat16() for _ in range(nbuf)]
-    i = [0]
-
-    def rotating(f):
-        def fn():
-            i[0] = (i[0] + 1) % nbuf
-            return f(xs[i[0]])
-        return fn
-
-    nbytes = pack_bytes(m, c, "row", colsum)  # same bytes as the row-scaled MX pack
-    out = {}
-    for name, f in (("fp8_kernel", lambda x: fp8_pack_cuda(x, fmt=fmt, colsum=colsum)),
-                    ("fp8_eager", lambda x: fp8_pack_reference(x, fmt=fmt, colsum=colsum)),
-                    ("mx_row", lambda x: pack_cuda(x, granularity="row", colsum=colsum))):
-        ms = _bench(rotating(f))
-        out[name] = {"ms": ms, "pct_copy": 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs}
-    return out
-
-
 def bench_gemms(m, k, n):
-    from mxflux.kernels import pack_cuda, scaled_gemm_cuda
+    from mxflux.kernels import mx_operands_cuda, scaled_gemm_cuda
 
     flop = 2 * m * n * k
     x = torch.randn(m, k, device="cuda").bfloat16()
@@ -128,11 +102,12 @@ def bench_gemms(m, k, n):
     one_m, one_n = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
     out["fp8_rowwise_cast"] = flop / (_bench(lambda: torch._scaled_mm(
         xf, wf.t(), one_m, one_n, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=False)) * 1e-3) / 1e12
-    for mode, gran in (("rowwise", "row"), ("blockwise", 128), ("exact", 32)):
-        a = pack_cuda(x, col=False, granularity=gran)
-        b = pack_cuda(w, col=False, granularity=gran)
+    for gran in FoldGranularity:
+        mode = gran.value
+        a = mx_operands_cuda(x, col=False, granularity=gran)
+        b = mx_operands_cuda(w, col=False, granularity=gran)
         try:
-            ms = _bench(lambda: scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, bias))
+            ms = _bench(lambda: scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, gran, bias))
             out[mode] = flop / (ms * 1e-3) / 1e12
         except Exception as e:  # record, keep measuring the rest
             out[mode] = f"error: {type(e).__name__}: {str(e)[:120]}"
@@ -149,15 +124,15 @@ def probe_shapes():
                     (256, 256, 160), (8, 256, 256), (1, 256, 384)]:
         a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
         b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
-        for mode, g in (("rowwise", None), ("blockwise", 128), ("exact", 32)):
-            key = f"{mode} M={m} N={n} K={k}"
-            if g and k % g:
+        for gran in FoldGranularity:
+            key = f"{gran.value} M={m} N={n} K={k}"
+            if k % gran.row_multiple:
                 res[key] = "n/a (K % group)"
                 continue
-            sa = torch.ones(m, 1 if g is None else k // g, device="cuda")
-            sb = torch.ones(n, 1 if g is None else k // g, device="cuda")
+            sa = torch.ones(m, gran.groups(k), device="cuda")
+            sb = torch.ones(n, gran.groups(k), device="cuda")
             try:
-                scaled_gemm_cuda(a, sa, b, sb)
+                scaled_gemm_cuda(a, sa, b, sb, gran)
                 torch.cuda.synchronize()
                 res[key] = "ok"
             except Exception as e:
@@ -168,7 +143,7 @@ def probe_shapes():
 def _precompile_one(kw):
     import torch  # noqa: F811 - spawned worker
 
-    from mxflux.kernels import pack_cuda
+    from mxflux.kernels import mx_operands_cuda
 
     os.environ["MXFLUX_PACK_IO"] = kw.pop("_io", "auto")
     r, c = kw.pop("_shape", (256, 256))
@@ -176,7 +151,7 @@ def _precompile_one(kw):
     if kw.get("prologue") == "gelu_tanh_grad":
         kw["aux"] = torch.randn(r, c, device="cuda").bfloat16()
     t = time.time()
-    pack_cuda(x, **kw)
+    mx_operands_cuda(x, **kw)
     torch.cuda.synchronize()
     return time.time() - t
 
@@ -194,12 +169,12 @@ def precompile(workers=16):
         combos.append(dict(granularity=g, col=False))
         for pro in ("gelu_tanh", "gelu_tanh_grad"):
             combos.append(dict(granularity=g, colsum=True, prologue=pro))
-    for g in ("row", 32):
+    for g in (FoldGranularity.ROWWISE, FoldGranularity.EXACT):
         for row, col, cs in [(True, False, False), (False, True, False), (False, False, True),
                              (True, False, True), (False, True, True)]:
             combos.append(dict(granularity=g, row=row, col=col, colsum=cs))
         combos.append(dict(granularity=g, _hw=False))
-    combos.append(dict(granularity="row", prologue="gelu_tanh_grad", colsum=True, _shape=(1001, 640)))
+    combos.append(dict(granularity=FoldGranularity.ROWWISE, prologue="gelu_tanh_grad", colsum=True, _shape=(1001, 640)))
     for g in GRANS:  # both tile-reading variants (MXFLUX_PACK_IO), for the tests and A/B runs
         for colsum in (False, True):
             combos.append(dict(granularity=g, colsum=colsum, _io="blocks"))
@@ -207,7 +182,7 @@ def precompile(workers=16):
         combos.append(dict(granularity=g, colsum=True, prologue="gelu_tanh_grad", _io="blocks"))
     seen, uniq = set(), []
     for c in combos:
-        key = json.dumps(c, sort_keys=True, default=str)
+        key = json.dumps(c, sort_keys=True, default=lambda v: getattr(v, "value", str(v)))
         if key not in seen:
             seen.add(key)
             uniq.append(c)
@@ -223,10 +198,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="one shape and M only")
     ap.add_argument("--precompile", action="store_true", help="only fill Triton's cache, in parallel")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for bench_kernels.json")
-    ap.add_argument("--profile-one", metavar="GRAN", help="run pack_cuda on X [16384, 3072] a few times "
-                    "(for `ncu -k regex:_pack_kernel`), granularity GRAN")
+    ap.add_argument("--profile-one", metavar="GRAN", help="run mx_operands_cuda on X [16384, 3072] a few times "
+                    "(for `ncu -k regex:_pack_kernel`), granularity GRAN (rowwise, blockwise or exact)")
     ap.add_argument("--ab", action="store_true", help="time both packer I/O variants at two shapes")
-    ap.add_argument("--fp8", action="store_true", help="only FP8Linear's casts: kernel vs eager vs MX pack")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA device")
@@ -244,33 +218,16 @@ def main():
                     os.environ["MXFLUX_PACK_IO"] = io
                     r = bench_pack(m, k, g, False, copy)
                     row.append(f"{io} {r['ms'] * 1e3:7.1f} us {r['pct_copy']:5.1f}%")
-                print(f"  X[{m}x{k}] gran {str(g):>3s}: " + " | ".join(row), flush=True)
+                print(f"  X[{m}x{k}] gran {g.value:>9s}: " + " | ".join(row), flush=True)
         os.environ["MXFLUX_PACK_IO"] = "auto"
         return
-    if args.fp8:
-        _warm_up()
-        copy = copy_bandwidth()
-        print(f"FP8 row-wise casts, both orientations (copy {copy:.0f} GB/s): us and % of copy", flush=True)
-        rows = []
-        for m, c, fmt, colsum in ((16384, 3072, "e4m3", False), (16384, 12288, "e4m3", False),
-                                  (16384, 9216, "e5m2", True), (32768, 15360, "e4m3", False)):
-            r = bench_fp8_cast(m, c, fmt, colsum, copy)
-            rows.append({"M": m, "cols": c, "fmt": fmt, "colsum": colsum, **r})
-            print(f"  [{m}x{c}] {fmt}{' +colsum' if colsum else ''}: " + " | ".join(
-                f"{k} {v['ms'] * 1e3:7.1f} us {v['pct_copy']:5.1f}%" for k, v in r.items())
-                + f" | eager/kernel {r['fp8_eager']['ms'] / r['fp8_kernel']['ms']:.1f}x", flush=True)
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "bench_fp8_cast.json"), "w") as f:
-                json.dump({"copy_GBps": copy, "date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
-        return
     if args.profile_one:
-        from mxflux.kernels import pack_cuda
+        from mxflux.kernels import mx_operands_cuda
 
-        g = args.profile_one if args.profile_one == "row" else int(args.profile_one)
+        g = FoldGranularity.from_mx_gemm(args.profile_one)
         x = torch.randn(16384, 3072, device="cuda").bfloat16()
         for _ in range(4):
-            pack_cuda(x, granularity=g)
+            mx_operands_cuda(x, granularity=g)
         torch.cuda.synchronize()
         return
     props = torch.cuda.get_device_properties(0)
@@ -285,24 +242,24 @@ def main():
     linears = LINEARS[:1] if args.quick else LINEARS
     ms_list = MS[:1] if args.quick else MS
     res["pack"], res["gemm"] = [], []
-    print(f"{'shape':22s} {'tensor':9s} {'gran':>4s} {'ms':>7s} {'GB/s':>6s} {'%copy':>6s}", flush=True)
+    print(f"{'shape':22s} {'tensor':9s} {'gran':>9s} {'ms':>7s} {'GB/s':>6s} {'%copy':>6s}", flush=True)
     for name, k, n in linears:
         for m in ms_list:
             for tensor, cols, colsum in (("X", k, False), ("dY", n, True)):
                 for g in GRANS:
                     r = bench_pack(m, cols, g, colsum, copy)
                     res["pack"].append({"linear": name, "M": m, "K": k, "N": n, "tensor": tensor,
-                                        "cols": cols, "gran": str(g), **r})
+                                        "cols": cols, "gran": g.value, **r})
                     print(f"{name:8s} M={m:5d} {tensor}[{m}x{cols}]".ljust(32)[:32]
-                          + f" {str(g):>4s} {r['ms']:7.3f} {r['GBps']:6.0f} {r['pct_copy']:6.1f}", flush=True)
+                          + f" {g.value:>9s} {r['ms']:7.3f} {r['GBps']:6.0f} {r['pct_copy']:6.1f}", flush=True)
             torch.cuda.empty_cache()
     # fused-MLP prologues on fc1's output (forward: GELU; backward: x GELU'(pre-activation))
     res["prologue"] = []
     for pro in ("gelu_tanh",):
         for g in GRANS:
             r = bench_pack(MS[0], 12288, g, False, copy, prologue=pro)
-            res["prologue"].append({"prologue": pro, "M": MS[0], "cols": 12288, "gran": str(g), **r})
-            print(f"prologue {pro} [{MS[0]}x12288] {g}: {r['ms']:.3f} ms {r['GBps']:.0f} GB/s {r['pct_copy']:.1f}%",
+            res["prologue"].append({"prologue": pro, "M": MS[0], "cols": 12288, "gran": g.value, **r})
+            print(f"prologue {pro} [{MS[0]}x12288] {g.value}: {r['ms']:.3f} ms {r['GBps']:.0f} GB/s {r['pct_copy']:.1f}%",
                   flush=True)
     print(f"\n{'GEMM (TFLOP/s)':26s} {'bf16':>6s} {'fp8rw':>6s} {'rowwise':>8s} {'block':>6s} {'exact':>6s}")
     for name, k, n in linears:
@@ -315,8 +272,8 @@ def main():
             torch.cuda.empty_cache()
     # summary: packer % of copy per granularity, over all shapes
     for g in GRANS:
-        vals = [p["pct_copy"] for p in res["pack"] if p["gran"] == str(g)]
-        print(f"pack gran={g}: {min(vals):.1f}-{max(vals):.1f}% of copy (median {sorted(vals)[len(vals) // 2]:.1f}%)")
+        vals = [p["pct_copy"] for p in res["pack"] if p["gran"] == g.value]
+        print(f"pack gran={g.value}: {min(vals):.1f}-{max(vals):.1f}% of copy (median {sorted(vals)[len(vals) // 2]:.1f}%)")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:

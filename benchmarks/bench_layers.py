@@ -1,4 +1,4 @@
-"""Layer-level benchmarks on the GPU: MXFP6Linear / FusedMXFP6MLP / FP8Linear against bf16 and a peer.
+"""Layer-level benchmarks on the GPU: MXFP6Linear / FusedMXFP6MLP against bf16 and a peer.
 
 Every ratio is measured side by side in one run (these machines are noisy; absolute times only
 mean something on the GPU). Times are forward+backward medians from triton.testing.do_bench.
@@ -21,10 +21,10 @@ import sys
 import torch
 from torch import nn
 
-from mxflux.mx import fold_to_e4m3, quantize
-from mxflux.nn import FP8Linear, FusedMXFP6MLP, MXFP6Linear
+from mxflux.mx import MX_BLOCK, FoldGranularity, fold_to_e4m3, quantize
+from mxflux.nn import FusedMXFP6MLP, MXFP6Linear
 
-# Flux-12B linear shapes (REFERENCE.md): name → (K, N).
+# Flux-12B linear shapes: name → (K, N).
 FLUX_LINEARS = {
     "qkv": (3072, 9216),
     "proj": (3072, 3072),
@@ -66,19 +66,17 @@ def linear_rows(ms, quick: bool):
             t = {"bf16": bench(fwd_bwd(base, x, dy))}
             for mode in ("rowwise", "blockwise", "exact"):
                 t[f"mxfp6-{mode}"] = bench(fwd_bwd(MXFP6Linear.from_linear(base, mx_gemm=mode), x, dy))
-            t["fp8"] = bench(fwd_bwd(FP8Linear.from_linear(base), x, dy))
             peer_name, peer = peer_linear(base)
             if peer is not None:
                 t["peer"] = bench(fwd_bwd(peer, x, dy))
             row = {"layer": name, "M": m, "K": k, "N": n, "peer": peer_name, **{f"ms_{k_}": v for k_, v in t.items()},
                    "tflops_bf16": flops / t["bf16"] / 1e9, "tflops_mxfp6": flops / t["mxfp6-rowwise"] / 1e9}
             row["speedup_mxfp6_vs_bf16"] = t["bf16"] / t["mxfp6-rowwise"]
-            row["speedup_fp8_vs_bf16"] = t["bf16"] / t["fp8"]
             if "peer" in t:
                 row["speedup_mxfp6_vs_peer"] = t["peer"] / t["mxfp6-rowwise"]
             rows.append(row)
             print(f"{name:15s} M={m:6d} bf16 {t['bf16']:7.3f} ms | mxfp6 row {t['mxfp6-rowwise']:7.3f} "
-                  f"blk {t['mxfp6-blockwise']:7.3f} exact {t['mxfp6-exact']:7.3f} | fp8 {t['fp8']:7.3f}"
+                  f"blk {t['mxfp6-blockwise']:7.3f} exact {t['mxfp6-exact']:7.3f}"
                   + (f" | peer {t['peer']:7.3f}" if "peer" in t else "")
                   + f" | mxfp6/bf16 {row['speedup_mxfp6_vs_bf16']:.2f}x", flush=True)
             del base, x, dy
@@ -196,10 +194,10 @@ def fold_window_study(batch: int = 4):
             if mat.shape[1] % 128:
                 continue
             mx = quantize(mat)
-            nblocks = mx.codes.numel() // 32
+            nblocks = mx.codes.numel() // MX_BLOCK
             rec = {"tensor": key, "orientation": axis_name, "blocks": nblocks}
-            for g in ("row", 128):
-                n = int(fold_to_e4m3(mx, g)[2])
+            for g, gran in (("row", FoldGranularity.ROWWISE), (128, FoldGranularity.BLOCKWISE)):
+                n = int(fold_to_e4m3(mx, gran)[2])
                 totals[g][0] += n
                 totals[g][1] += nblocks
                 rec[f"outside_{g}"] = n
@@ -211,7 +209,7 @@ def fold_window_study(batch: int = 4):
     return {"summary": summary, "tensors": per_tensor}
 
 
-def profile_layer(name: str, m: int, variants=("bf16", "mxfp6", "fp8"), steps: int = 5) -> None:
+def profile_layer(name: str, m: int, variants=("bf16", "mxfp6"), steps: int = 5) -> None:
     """Per-kernel device time of one linear's forward+backward (where a slow shape spends it)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -219,7 +217,7 @@ def profile_layer(name: str, m: int, variants=("bf16", "mxfp6", "fp8"), steps: i
     base = nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    mods = {"bf16": base, "mxfp6": MXFP6Linear.from_linear(base), "fp8": FP8Linear.from_linear(base)}
+    mods = {"bf16": base, "mxfp6": MXFP6Linear.from_linear(base)}
     for v in variants:
         step = fwd_bwd(mods[v], x, dy)
         for _ in range(5):

@@ -2,15 +2,14 @@
 # One device call that runs the named stages in order and leaves logs and results under $OUT:
 #   PYTHONPATH=src bash benchmarks/gpu_run.sh tests convergence step fsdp12b
 # tests        the CUDA test suite (tests/gpu; GPU_TESTS="files" for a subset)
-# fp8cast      benchmarks/bench_kernels.py --fp8: FP8Linear's Triton casts vs eager vs the MX packer
 # kernels      benchmarks/bench_kernels.py: every packer and GEMM at the Flux-12B shapes
-# layers       benchmarks/bench_layers.py: MXFP6Linear / FusedMXFP6MLP / FP8Linear / peer vs bf16
+# layers       benchmarks/bench_layers.py: MXFP6Linear / FusedMXFP6MLP / peer vs bf16
 # layerprofile per-kernel times of single linears (LAYER_PROFILE="proj 16384 proj 32768")
 # convergence  benchmarks/convergence.py: bf16 vs MXFP6, same seed, width 768
 # step         benchmarks/bench_step.py at the flux-12b width (2+4 blocks), compiled, micro-batch 64,
 #              bf16/FP8/MXFP6 side by side
 # fsdp12b      flux-12b with FSDP2 over every visible GPU (`mxflux bench step` under torchrun)
-# host         benchmarks/bench_host.py: host time per MX/FP8 op call (op dispatch, our Python, Triton launch)
+# host         benchmarks/bench_host.py: host time per MX op call (op dispatch, our Python, Triton launch)
 # sweepcomm    benchmarks/sweep_comm.py: FSDP2 blocks per unit for SWEEP_RECIPE on every visible GPU
 # Two GPUs, one call (background job + `wait`, never a pgrep on a pattern the command line contains):
 #   export OUT; CUDA_VISIBLE_DEVICES=1 bash benchmarks/gpu_run.sh convergence >$OUT/conv.log 2>&1 &
@@ -33,8 +32,6 @@ for stage in "$@"; do
     tests)
       python3 -m pytest -q --tb=short ${GPU_TESTS:-tests/gpu} -p no:cacheprovider 2>&1 | grep -v "^W11" > "$OUT/gpu_tests.log"
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests.log" | tail -40 ;;
-    fp8cast)
-      python3 benchmarks/bench_kernels.py --fp8 --out "$OUT" 2>&1 | grep -v "^W11" | tail -12 ;;
     kernels)
       python3 benchmarks/bench_kernels.py --out "$OUT" 2>&1 | grep -v "^W11" | tail -120 ;;
     layerprofile)  # per-kernel time of single linears' fwd+bwd (LAYER_PROFILE="proj 16384 qkv 32768 ...")

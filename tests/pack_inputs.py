@@ -46,7 +46,7 @@ def student_t(r, c, gen, device="cpu", df=3):
 
 
 def adversarial(r, c, gen, device="cpu"):
-    """Wide binade spreads along both axes (so n_inexact > 0), NaN/Inf/overflowing blocks, zero
+    """Wide binade spreads along both axes (so blocks_outside_window > 0), NaN/Inf/overflowing blocks, zero
     rows, columns and blocks, bf16 subnormals, tiny blocks around E8M0's clamp, negative zeros."""
     g = dev_gen(gen, device)
     kw = dict(generator=g, device=device)

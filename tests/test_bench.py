@@ -97,7 +97,7 @@ def test_cuda_breakdown_counts_each_kernel_once_by_its_name():
         ev(2, "Torch-Compiled Region", 0, 1000),
         gemm, gemm,  # the same device event listed twice is one kernel
         ev(4, "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", 40, 60),  # attention, not gemm
-        ev(5, "_pack_kernel", 60, 70), ev(6, "_fp8_cast_kernel", 70, 75),
+        ev(5, "_pack_kernel", 60, 70), ev(6, "_dequant_kernel", 70, 75),
         ev(7, "ncclDevKernel_AllGather_RING_LL", 50, 90),  # overlaps on another stream
         ev(8, "void at::native::multi_tensor_apply_kernel<...>", 100, 130),
         ev(9, "my_range", 0, 500, is_user_annotation=True),

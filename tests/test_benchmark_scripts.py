@@ -53,7 +53,7 @@ def test_host_overhead_benchmark_runs(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host.py"), "--device", "cpu", "--calls", "50",
                     "--rows", "64", "--cols", "128", "--json", str(out)], check=True, env=env, timeout=300)
     r = json.loads(out.read_text())["us_per_call"]
-    assert set(r) == {"elementwise op (calibration)", "mx_pack op, packer stubbed"}
+    assert set(r) == {"elementwise op (calibration)", "mx_operands op, packer stubbed"}
     assert all(v > 0 for v in r.values())
 
 

@@ -5,9 +5,9 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from mxflux.nn import FP8Linear, FusedMXFP6MLP, MXFP6Linear
+from mxflux.nn import FusedMXFP6MLP, MXFP6Linear
 from mxflux.nn.mlp import FUSED_MLP_ENV
-from mxflux.ops.custom_ops import fp8_pack, mx_pack, scaled_gemm
+from mxflux.ops.custom_ops import mx_operands, scaled_gemm
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +23,6 @@ def stack():
     return nn.Sequential(
         MXFP6Linear(128, 256), FusedMXFP6MLP(256, 512, mode="on"), MXFP6Linear(256, 128, mx_gemm="blockwise"),
         MXFP6Linear(128, 128, mx_gemm="exact"),
-        FP8Linear(128, 128),
     ).bfloat16()
 
 
@@ -53,21 +52,22 @@ def test_fullgraph_forward_and_backward_without_graph_breaks_and_bit_equal(gen):
 def test_custom_ops_pass_opcheck(gen):
     x = torch.randn(40, 64, generator=gen).bfloat16()
     h = torch.randn(40, 64, generator=gen).bfloat16()
-    counter = torch.zeros(1, dtype=torch.int64)
+    outside = torch.zeros(1, dtype=torch.int64)
     for args in [
-        (x, None, counter, True, True, 0, True, "none", True),
-        (x, h, counter, True, True, 32, True, "gelu_tanh_grad", True),
-        (x, None, counter, False, True, 0, False, "gelu_tanh", False),
+        (x, None, outside, True, True, "rowwise", True, "none", True),
+        (x, h, outside, True, True, "exact", True, "gelu_tanh_grad", True),
+        (x, None, outside, False, True, "rowwise", False, "gelu_tanh", False),
+        (torch.randn(40, 128, generator=gen).bfloat16(), None, outside, True, True, "blockwise", True, "none", False),
     ]:
-        torch.library.opcheck(mx_pack, args, test_utils=("test_schema", "test_faketensor"))
-    rd, rs, _, _, _ = mx_pack(x, None, counter, True, False, 0, True, "none", False)
+        torch.library.opcheck(mx_operands, args, test_utils=("test_schema", "test_faketensor"))
     # (test_schema compares FP8 inputs arithmetically, which CPU FP8 tensors do not support.)
-    torch.library.opcheck(scaled_gemm, (rd, rs, rd[:32], rs[:32], None, torch.bfloat16),
-                          test_utils=("test_faketensor",))
-    torch.library.opcheck(fp8_pack, (x, True, True, "e5m2", True), test_utils=("test_schema", "test_faketensor"))
+    for granularity in ("rowwise", "exact"):
+        rd, rs, _, _, _ = mx_operands(x, None, outside, True, False, granularity, True, "none", False)
+        torch.library.opcheck(scaled_gemm, (rd, rs, rd[:32], rs[:32], granularity, None, torch.bfloat16),
+                              test_utils=("test_faketensor",))
 
 
-def test_compiled_fold_counter_equals_eager(gen):
+def test_compiled_blocks_outside_window_equals_eager(gen):
     """The packers' in-place count of blocks outside the fold window survives functionalization:
     a compiled forward+backward adds exactly what the eager one adds."""
     x = torch.randn(64, 128, generator=gen)

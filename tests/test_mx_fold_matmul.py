@@ -1,8 +1,9 @@
-"""The FP8 fold (DESIGN.md §2) and the reference MX GEMM."""
+"""The FP8 fold (docs/design.md, "The exact FP8 fold and its window") and the reference MX GEMM."""
 
 import pytest
 import torch
 
+from mxflux.mx import FoldGranularity as G
 from mxflux.mx import fold_to_e4m3, mx_matmul, quantize, snr_db
 
 
@@ -17,14 +18,14 @@ def wide_rows(gen, rows=16, k=512, spread=30):
     return x * torch.exp2(per_block).repeat_interleave(32, dim=1)
 
 
-@pytest.mark.parametrize("granularity", ["row", 128, 32])
+@pytest.mark.parametrize("granularity", list(G))
 @pytest.mark.parametrize("fmt", ["e2m3", "e3m2", "e2m1"])
 def test_fold_is_bit_exact_inside_the_window_and_counts_the_rest(gen, granularity, fmt):
     x = wide_rows(gen)
     mx = quantize(x, fmt)
-    data, scale, n_inexact = fold_to_e4m3(mx, granularity)
+    data, scale, blocks_outside_window = fold_to_e4m3(mx, granularity)
     assert data.dtype == torch.float8_e4m3fn and data.shape == x.shape
-    groups = 1 if granularity == "row" else 512 // granularity
+    groups = {G.ROWWISE: 1, G.BLOCKWISE: 4, G.EXACT: 16}[granularity]
     assert scale.shape == (16, groups) and scale.dtype == torch.float32
     folded = data.float() * _expand(scale, 512)
     exact = mx.dequantize(unrotate=False)
@@ -32,18 +33,18 @@ def test_fold_is_bit_exact_inside_the_window_and_counts_the_rest(gen, granularit
     f = mx.format
     e_block = mx.scales.long() - 127
     live = (mx.codes.reshape(16, 16, 32) & (f.sign_mask - 1)).amax(-1) > 0
-    bpg = 16 if granularity == "row" else granularity // 32
+    bpg = 16 // groups  # blocks per group
     e_live = torch.where(live, e_block, torch.full_like(e_block, -10**6))
     e_ref = e_live.reshape(16, -1, bpg).amax(-1).repeat_interleave(bpg, dim=-1)
     inside = (e_block >= e_ref - f.fold_window) | ~live
     inside_el = inside.repeat_interleave(32, dim=1)
 
     assert torch.equal(folded[inside_el], exact[inside_el])
-    assert int(n_inexact) == int((~inside).sum())
-    if granularity == 32:
-        assert int(n_inexact) == 0  # one block per group: always exact
+    assert int(blocks_outside_window) == int((~inside).sum())
+    if granularity is G.EXACT:
+        assert int(blocks_outside_window) == 0  # one block per group: always exact
     else:
-        assert int(n_inexact) > 0  # the test data must exercise the out-of-window path
+        assert int(blocks_outside_window) > 0  # the test data must exercise the out-of-window path
         # Out-of-window blocks are still close: rounded to E4M3 at the group's reference.
         err = (folded[~inside_el] - exact[~inside_el]).abs()
         assert float(err.max()) <= float(_expand(scale, 512)[~inside_el].max()) * 2.0**-10
@@ -71,8 +72,21 @@ def test_fold_rejects_formats_that_do_not_fit_e4m3(gen):
     mx = quantize(torch.randn(2, 32, generator=gen), "e5m2", hadamard=False)
     with pytest.raises(ValueError, match="mx: elements of format 'e5m2' are not exactly representable"):
         fold_to_e4m3(mx)
-    with pytest.raises(ValueError, match="granularity: 96 must be a multiple"):
-        fold_to_e4m3(quantize(torch.randn(2, 256, generator=gen)), 96)
+    with pytest.raises(ValueError, match="granularity: expected a FoldGranularity, got 128"):
+        fold_to_e4m3(quantize(torch.randn(2, 256, generator=gen)), 128)
+    with pytest.raises(ValueError, match="granularity: blockwise needs the axis length to be a multiple of 128, got 96"):
+        fold_to_e4m3(quantize(torch.randn(2, 96, generator=gen)), G.BLOCKWISE)
+
+
+def test_fold_granularity_is_named_by_mx_gemm_in_one_place():
+    assert [G.from_mx_gemm(n) for n in ("rowwise", "blockwise", "exact")] == [G.ROWWISE, G.BLOCKWISE, G.EXACT]
+    assert [g.kernel_id for g in G] == [0, 128, 32]
+    assert [g.groups(512) for g in G] == [1, 4, 16]
+    assert [g.group_size(512) for g in G] == [512, 128, 32]
+    assert [g.row_multiple for g in G] == [32, 128, 32]
+    for bad in ("row", "Rowwise", 128, None):
+        with pytest.raises(ValueError, match=r"mx_gemm: expected one of \['rowwise', 'blockwise', 'exact'\], got"):
+            G.from_mx_gemm(bad)
 
 
 @pytest.mark.parametrize("hadamard", [True, False])

@@ -76,7 +76,7 @@ def test_unknown_format_is_a_clear_error():
 
 
 def test_fold_window_facts():
-    # DESIGN.md §2: E2M3 folds with shift 5 and an 11-binade window.
+    # docs/design.md, "The exact FP8 fold and its window": E2M3 folds with shift 5 and an 11-binade window.
     assert FORMATS["e2m3"].fold_shift == 5 and FORMATS["e2m3"].fold_window == 11
     assert FORMATS["e3m2"].fold_shift == 4 and FORMATS["e3m2"].fold_window == 9
     assert FORMATS["e2m1"].fold_shift == 6 and FORMATS["e2m1"].fold_window == 14

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mxflux.mx import hadamard32, pack6, unpack6
+from mxflux.mx import hadamard32, pack_bits6, unpack_bits6
 from mxflux.mx.hadamard import HADAMARD_SCALE
 
 
@@ -77,29 +77,29 @@ def test_other_axes_and_dtypes(gen):
 
 @settings(max_examples=100, deadline=None)
 @given(lead=st.integers(0, 3), groups=st.integers(1, 16), seed=st.integers(0, 2**31 - 1))
-def test_pack6_round_trip_is_lossless(lead, groups, seed):
+def test_pack_bits6_round_trip_is_lossless(lead, groups, seed):
     g = torch.Generator().manual_seed(seed)
     shape = (lead + 1, 4 * groups)
     codes = torch.randint(0, 64, shape, generator=g, dtype=torch.uint8)
-    packed = pack6(codes)
+    packed = pack_bits6(codes)
     assert packed.shape == (lead + 1, 3 * groups) and packed.dtype == torch.uint8
-    assert torch.equal(unpack6(packed, 4 * groups), codes)
+    assert torch.equal(unpack_bits6(packed, 4 * groups), codes)
 
 
-def test_pack6_layout_is_little_endian():
+def test_pack_bits6_layout_is_little_endian():
     codes = torch.tensor([1, 2, 3, 63], dtype=torch.uint8)
     word = 1 | 2 << 6 | 3 << 12 | 63 << 18
-    assert pack6(codes).tolist() == [word & 0xFF, word >> 8 & 0xFF, word >> 16 & 0xFF]
+    assert pack_bits6(codes).tolist() == [word & 0xFF, word >> 8 & 0xFF, word >> 16 & 0xFF]
 
 
-def test_pack6_errors():
+def test_pack_bits6_errors():
     with pytest.raises(ValueError, match="codes: last-axis length 6 is not a multiple of 4"):
-        pack6(torch.zeros(6, dtype=torch.uint8))
+        pack_bits6(torch.zeros(6, dtype=torch.uint8))
     with pytest.raises(ValueError, match="codes: values must be 6-bit"):
-        pack6(torch.full((4,), 64, dtype=torch.uint8))
+        pack_bits6(torch.full((4,), 64, dtype=torch.uint8))
     with pytest.raises(ValueError, match="codes: expected a uint8 tensor"):
-        pack6(torch.zeros(4))
+        pack_bits6(torch.zeros(4))
     with pytest.raises(ValueError, match="n: 6 is not a multiple of 4"):
-        unpack6(torch.zeros(3, dtype=torch.uint8), 6)
+        unpack_bits6(torch.zeros(3, dtype=torch.uint8), 6)
     with pytest.raises(ValueError, match="packed: expected last-axis length 6"):
-        unpack6(torch.zeros(3, dtype=torch.uint8), 8)
+        unpack_bits6(torch.zeros(3, dtype=torch.uint8), 8)

@@ -58,7 +58,7 @@ def test_adversarial_tensors_agree_with_torchao(gen):
     codes, scales = torchao_codes_and_scales(x)
     assert torch.equal(mx.scales, scales)
     # Known divergence, scale code 0 only: torchao divides by max(2^-127, F32_MIN_NORMAL) =
-    # 2^-126 to dodge fp32 subnormals, while the E8M0 code 0 means 2^-127 (DESIGN.md §1).
+    # 2^-126 to dodge fp32 subnormals, while the E8M0 code 0 means 2^-127 (docs/design.md, "Element formats and E8M0 scales").
     # Its codes there equal ours for a block quantized at 2^-126.
     clamped = (mx.scales == 0).repeat_interleave(32, dim=1)
     assert torch.equal(mx.codes[~clamped], codes[~clamped])

@@ -151,8 +151,7 @@ def test_linear_rows_report_each_gemm(capsys):
     layer_rows = {(r["format"], r["hadamard"]): r["gemm_snr_db"] for r in rows if "." in r["format"]}
     for rot in (True, False):
         for gemm in ("fprop", "dgrad", "wgrad"):
-            assert 24.0 <= layer_rows[(f"MXFP6Linear.{gemm}", rot)] <= 32.0  # the seed's ~28 dB
-    assert layer_rows[("FP8Linear.fprop", None)] > 25.0  # E4M3
-    assert layer_rows[("FP8Linear.dgrad", None)] > 21.0  # E5M2 gradients
+            assert 24.0 <= layer_rows[(f"MXFP6Linear.{gemm}", rot)] <= 32.0  # ~28 dB
+    assert set(layer_rows) == {(f"MXFP6Linear.{g}", rot) for g in ("fprop", "dgrad", "wgrad") for rot in (True, False)}
     assert main(["numerics", *SMALL, "--linear"]) == 0
     assert "MXFP6Linear" in capsys.readouterr().out

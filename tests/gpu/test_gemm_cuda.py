@@ -11,14 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxflux.kernels import kernel_available, pack_cuda, scaled_gemm_cuda
-from mxflux.kernels.gemm import gemm_mode
-from mxflux.mx import mx_matmul, quantize
-from mxflux.ops.gemm_reference import GEMM_MODES, dequantize_operand, scaled_gemm_reference
+from mxflux.kernels import cuda_kernel_available, mx_operands_cuda, scaled_gemm_cuda
+from mxflux.mx import FoldGranularity as G
+from mxflux.mx import dequantize_operand, mx_matmul, quantize, scaled_gemm_reference
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-needs_triton = pytest.mark.skipif(not kernel_available(), reason="needs Triton and a CUDA device")
+needs_triton = pytest.mark.skipif(not cuda_kernel_available(), reason="needs Triton and a CUDA device")
 
 SHAPES = [(1024, 3072, 3072), (512, 9216, 3072), (256, 3072, 12288), (1000, 3072, 15360)]
 
@@ -32,8 +31,8 @@ def operands(m, n, k, granularity, gen):
     x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
     w = (0.02 * torch.randn(n, k, generator=g, device="cuda")).bfloat16()
     bias = (0.1 * torch.randn(n, generator=g, device="cuda")).bfloat16()
-    a = pack_cuda(x, col=False, granularity=granularity)
-    b = pack_cuda(w, col=False, granularity=granularity)
+    a = mx_operands_cuda(x, col=False, granularity=granularity)
+    b = mx_operands_cuda(w, col=False, granularity=granularity)
     return a, b, bias
 
 
@@ -56,16 +55,16 @@ def ulp_stats(got, want, bound):
 @gpu
 @needs_cuda
 @needs_triton
-@pytest.mark.parametrize("mode", list(GEMM_MODES))
+@pytest.mark.parametrize("granularity", list(G))
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_gemm_matches_reference(mode, shape, gen):
+def test_gemm_matches_reference(granularity, shape, gen):
     m, n, k = shape
-    a, b, bias = operands(m, n, k, GEMM_MODES[mode], gen)
-    assert gemm_mode(a.row_data, a.row_scale, b.row_scale) == mode
+    a, b, bias = operands(m, n, k, granularity, gen)
+    assert a.row_scale.shape == (m, granularity.groups(k))
     # poison the allocator's free memory so an unwritten output element would show as NaN
     junk = torch.full((m * n * 2,), float("nan"), device="cuda")
     del junk
-    got = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, torch.bfloat16)
+    got = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, granularity, bias, torch.bfloat16)
     want = scaled_gemm_reference(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, torch.bfloat16)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     assert not got.isnan().any()
@@ -78,7 +77,7 @@ def test_gemm_matches_reference(mode, shape, gen):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     st = ulp_stats(got, want, bound)
-    print(f"{mode} {shape}: equal {st['equal']:.4f}, <=1 ulp {st['le1ulp']:.6f}, max {st['max_ulp']} ulp")
+    print(f"{granularity.value} {shape}: equal {st['equal']:.4f}, <=1 ulp {st['le1ulp']:.6f}, max {st['max_ulp']} ulp")
     assert st["far_unexplained"] == 0, st
 
 
@@ -86,16 +85,17 @@ def test_gemm_matches_reference(mode, shape, gen):
 @needs_cuda
 @needs_triton
 def test_rowwise_equals_mx_matmul_on_exact_folds(gen):
-    """Fold + cuBLAS row-wise == the MX GEMM of the quantized operands (DESIGN.md §2)."""
+    """Fold + cuBLAS row-wise == the MX GEMM of the quantized operands (docs/design.md, "The exact
+    FP8 fold and its window")."""
     m, n, k = 512, 3072, 3072
     g = _gen(gen)
     x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
     w = (0.02 * torch.randn(n, k, generator=g, device="cuda")).bfloat16()
     bias = (0.1 * torch.randn(n, generator=g, device="cuda")).bfloat16()
-    a = pack_cuda(x, col=False)
-    b = pack_cuda(w, col=False)
-    assert int(a.n_inexact) == 0 and int(b.n_inexact) == 0
-    got = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, bias)
+    a = mx_operands_cuda(x, col=False)
+    b = mx_operands_cuda(w, col=False)
+    assert int(a.blocks_outside_window) == 0 and int(b.blocks_outside_window) == 0
+    got = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, G.ROWWISE, bias)
     want = mx_matmul(quantize(x, axis=1), quantize(w, axis=1), bias)
     ref = scaled_gemm_reference(a.row_data, a.row_scale, b.row_data, b.row_scale, bias)
     assert torch.equal(ref, want)  # the fold is exact: same values, same fp32 GEMM
@@ -114,7 +114,7 @@ def test_gemm_fp32_bias_and_output(out_dtype, gen):
     sa = torch.full((m, 1), 0.5, device="cuda")
     sb = torch.full((n, 1), 0.25, device="cuda")
     bias = torch.randn(n, generator=g, device="cuda")  # fp32 bias: added in fp32, one rounding
-    got = scaled_gemm_cuda(a, sa, b, sb, bias, out_dtype)
+    got = scaled_gemm_cuda(a, sa, b, sb, G.ROWWISE, bias, out_dtype)
     want = scaled_gemm_reference(a, sa, b, sb, bias, torch.float32)
     assert got.dtype == out_dtype
     # Hopper's FP8 accumulation is not IEEE fp32: bound by the fp32-order error, plus the rounding
@@ -128,16 +128,20 @@ def test_gemm_errors_name_the_argument():
     a = torch.zeros(64, 256, device="cuda").to(torch.float8_e4m3fn)
     s = torch.ones(64, 1, device="cuda")
     with pytest.raises(ValueError, match="a_data"):
-        scaled_gemm_cuda(a.float(), s, a, s)
+        scaled_gemm_cuda(a.float(), s, a, s, G.ROWWISE)
     with pytest.raises(ValueError, match="a_scale"):
-        scaled_gemm_cuda(a, torch.ones(64, 3, device="cuda"), a, s)
+        scaled_gemm_cuda(a, torch.ones(64, 3, device="cuda"), a, s, G.ROWWISE)
     with pytest.raises(ValueError, match="b_scale"):
-        scaled_gemm_cuda(a, s, a, s.double())
+        scaled_gemm_cuda(a, s, a, s.double(), G.ROWWISE)
     with pytest.raises(ValueError, match="bias"):
-        scaled_gemm_cuda(a, s, a, s, bias=torch.zeros(3, device="cuda"))
+        scaled_gemm_cuda(a, s, a, s, G.ROWWISE, bias=torch.zeros(3, device="cuda"))
     with pytest.raises(ValueError, match="K and N"):
         b = torch.zeros(40, 256, device="cuda").to(torch.float8_e4m3fn)
-        scaled_gemm_cuda(a, s, b, torch.ones(40, 1, device="cuda"))
+        scaled_gemm_cuda(a, s, b, torch.ones(40, 1, device="cuda"), G.ROWWISE)
+    with pytest.raises(ValueError, match=r"a_scale, b_scale: a blockwise GEMM .* takes scales \[64, 2\]"):
+        scaled_gemm_cuda(a, s, a, s, G.BLOCKWISE)  # row-wise scales passed as block-wise
+    with pytest.raises(ValueError, match="granularity: expected a FoldGranularity"):
+        scaled_gemm_cuda(a, s, a, s, "rowwise")
 
 
 @gpu
@@ -151,10 +155,10 @@ def test_exact_mode_accumulates_in_fp32_under_autocast(mm_out_dtype, gen, monkey
 
     caps = dict(gemm._caps(torch.empty(0, device="cuda")), mm_out_dtype=mm_out_dtype)
     monkeypatch.setattr(gemm, "_caps", lambda t: caps)
-    a, b, _ = operands(512, 1024, 3072, 32, gen)  # 1x32 scales select the exact mode
+    a, b, _ = operands(512, 1024, 3072, G.EXACT, gen)
     bias = 0.1 * torch.randn(1024, generator=_gen(gen), device="cuda")  # fp32 bias: the fp32 branch
     want = scaled_gemm_reference(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, torch.bfloat16)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        got = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, torch.bfloat16)
+        got = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, G.EXACT, bias, torch.bfloat16)
     st = ulp_stats(got, want, torch.zeros_like(got, dtype=torch.float32))
     assert st["equal"] > 0.99 and st["far_unexplained"] == 0, st  # double rounding: ~1/3 differ

@@ -1,12 +1,14 @@
 """`mxflux numerics`: how much signal MX quantization keeps, and whether the FP8 fold is exact.
 
 For each element format and each rotation setting (Hadamard on/off) it quantizes an activation
-matrix X [M, K] and reports (DESIGN.md §1-§2):
+matrix X [M, K] and reports (docs/design.md, "Element formats and E8M0 scales" and "The exact FP8
+fold and its window"):
 
 - ``snr_db``: SNR of dequantize(quantize(X)) against X;
 - ``saturated_frac``: fraction of elements at the format's largest magnitude;
-- ``zero_block_frac``: fraction of blocks whose 32 codes are all (signed) zero;
-- ``outside_window_frac``: fraction of X's blocks the row-wise FP8 fold cannot encode exactly;
+- ``zero_block_frac``: fraction of blocks whose MX_BLOCK (32) codes are all (signed) zero;
+- ``outside_window_frac``: blocks_outside_window / blocks: the fraction of X's blocks the
+  row-wise FP8 fold cannot encode exactly;
 - a GEMM study against weights W [N, K]: ``gemm_snr_db`` is the SNR of the exact MX GEMM
   against the unquantized float64 product, and ``fold_error_ratio`` is
   ‖Y_fold − Y_true‖ / ‖Y_mx − Y_true‖, where Y_fold emulates the row-wise-scaled FP8 GEMM
@@ -14,8 +16,8 @@ matrix X [M, K] and reports (DESIGN.md §1-§2):
 
 Fold columns are None ("n/a") for formats whose elements have no exact E4M3 image.
 
-With ``--linear`` it also runs X through the linear layers that training uses (MXFP6Linear with
-the rotation on and off, FP8Linear), forward and backward with a random dY, and adds one row per
+With ``--linear`` it also runs X through the linear layer that training uses (MXFP6Linear with
+the rotation on and off), forward and backward with a random dY, and adds one row per
 GEMM: ``format`` names the layer and GEMM (e.g. "MXFP6Linear.wgrad") and ``gemm_snr_db`` is that
 GEMM's SNR against float64; the quantizer columns are None.
 
@@ -34,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mxflux.mx import MXTensor, fold_to_e4m3, mx_matmul, quantize, snr_db
+from mxflux.mx import MX_BLOCK, FoldGranularity, MXTensor, fold_to_e4m3, mx_matmul, quantize, snr_db
 
 __all__ = [
     "DEFAULT_SHAPE",
@@ -49,7 +51,6 @@ __all__ = [
     "run_numerics",
 ]
 
-BLOCK = 32
 DEFAULT_SHAPE = (4096, 3072)
 DISTRIBUTIONS = ("normal", "laplace", "student-t", "outliers")
 # "outliers": a few channels (columns) carry far larger values, as seen in transformer activations.
@@ -150,9 +151,9 @@ def load_input(path: str | Path, key: str | None = None) -> torch.Tensor:
         raise InputError(f"--file: tensor {name} has dtype {t.dtype}, expected a floating-point tensor")
     if t.dim() == 0 or t.numel() == 0:
         raise InputError(f"--file: tensor {name} has shape {tuple(t.shape)}, expected a non-empty matrix")
-    if t.shape[-1] % BLOCK:
+    if t.shape[-1] % MX_BLOCK:
         raise InputError(
-            f"--file: tensor {name} has last dimension {t.shape[-1]}, expected a multiple of {BLOCK} "
+            f"--file: tensor {name} has last dimension {t.shape[-1]}, expected a multiple of {MX_BLOCK} "
             "(MX blocks run along the last dimension)"
         )
     return t.reshape(-1, t.shape[-1]).float()
@@ -191,7 +192,7 @@ def run_numerics(
 ) -> list[dict]:
     """Quantization and GEMM metrics of X [M, K] against weights W [N, K], one row per setting.
 
-    `x` and `w` must be on the same device; K must be a multiple of 32. `on_step(description)`
+    `x` and `w` must be on the same device; K must be a multiple of MX_BLOCK (32). `on_step(description)`
     is called before each unit of work (for progress bars): once for the reference GEMM, then
     once per (format, rotation).
     """
@@ -222,9 +223,9 @@ def run_numerics(
             }
             # Formats whose elements have no exact E4M3 image (e5m2) have no fold: columns stay None.
             if qx.format.fold_window is not None:
-                dx, sx, n_inexact = fold_to_e4m3(qx, granularity="row")
-                dw, sw, _ = fold_to_e4m3(qw, granularity="row")
-                row["outside_window_frac"] = int(n_inexact) / (qx.codes.numel() // qx.block)
+                dx, sx, blocks_outside_window = fold_to_e4m3(qx, FoldGranularity.ROWWISE)
+                dw, sw, _ = fold_to_e4m3(qw, FoldGranularity.ROWWISE)
+                row["outside_window_frac"] = int(blocks_outside_window) / (qx.codes.numel() // qx.block)
                 # torch._scaled_mm row-wise: E4M3 products summed in fp32, then the two scales
                 # applied in the epilogue (sx is [M, 1], sw is [N, 1]).
                 y_fold = (dx.float() @ dw.float().t()) * sx * sw.t()
@@ -243,7 +244,7 @@ def run_linear_numerics(x: torch.Tensor, w: torch.Tensor, *, seed: int = 0) -> l
     """
     from torch import nn
 
-    from mxflux.nn import FP8Linear, MXFP6Linear
+    from mxflux.nn import MXFP6Linear
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     dy = torch.randn(x.shape[0], w.shape[0], generator=g).to(x.device, torch.bfloat16)
@@ -254,13 +255,13 @@ def run_linear_numerics(x: torch.Tensor, w: torch.Tensor, *, seed: int = 0) -> l
     (x64 @ w64.t()).backward(dy.double())
     y64 = (xb.double() @ wb.double().t())
 
-    layers = [("MXFP6Linear", True, dict()), ("MXFP6Linear", False, dict(hadamard=False)), ("FP8Linear", None, None)]
+    layers = [("MXFP6Linear", True, dict()), ("MXFP6Linear", False, dict(hadamard=False))]
     rows = []
     for name, rot, kwargs in layers:
         base = nn.Linear(w.shape[1], w.shape[0], bias=False, device=x.device, dtype=torch.bfloat16)
         with torch.no_grad():
             base.weight.copy_(wb)
-        layer = MXFP6Linear.from_linear(base, **kwargs) if name == "MXFP6Linear" else FP8Linear.from_linear(base)
+        layer = MXFP6Linear.from_linear(base, **kwargs)
         xin = xb.clone().requires_grad_()
         y = layer(xin)
         y.backward(dy)

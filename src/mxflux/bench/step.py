@@ -57,7 +57,7 @@ CATEGORIES = ("gemm", "mx_pack", "attention", "communication", "other")
 # On the CPU, the first profiled op (walking outward from an op) that matches a rule gives the
 # op's category.
 _OP_RULES = (
-    ("mx_pack", re.compile(r"mxflux::(mx_pack|fp8_pack)")),
+    ("mx_pack", re.compile(r"mxflux::mx_operands")),
     ("gemm", re.compile(r"^(aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm|_scaled_grouped_mm|matmul|linear)"
                         r"|mxflux::scaled_gemm)$")),
     ("attention", re.compile(r"attention|sdpa|flash", re.I)),
@@ -69,7 +69,7 @@ _OP_RULES = (
 _KERNEL_RULES = (
     ("communication", re.compile(r"nccl", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
-    ("mx_pack", re.compile(r"_pack_kernel|_prologue_kernel|_fp8_amax_kernel|_fp8_cast_kernel|_dequant_kernel")),
+    ("mx_pack", re.compile(r"_pack_kernel|_prologue_kernel|_dequant_kernel")),
     ("gemm", re.compile(r"gemm|nvjet|xmma|cublas|triton_tem_", re.I)),
 )
 

@@ -1,26 +1,26 @@
-"""Fast paths for Hopper (DESIGN.md §2–§4): Triton MX packers and FP8-tensor-core MX GEMMs, the
-Triton row-wise FP8 casts of the FP8 baseline (`fp8_pack_cuda`);
-and the compiled CPU packer (`pack_cpu`, numba: `pack_numba`) that the CPU training path uses.
+"""Fast paths of the MX numerics (docs/design.md, "Kernels, backends and the reference"): the
+Triton MX operand packers and cuBLAS FP8 GEMMs for Hopper, and the compiled CPU packer (numba)
+that the CPU training path uses. Each one is a bit-exact twin of a reference in `mxflux.mx`.
 
-Importing this package never needs CUDA or Triton: `pack_cuda` raises a clear RuntimeError
-where it cannot run (check `kernel_available()` first), and `scaled_gemm_cuda` needs a CUDA
-device for cuBLAS.
+This package imports only `mxflux.mx` (plus torch, triton, numba); `mxflux.ops` picks between
+these and the references. Importing it never needs CUDA or Triton: `mx_operands_cuda` raises a
+clear RuntimeError where it cannot run (check `cuda_kernel_available()` first), and
+`scaled_gemm_cuda` needs a CUDA device for cuBLAS.
 """
 
-from .fp8_cast import fp8_pack_cuda
 from .gemm import GEMM_SHAPE_RULES, scaled_gemm_cuda
-from .pack_numba import HAS_NUMBA, cpu_kernel_available, pack_cpu
-from .pack import HAS_TRITON, kernel_available, pack_cuda, prologue_cuda
+from .operands_cpu import HAS_NUMBA, cpu_kernel_available, mx_operands_cpu
+from .operands_cuda import cuda_kernel_available, mx_operands_cuda, prologue_cuda
+from .triton_common import HAS_TRITON
 
 __all__ = [
     "GEMM_SHAPE_RULES",
     "HAS_NUMBA",
     "HAS_TRITON",
     "cpu_kernel_available",
-    "fp8_pack_cuda",
-    "kernel_available",
-    "pack_cpu",
-    "pack_cuda",
+    "cuda_kernel_available",
+    "mx_operands_cpu",
+    "mx_operands_cuda",
     "prologue_cuda",
     "scaled_gemm_cuda",
 ]

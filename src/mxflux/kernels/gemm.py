@@ -1,14 +1,15 @@
-"""Scaled FP8 GEMMs on cuBLAS: `scaled_gemm_cuda`, the fast twin of `scaled_gemm_reference`.
+"""Scaled FP8 GEMMs on cuBLAS: `scaled_gemm_cuda`, the fast twin of
+`mxflux.mx.scaled_gemm.scaled_gemm_reference` (docs/design.md, "The three GEMMs and their operands").
 
 out = (A ⊙ scale_a)(B ⊙ scale_b)ᵀ + bias, fp32 accumulation, one rounding to out_dtype. A is
-[M, K] and B is [N, K], float8_e4m3fn, contiguous along K (what `pack_cuda` writes). The mode
-follows the scale shape (GEMM_MODES in ops/gemm_reference.py):
+[M, K] and B is [N, K], float8_e4m3fn, contiguous along K (what `mx_operands_cuda` writes). The
+caller names the operands' `FoldGranularity`, which picks the GEMM:
 
-- rowwise  a_scale [M, 1], b_scale [N, 1]: `torch._scaled_mm`, row-wise fp32 scales, bias in the
+- ROWWISE   a_scale [M, 1], b_scale [N, 1]: `torch._scaled_mm`, row-wise fp32 scales, bias in the
   cuBLAS epilogue, `use_fast_accum=False` (Hopper's fast FP8 accumulation keeps ~14 bits).
-- blockwise a_scale [M, K/128], b_scale [N, K/128]: cuBLAS 1x128 block scaling (CUDA >= 12.9),
+- BLOCKWISE a_scale [M, K/128], b_scale [N, K/128]: cuBLAS 1x128 block scaling (CUDA >= 12.9),
   scales passed outer-dim-major as cuBLAS wants them.
-- exact    a_scale [M, K/32], b_scale [N, K/32]: dequantized to bf16 (exact: E2M3 values have 4
+- EXACT     a_scale [M, K/32], b_scale [N, K/32]: dequantized to bf16 (exact: E2M3 values have 4
   significant bits and the scales are powers of two) and a bf16 GEMM with fp32 output.
 
 Where the epilogue cannot take the bias for the requested output, the GEMM writes fp32 and the
@@ -22,44 +23,44 @@ import functools
 
 import torch
 
-from ..mx.matmul import _true_fp32
+from ..mx.constants import FP8_GEMM_ALIGN, MX_BLOCK
+from ..mx.granularity import FoldGranularity
+from ..mx.matmul import true_fp32
+from .triton_common import HAS_TRITON
 
-__all__ = ["GEMM_SHAPE_RULES", "scaled_gemm_cuda", "gemm_mode"]
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    _BLOCK = tl.constexpr(MX_BLOCK)
+
+__all__ = ["GEMM_SHAPE_RULES", "scaled_gemm_cuda"]
 
 # What cuBLAS (through torch 2.11 + CUDA 13 on an H200) needs; see benchmarks/RESULTS.md.
 GEMM_SHAPE_RULES = {
-    "rowwise": "K % 16 == 0 and N % 16 == 0 (FP8 leading dimensions in 16-byte multiples); M any",
-    "blockwise": "K % 128 == 0 (one scale per 128 of K), N % 16 == 0; M % 4 == 0 (else A is padded)",
-    "exact": "K % 32 == 0; bf16 GEMM: any M, N (cuBLAS pads internally)",
+    FoldGranularity.ROWWISE: "K % 16 == 0 and N % 16 == 0 (FP8 leading dimensions in 16-byte multiples); M any",
+    FoldGranularity.BLOCKWISE: "K % 128 == 0 (one scale per 128 of K), N % 16 == 0; M % 4 == 0 (else A is padded)",
+    FoldGranularity.EXACT: "K % 32 == 0; bf16 GEMM: any M, N (cuBLAS pads internally)",
 }
 
 
-def gemm_mode(a_data: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor) -> str:
-    """Which GEMM the scale shapes select: 'rowwise', 'blockwise' or 'exact'."""
-    m, k = a_data.shape
-    n = b_scale.shape[0]
-    if a_scale.shape == (m, 1) and b_scale.shape == (n, 1):
-        return "rowwise"  # also K == 128 or 32: one group per row is row-wise
-    if k % 128 == 0 and a_scale.shape == (m, k // 128) and b_scale.shape == (n, k // 128):
-        return "blockwise"
-    if k % 32 == 0 and a_scale.shape == (m, k // 32) and b_scale.shape == (n, k // 32):
-        return "exact"
-    raise ValueError(
-        f"a_scale, b_scale: shapes {tuple(a_scale.shape)} and {tuple(b_scale.shape)} select no mode "
-        f"for A [{m}, {k}]: expected [M, 1] & [N, 1] (rowwise), [M, K/128] & [N, K/128] (blockwise) "
-        f"or [M, K/32] & [N, K/32] (exact)"
-    )
-
-
-_FP8_A = (torch.float8_e4m3fn, torch.float8_e5m2)
-_FP8_B = (torch.float8_e4m3fn,)
+def _check_scales(a_data, a_scale, b_data, b_scale, granularity: FoldGranularity) -> None:
+    """The scale shapes `granularity` implies for A [M, K] and B [N, K]."""
+    (m, k), n = a_data.shape, b_data.shape[0]
+    if k % granularity.row_multiple:
+        raise ValueError(f"a_data: {granularity.value} GEMMs need K to be a multiple of "
+                         f"{granularity.row_multiple}, got K={k}")
+    g = granularity.groups(k)
+    if tuple(a_scale.shape) != (m, g) or tuple(b_scale.shape) != (n, g):
+        raise ValueError(f"a_scale, b_scale: a {granularity.value} GEMM of A [{m}, {k}] and B [{n}, {k}] "
+                         f"takes scales [{m}, {g}] and [{n}, {g}], got {tuple(a_scale.shape)} and "
+                         f"{tuple(b_scale.shape)}")
 
 
 def _check(a_data, a_scale, b_data, b_scale, bias, out_dtype):
-    # E5M2 appears only as the gradient operand A of the FP8 baseline's backward GEMMs.
-    for name, t, ok in (("a_data", a_data, _FP8_A), ("b_data", b_data, _FP8_B)):
-        if not isinstance(t, torch.Tensor) or t.dtype not in ok or t.dim() != 2:
-            raise ValueError(f"{name}: expected a 2-D {' or '.join(map(str, ok))} tensor, got "
+    for name, t in (("a_data", a_data), ("b_data", b_data)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float8_e4m3fn or t.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D torch.float8_e4m3fn tensor, got "
                              f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
         if not t.is_cuda:
             raise ValueError(f"{name}: scaled_gemm_cuda needs CUDA tensors, got device {t.device}")
@@ -164,36 +165,30 @@ def _blockwise(a_data, a_scale, b_data, b_scale, bias, out_dtype):
     return _finish(out.float(), bias, out_dtype)
 
 
-try:  # one-pass dequantization kernel; torch ops otherwise
-    import triton
-    import triton.language as tl
+if HAS_TRITON:  # one-pass dequantization kernel; torch ops otherwise
 
     @triton.jit
     def _dequant_kernel(d_ptr, s_ptr, o_ptr, n_blocks, BLOCKS: tl.constexpr):
         b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
         m = b < n_blocks
-        off = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+        off = b[:, None] * _BLOCK + tl.arange(0, _BLOCK)[None, :]
         q = tl.load(d_ptr + off, mask=m[:, None], other=0).to(tl.float8e4nv, bitcast=True)
         sc = tl.load(s_ptr + b, mask=m, other=1.0)
         # E4M3 -> fp32 is exact, times a power of two is exact, and the E2M3-derived value has 4
         # significant bits, so the bf16 cast is exact too
         tl.store(o_ptr + off, (q.to(tl.float32) * sc[:, None]).to(tl.bfloat16), mask=m[:, None])
 
-    _HAS_TRITON = True
-except Exception:  # no Triton: torch ops below
-    _HAS_TRITON = False
-
 
 def _dequant_bf16(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Exact bf16 values of a [R, K] E4M3 operand with [R, K/32] power-of-two scales."""
+    """Exact bf16 values of a [R, K] E4M3 operand with [R, K/MX_BLOCK] power-of-two scales."""
     r, k = data.shape
-    if _HAS_TRITON:
+    if HAS_TRITON:
         out = torch.empty(r, k, dtype=torch.bfloat16, device=data.device)
-        n = r * k // 32
+        n = r * k // MX_BLOCK
         blocks = 64
         _dequant_kernel[(-(-n // blocks),)](data.view(torch.uint8), scale, out, n, BLOCKS=blocks, num_warps=4)
         return out
-    v = data.to(torch.bfloat16).view(r, k // 32, 32) * scale.to(torch.bfloat16).unsqueeze(-1)
+    v = data.to(torch.bfloat16).view(r, k // MX_BLOCK, MX_BLOCK) * scale.to(torch.bfloat16).unsqueeze(-1)
     return v.view(r, k)
 
 
@@ -209,7 +204,7 @@ def _exact(a_data, a_scale, b_data, b_scale, bias, out_dtype):
         finally:
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flag
     # true fp32 accumulation: no TF32, and not the bf16 of an enclosing autocast region
-    with _true_fp32(a.device.type):
+    with true_fp32(a.device.type):
         if _caps(a_data)["mm_out_dtype"]:
             out = torch.mm(a, b.t(), out_dtype=torch.float32)
         else:  # an fp32 GEMM on the exact values: correct, slower
@@ -222,21 +217,27 @@ def scaled_gemm_cuda(
     a_scale: torch.Tensor,
     b_data: torch.Tensor,
     b_scale: torch.Tensor,
+    granularity: FoldGranularity,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """out[M, N] = (A ⊙ scale_a)(B ⊙ scale_b)ᵀ + bias on cuBLAS; the mode follows the scale shapes."""
+    """out[M, N] = (A ⊙ scale_a)(B ⊙ scale_b)ᵀ + bias on cuBLAS, for operands folded at `granularity`."""
+    if not isinstance(granularity, FoldGranularity):
+        raise ValueError(f"granularity: expected a FoldGranularity, got {granularity!r}")
     _check(a_data, a_scale, b_data, b_scale, bias, out_dtype)
-    mode = gemm_mode(a_data, a_scale, b_scale)
+    _check_scales(a_data, a_scale, b_data, b_scale, granularity)
     a_data = a_data.contiguous()
     b_data = b_data.contiguous()
     a_scale = a_scale.contiguous()
     b_scale = b_scale.contiguous()
     k, n = a_data.shape[1], b_data.shape[0]
-    if mode in ("rowwise", "blockwise") and (k % 16 or n % 16):
-        raise ValueError(f"a_data, b_data: cuBLAS FP8 GEMMs need K and N multiples of 16, got K={k}, N={n} "
-                         f"(use the 'exact' mode or pad)")
-    if mode == "blockwise" and a_data.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"a_data: the 1x128 block-wise GEMM takes float8_e4m3fn, got {a_data.dtype}")
-    fn = {"rowwise": _rowwise, "blockwise": _blockwise, "exact": _exact}[mode]
-    return fn(a_data, a_scale, b_data, b_scale, bias, out_dtype)
+    if granularity is not FoldGranularity.EXACT and (k % FP8_GEMM_ALIGN or n % FP8_GEMM_ALIGN):
+        raise ValueError(f"a_data, b_data: cuBLAS FP8 GEMMs need K and N multiples of {FP8_GEMM_ALIGN}, got "
+                         f"K={k}, N={n} (use the 'exact' mode or pad)")
+    one_group = granularity is FoldGranularity.BLOCKWISE and a_scale.shape[1] == 1
+    if granularity is FoldGranularity.ROWWISE or one_group:
+        # BLOCKWISE at K = 128 has one group per row: torch reads [M, 1] scales as row-wise.
+        return _rowwise(a_data, a_scale, b_data, b_scale, bias, out_dtype)
+    if granularity is FoldGranularity.BLOCKWISE:
+        return _blockwise(a_data, a_scale, b_data, b_scale, bias, out_dtype)
+    return _exact(a_data, a_scale, b_data, b_scale, bias, out_dtype)

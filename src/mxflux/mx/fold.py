@@ -1,8 +1,9 @@
-"""The MX-exact FP8 encoding that runs MXFP6 GEMMs on Hopper's FP8 tensor cores (DESIGN.md §2).
+"""The MX-exact FP8 encoding that runs MXFP6 GEMMs on Hopper's FP8 tensor cores (docs/design.md,
+"The exact FP8 fold and its window").
 
 An E2M3 element has at most 4 significant bits, so q·2^k is an exact E4M3 number while it
-stays inside E4M3's range. Within a group of blocks (a whole row, or 128 elements) let e_ref be
-the largest block exponent; each element becomes the E4M3 number q·2^(e_block − e_ref + s)
+stays inside E4M3's range. Within a group of blocks (a `FoldGranularity`: a whole row, 128
+elements or one block) let e_ref be the largest block exponent; each element becomes the E4M3 number q·2^(e_block − e_ref + s)
 (s = 5 for E2M3, so 7.5·2^5 = 240 ≤ 448) and the group gets one fp32 scale 2^(e_ref − s).
 That is exact for every block with e_block ≥ e_ref − window (11 for E2M3); blocks further
 below are rounded to E4M3 and counted.
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from .constants import E8M0_BIAS, E8M0_NAN
 from .formats import code_table
-from .quantize import E8M0_BIAS, E8M0_NAN, MXTensor, pow2
+from .granularity import FoldGranularity
+from .quantize import MXTensor, pow2
 
 __all__ = ["fold_to_e4m3", "pow2_any"]
 
@@ -27,29 +30,16 @@ def pow2_any(k: torch.Tensor) -> torch.Tensor:
     return torch.where(k >= -126, pow2(k.clamp(-126, 127)), sub)
 
 
-def _group_size(granularity: str | int, n: int, block: int) -> int:
-    if granularity == "row":
-        return n
-    if isinstance(granularity, bool) or not isinstance(granularity, int):
-        raise ValueError(f"granularity: expected 'row' or an int, got {granularity!r}")
-    if granularity % block or n % granularity:
-        raise ValueError(
-            f"granularity: {granularity} must be a multiple of the block size {block} "
-            f"and divide the axis length {n}"
-        )
-    return granularity
-
-
 def fold_to_e4m3(
-    mx: MXTensor, granularity: str | int = "row"
+    mx: MXTensor, granularity: FoldGranularity = FoldGranularity.ROWWISE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode `mx` as E4M3 data plus one fp32 scale per group along its axis.
 
     Returns (data float8_e4m3fn with the shape of `mx.codes`, scale fp32 with the axis
-    dimension replaced by the number of groups (1 for "row"), n_inexact: 0-d int64 tensor
-    counting non-zero blocks outside the exact window). `data.float() * scale` (each scale
-    repeated over its group) equals `mx.dequantize(unrotate=False)` bit for bit in every
-    block inside the window. NaN blocks stay NaN.
+    dimension replaced by the number of groups (1 for ROWWISE), blocks_outside_window: 0-d
+    int64 tensor counting the non-zero blocks outside the exact window). `data.float() * scale`
+    (each scale repeated over its group) equals `mx.dequantize(unrotate=False)` bit for bit in
+    every block inside the window. NaN blocks stay NaN.
     """
     if not isinstance(mx, MXTensor):
         raise ValueError(f"mx: expected an MXTensor, got {type(mx).__name__}")
@@ -61,7 +51,15 @@ def fold_to_e4m3(
     scales = mx.scales.movedim(mx.axis, -1).to(torch.int32)
     lead, n = codes.shape[:-1], codes.shape[-1]
     nb, block = n // mx.block, mx.block
-    g = _group_size(granularity, n, block)
+    if not isinstance(granularity, FoldGranularity):
+        raise ValueError(f"granularity: expected a FoldGranularity, got {granularity!r}")
+    if n % granularity.row_multiple:
+        raise ValueError(f"granularity: {granularity.value} needs the axis length to be a multiple of "
+                         f"{granularity.row_multiple}, got {n}")
+    g = granularity.group_size(n)
+    if g % block:
+        raise ValueError(f"granularity: {granularity.value} groups of {g} elements do not hold whole "
+                         f"blocks of {block}")
     bpg = g // block  # blocks per group
 
     blk_codes = codes.reshape(*lead, nb, block)
@@ -80,6 +78,6 @@ def fold_to_e4m3(
     val = torch.where(is_nan.unsqueeze(-1), torch.full_like(val, float("nan")), val)
     data = val.reshape(*lead, n).to(torch.float8_e4m3fn)
     scale = pow2_any(e_ref - shift)
-    n_inexact = (live & (d < -window)).sum()
+    blocks_outside_window = (live & (d < -window)).sum()
 
-    return data.movedim(-1, mx.axis), scale.movedim(-1, mx.axis), n_inexact
+    return data.movedim(-1, mx.axis), scale.movedim(-1, mx.axis), blocks_outside_window

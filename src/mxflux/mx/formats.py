@@ -13,7 +13,9 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["ElementFormat", "FORMATS", "get_format"]
+from .constants import E4M3_MAX, E4M3_MIN_SUBNORMAL_EXP
+
+__all__ = ["ElementFormat", "FORMATS", "code_table", "get_format"]
 
 
 @dataclass(frozen=True)
@@ -58,14 +60,14 @@ class ElementFormat:
     def fold_shift(self) -> int | None:
         """Largest s with max·2^s ≤ 448 (E4M3's max), or None if elements are not E4M3 values.
 
-        Used by the FP8 fold (DESIGN.md §2): an element q of this format times 2^s is an exact
-        E4M3 number. Needs at most 3 mantissa bits.
+        Used by the FP8 fold (docs/design.md, "The exact FP8 fold and its window"): an element q
+        of this format times 2^s is an exact E4M3 number. Needs at most 3 mantissa bits.
         """
         if self.mbits > 3:
             return None
-        s = math.floor(math.log2(448.0 / self.max))
+        s = math.floor(math.log2(E4M3_MAX / self.max))
         # E5M2's range is wider than E4M3's: its small values have no E4M3 image at any shift.
-        if math.log2(self.min_subnormal) + s < -9:
+        if math.log2(self.min_subnormal) + s < E4M3_MIN_SUBNORMAL_EXP:
             return None
         return s
 
@@ -80,7 +82,7 @@ class ElementFormat:
         s = self.fold_shift
         if s is None:
             return None
-        window = int(math.log2(self.min_subnormal)) + s + 9
+        window = int(math.log2(self.min_subnormal)) + s - E4M3_MIN_SUBNORMAL_EXP
         return window if window >= 0 else None
 
 

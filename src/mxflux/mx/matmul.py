@@ -1,4 +1,5 @@
-"""The reference MX GEMM (DESIGN.md §1): C = A·Bᵀ, both operands quantized along K."""
+"""The reference MX GEMM: C = A·Bᵀ, both operands quantized along K (docs/design.md, "Kernels,
+backends and the reference")."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import torch
 
 from .quantize import MXTensor
 
-__all__ = ["mx_matmul"]
+__all__ = ["mx_matmul", "true_fp32"]
 
 
 @contextlib.contextmanager
-def _true_fp32(device_type: str):
-    """The reference accumulates in true fp32: not TF32 (which drops 13 mantissa bits), and not
+def true_fp32(device_type: str):
+    """Run the enclosed matmuls in true fp32.
+
+    The references accumulate in true fp32: not TF32 (which drops 13 mantissa bits), and not
     in the bf16 of an enclosing autocast region (a training step's), which would run the matmul
     in bf16 and round its result once more before the bias is added."""
     old = torch.backends.cuda.matmul.allow_tf32
@@ -59,7 +62,7 @@ def mx_matmul(
         raise ValueError(f"bias: expected a tensor of shape ({n},), got {getattr(bias, 'shape', bias)}")
     av = a.dequantize(torch.float32, unrotate=False)
     bv = b.dequantize(torch.float32, unrotate=False)
-    with _true_fp32(av.device.type):
+    with true_fp32(av.device.type):
         c = av @ bv.t()
     if bias is not None:
         c = c + bias.float()

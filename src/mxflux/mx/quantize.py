@@ -1,4 +1,5 @@
-"""Reference MX quantization (DESIGN.md §1): the definition every kernel must match bit for bit.
+"""Reference MX quantization: the definition every kernel must match bit for bit
+(docs/design.md, "Element formats and E8M0 scales").
 
 Pure PyTorch, vectorised, device-agnostic. Scales are E8M0 codes (stored uint8, value
 2^(code-127), 0xFF = NaN); elements are codes of an `ElementFormat` (one per byte).
@@ -10,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .constants import E8M0_BIAS, E8M0_NAN, MX_BLOCK
 from .formats import ElementFormat, code_table, get_format
 from .hadamard import hadamard32
 
-__all__ = ["MXTensor", "quantize", "dequantize", "E8M0_NAN", "e8m0_to_float"]
+__all__ = ["MXTensor", "block_exponents", "dequantize", "e8m0_to_float", "max_code", "pow2", "quantize",
+           "round_to_format"]
 
-E8M0_NAN = 0xFF
-E8M0_BIAS = 127
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -47,7 +48,7 @@ class MXTensor:
     fmt: str
     axis: int
     hadamard: bool
-    block: int = 32
+    block: int = MX_BLOCK
 
     @property
     def format(self) -> ElementFormat:
@@ -94,8 +95,9 @@ def _check_input(x: torch.Tensor, axis: int, block: int, hadamard: bool) -> int:
     axis %= x.dim()
     if block <= 0:
         raise ValueError(f"block: expected a positive block size, got {block}")
-    if hadamard and block != 32:
-        raise ValueError(f"block: the Hadamard rotation is 32-point, so block must be 32, got {block}")
+    if hadamard and block != MX_BLOCK:
+        raise ValueError(f"block: the Hadamard rotation is {MX_BLOCK}-point, so block must be {MX_BLOCK}, "
+                         f"got {block}")
     if x.shape[axis] % block:
         raise ValueError(
             f"x: length {x.shape[axis]} along axis {axis} is not a multiple of the block size {block}"
@@ -123,12 +125,12 @@ def round_to_format(y: torch.Tensor, f: ElementFormat) -> torch.Tensor:
     normal_code = rounded - ((127 - f.bias) << f.mbits)
     # mag·2^(mbits-emin) is exact (power-of-two scaling); torch.round is half-to-even.
     sub_code = torch.round(mag * 2.0 ** (f.mbits - f.emin)).to(torch.int32)
-    code = torch.where(mag < f.min_normal, sub_code, normal_code).clamp_(max=_max_code(f))
+    code = torch.where(mag < f.min_normal, sub_code, normal_code).clamp_(max=max_code(f))
     sign = (y.view(torch.int32) < 0).to(torch.int32) << (f.ebits + f.mbits)
     return (code | sign).to(torch.uint8)
 
 
-def _max_code(f: ElementFormat) -> int:
+def max_code(f: ElementFormat) -> int:
     """Code of the largest finite magnitude (saturation target)."""
     table = code_table(f)
     mags = torch.where(table[: f.sign_mask].isnan(), -1.0, table[: f.sign_mask])
@@ -140,7 +142,7 @@ def quantize(
     fmt: str | ElementFormat = "e2m3",
     *,
     axis: int = -1,
-    block: int = 32,
+    block: int = MX_BLOCK,
     hadamard: bool = True,
 ) -> MXTensor:
     """Quantize `x` to MX: blocks of `block` elements along `axis`, E8M0 scales, `fmt` elements.

@@ -1,16 +1,14 @@
-"""Drop-in nn.Linear replacements: MXFP6Linear and FP8Linear (same parameters, same state dict)."""
+"""Drop-in nn.Linear replacement: MXFP6Linear (same parameters, same state dict)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .functional import MXConfig, fp8_linear, granularity_code, mx_linear
+from ..mx.granularity import FoldGranularity
+from .functional import MXConfig, mx_linear
 
-__all__ = ["MXFP6Linear", "FP8Linear", "mx_ineligibility", "fp8_ineligibility"]
-
-MX_BLOCK = 32
-FP8_ALIGN = 16  # cuBLAS FP8 GEMMs need K and N to be multiples of 16
+__all__ = ["MXFP6Linear", "mx_ineligibility"]
 
 
 def mx_ineligibility(in_features: int, out_features: int, mx_gemm: str = "rowwise") -> str | None:
@@ -20,16 +18,10 @@ def mx_ineligibility(in_features: int, out_features: int, mx_gemm: str = "rowwis
     128-groups in block-wise mode); the token axis (wgrad's contraction) is zero-padded, which
     is exact.
     """
-    multiple = 128 if mx_gemm == "blockwise" else MX_BLOCK
+    multiple = FoldGranularity.from_mx_gemm(mx_gemm).row_multiple
     bad = [f"{n}={v}" for n, v in (("in_features", in_features), ("out_features", out_features))
            if v % multiple]
     return f"{' and '.join(bad)} not a multiple of {multiple}" if bad else None
-
-
-def fp8_ineligibility(in_features: int, out_features: int) -> str | None:
-    bad = [f"{n}={v}" for n, v in (("in_features", in_features), ("out_features", out_features))
-           if v % FP8_ALIGN]
-    return f"{' and '.join(bad)} not a multiple of {FP8_ALIGN}" if bad else None
 
 
 def _as_2d(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -88,12 +80,12 @@ class MXFP6Linear(_QuantizedLinear):
         self._setup(mx_gemm=mx_gemm, hadamard=hadamard)
 
     def _setup(self, mx_gemm: str = "rowwise", hadamard: bool = True) -> None:
-        granularity_code(mx_gemm)  # validates the mode
+        FoldGranularity.from_mx_gemm(mx_gemm)  # validates the mode
         reason = mx_ineligibility(self.in_features, self.out_features, mx_gemm)
         if reason:
             raise ValueError(f"MXFP6Linear with mx_gemm={mx_gemm!r}: {reason}")
         self.cfg = MXConfig(mx_gemm, bool(hadamard))
-        # Device-side count of blocks that fell outside the FP8 fold window (DESIGN.md §2).
+        # Device-side count of blocks that fell outside the FP8 fold window (docs/design.md, "The exact FP8 fold and its window").
         self.register_buffer("fold_outside_window", torch.zeros(1, dtype=torch.int64,
                                                                 device=self.weight.device),
                              persistent=False)
@@ -103,12 +95,3 @@ class MXFP6Linear(_QuantizedLinear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mx_gemm={self.cfg.mx_gemm}, hadamard={self.cfg.hadamard}"
-
-
-class FP8Linear(_QuantizedLinear):
-    """nn.Linear in the FP8 "hybrid" recipe: E4M3 forward operands, E5M2 gradients, row-wise scales."""
-
-    _ineligibility = staticmethod(fp8_ineligibility)
-
-    def _linear(self, x, w, b):
-        return fp8_linear(x, w, b)

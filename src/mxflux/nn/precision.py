@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, model_validator
 from torch import nn
 
-from .linear import FP8Linear, MXFP6Linear, fp8_ineligibility, mx_ineligibility
+from .linear import MXFP6Linear, mx_ineligibility
 from .mlp import FusedMXFP6MLP, activation_name, resolve_fused_mode
 
 __all__ = ["PrecisionConfig", "PrecisionReport", "apply_precision"]
@@ -104,7 +104,7 @@ def apply_precision(
     include: tuple[str, ...] | list[str] = ("*",),
     exclude: tuple[str, ...] | list[str] = (),
 ) -> PrecisionReport:
-    """Swap the selected nn.Linears of `model` for MXFP6Linear / FP8Linear in place.
+    """Swap the selected nn.Linears of `model` for MXFP6Linear in place.
 
     `include` / `exclude` are glob patterns over qualified module names (as in
     `model.named_modules()`). Selected linears whose shapes do not qualify stay bf16 and are
@@ -116,6 +116,9 @@ def apply_precision(
     report = PrecisionReport(cfg.name)
     if cfg.name == "bf16":
         return report
+    if cfg.name == "fp8":
+        raise NotImplementedError("precision fp8: the hand-written FP8Linear is removed; the fp8 precision "
+                                  "moves to torchao float8")
     mx_kw = dict(mx_gemm=cfg.mx_gemm, hadamard=cfg.hadamard)
     fused_mode = resolve_fused_mode(cfg.fused_mlp)
 
@@ -137,12 +140,8 @@ def apply_precision(
             if type(child) is nn.Linear:
                 if not _selected(name, include, exclude):
                     continue
-                if cfg.name == "mxfp6":
-                    why = mx_ineligibility(child.in_features, child.out_features, cfg.mx_gemm)
-                    new = None if why else MXFP6Linear.from_linear(child, **mx_kw)
-                else:
-                    why = fp8_ineligibility(child.in_features, child.out_features)
-                    new = None if why else FP8Linear.from_linear(child)
+                why = mx_ineligibility(child.in_features, child.out_features, cfg.mx_gemm)
+                new = None if why else MXFP6Linear.from_linear(child, **mx_kw)
                 if new is None:
                     report.kept_bf16[name] = why
                     log.warning("%s: %s stays bf16: %s", cfg.name, name, why)

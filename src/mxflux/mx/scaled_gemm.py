@@ -1,22 +1,20 @@
-"""Reference semantics of the scaled FP8 GEMM that runs every MX and FP8 linear.
+"""Reference semantics of the scaled FP8 GEMM that runs every MX linear.
 
 out = (A ⊙ scale_a) · (B ⊙ scale_b)ᵀ + bias, accumulated in fp32, bias added in fp32, one
 rounding to `out_dtype`. A is [M, K], B is [N, K] (FP8 data, both contiguous along K); a scale
-has one column per group of K: [M, 1] is row-wise, [M, K/128] is 1×128 block-wise, [M, K/32]
-is per MX block (the `exact` mode). Because the FP8 data and power-of-two scales are the MX
-values exactly (DESIGN.md §2), this equals `mx_matmul` on the same operands.
+has one column per fold group of K (`FoldGranularity.groups(K)`): [M, 1] is ROWWISE,
+[M, K/128] BLOCKWISE, [M, K/32] EXACT. Because the FP8 data and power-of-two scales are the MX
+values exactly (docs/design.md, "The exact FP8 fold and its window"), this equals `mx_matmul`
+on the same operands.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..mx.matmul import _true_fp32
+from .matmul import true_fp32
 
-__all__ = ["GEMM_MODES", "dequantize_operand", "scaled_gemm_reference"]
-
-# mx_gemm modes and the fold granularity each one consumes.
-GEMM_MODES = {"rowwise": "row", "blockwise": 128, "exact": 32}
+__all__ = ["dequantize_operand", "scaled_gemm_reference"]
 
 
 def dequantize_operand(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -35,9 +33,10 @@ def scaled_gemm_reference(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
+    """out[M, N] = (A ⊙ scale_a)(B ⊙ scale_b)ᵀ + bias in true fp32, rounded once to `out_dtype`."""
     a = dequantize_operand(a_data, a_scale)
     b = dequantize_operand(b_data, b_scale)
-    with _true_fp32(a.device.type):
+    with true_fp32(a.device.type):
         out = a @ b.t()
     if bias is not None:
         out = out + bias.float()

@@ -1,17 +1,18 @@
-"""6-bit code packing for storage and interchange: 4 codes in 3 bytes, little-endian.
+"""Storage bit-packing of 6-bit element codes: 4 codes in 3 bytes, little-endian.
 
 Bytes (b0, b1, b2) hold the 24-bit word c0 | c1<<6 | c2<<12 | c3<<18. Kernels keep one code
-per byte; this form is for checkpoints, saved activations and files.
+per byte; this form is for checkpoints, saved activations and files. (Packing into GEMM
+operands, which quantizes and folds, is `mxflux.mx.operands`.)
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["pack6", "unpack6"]
+__all__ = ["pack_bits6", "unpack_bits6"]
 
 
-def pack6(codes: torch.Tensor) -> torch.Tensor:
+def pack_bits6(codes: torch.Tensor) -> torch.Tensor:
     """Pack uint8 codes (< 64) along the last axis: [..., n] → [..., 3n/4] uint8."""
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         raise ValueError(f"codes: expected a uint8 tensor, got {getattr(codes, 'dtype', type(codes))}")
@@ -28,8 +29,8 @@ def pack6(codes: torch.Tensor) -> torch.Tensor:
     return out.to(torch.uint8).reshape(*codes.shape[:-1], 3 * n // 4)
 
 
-def unpack6(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of `pack6`: [..., 3n/4] uint8 → [..., n] uint8 codes."""
+def unpack_bits6(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `pack_bits6`: [..., 3n/4] uint8 → [..., n] uint8 codes."""
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
         raise ValueError(f"packed: expected a uint8 tensor, got {getattr(packed, 'dtype', type(packed))}")
     if n % 4:

@@ -1,31 +1,33 @@
-"""The CPU fast path of the MX packer: one compiled pass per orientation, bit-identical to
-`mxflux.ops.pack_reference`.
+"""The CPU fast path of the MX operand packer: one compiled pass per orientation, bit-identical to
+`mxflux.mx.operands.mx_operands_reference`.
 
 The reference is ~45 whole-tensor PyTorch ops per orientation; on a small CPU that is most of a
-training step of the demo model (DESIGN.md §1 numerics, unchanged). This kernel does the same
-arithmetic per 32-element block in registers, compiled by numba: rotate (butterflies h = 1..16,
+training step of the demo model. This kernel does the same arithmetic (docs/design.md, "Element
+formats and E8M0 scales" and "The exact FP8 fold and its window") per MX block in registers,
+compiled by numba: rotate (butterflies h = 1..16,
 then × fp32 1/√32), E8M0 exponent from the fp32 bits of the block amax, E2M3 codes by the
 same integer round-half-even on the fp32 bits, then the FP8 fold per group (row or 1×g) and
 the E4M3 byte of every element, written directly. Prologues and column sums stay in PyTorch
 (they are single ops there, and their exact torch rounding is part of the reference).
 
 numba is optional: `cpu_kernel_available()` says whether this path can run; the custom ops
-fall back to the reference otherwise, and MXFLUX_REFERENCE=1 forces the reference.
+(`mxflux.ops`) fall back to the reference otherwise.
 """
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..mx.fold import _group_size
+from ..mx.constants import MX_BLOCK
 from ..mx.formats import FORMATS, code_table, get_format
+from ..mx.granularity import FoldGranularity
 from ..mx.hadamard import HADAMARD_SCALE
-from ..mx.quantize import _max_code
+from ..mx.operands import MXOperands, apply_prologue, padded_rows
+from ..mx.quantize import max_code
 
 try:  # numba is a declared dependency, but the package must import without it
     from numba import njit, prange
@@ -34,14 +36,15 @@ try:  # numba is a declared dependency, but the package must import without it
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     HAS_NUMBA = False
 
-__all__ = ["HAS_NUMBA", "cpu_kernel_available", "pack_cpu"]
+__all__ = ["HAS_NUMBA", "cpu_kernel_available", "mx_operands_cpu"]
 
 _E4M3 = FORMATS["e4m3"]
 _E4M3_NAN = 0x7F  # the byte torch writes for a (positive) NaN in float8_e4m3fn
 
 
 def cpu_kernel_available() -> bool:
-    return HAS_NUMBA and os.environ.get("MXFLUX_REFERENCE", "0") != "1"
+    """True when numba is importable, so `mx_operands_cpu` can run."""
+    return HAS_NUMBA
 
 
 if HAS_NUMBA:
@@ -64,8 +67,8 @@ if HAS_NUMBA:
 
     @njit(cache=True, inline="always")
     def _butterflies(src, dst, h):
-        """One Hadamard stage over 32 values: dst[j] = a + b, dst[j + h] = a - b in groups of 2h."""
-        for g in range(0, 32, 2 * h):
+        """One Hadamard stage over one block (numba freezes the global MX_BLOCK as a constant): dst[j] = a + b, dst[j + h] = a - b in groups of 2h."""
+        for g in range(0, MX_BLOCK, 2 * h):
             for j in range(h):
                 a = src[g + j]
                 c = src[g + h + j]
@@ -74,19 +77,19 @@ if HAS_NUMBA:
 
     @njit(cache=True, parallel=True)
     def _pack_rows(v, group, hadamard, hscale, ebits, mbits, bias, emax, min_normal_bits, sub_mul,
-                   max_code, table, shift, window, out, out_scale, inexact):
-        """Quantize every row of fp32 `v` [R, C] along C and fold it: E4M3 bytes into `out`
-        [R, C] (uint8), fp32 group scales into `out_scale` [R, C/group], per-row count of
-        live blocks outside the fold window into `inexact` [R]."""
+                   max_code, table, shift, window, out, out_scale, outside):
+        """Quantize every row of fp32 `v` [R, C] along C in blocks of MX_BLOCK and fold it:
+        E4M3 bytes into `out` [R, C] (uint8), fp32 group scales into `out_scale` [R, C/group],
+        per-row count of live blocks outside the fold window into `outside` [R]."""
         R, C = v.shape
-        nb = C // 32
-        bpg = group // 32
+        nb = C // MX_BLOCK
+        bpg = group // MX_BLOCK
         sign_mask = 1 << (ebits + mbits)
         e4_min_normal_bits = np.int32(121 << 23)  # 2^-6
         e4_sub_mul = np.float32(512.0)  # 2^9
         for r in prange(R):
-            buf = np.empty(32, np.float32)
-            nxt = np.empty(32, np.float32)
+            buf = np.empty(MX_BLOCK, np.float32)
+            nxt = np.empty(MX_BLOCK, np.float32)
             bufi = buf.view(np.int32)  # the fp32 bits of buf
             one = np.empty(1, np.float32)
             codes = np.empty(C, np.int32)
@@ -94,19 +97,19 @@ if HAS_NUMBA:
             live = np.empty(nb, np.bool_)
             bad = np.empty(nb, np.bool_)
             for b in range(nb):
-                for i in range(32):
-                    buf[i] = v[r, b * 32 + i]
+                for i in range(MX_BLOCK):
+                    buf[i] = v[r, b * MX_BLOCK + i]
                 if hadamard:
                     _butterflies(buf, nxt, 1)
                     _butterflies(nxt, buf, 2)
                     _butterflies(buf, nxt, 4)
                     _butterflies(nxt, buf, 8)
                     _butterflies(buf, nxt, 16)
-                    for i in range(32):
+                    for i in range(MX_BLOCK):
                         buf[i] = nxt[i] * hscale
                 amax = np.float32(0.0)
                 finite = True
-                for i in range(32):
+                for i in range(MX_BLOCK):
                     x = buf[i]
                     if not np.isfinite(x):
                         finite = False
@@ -115,8 +118,8 @@ if HAS_NUMBA:
                         amax = ax
                 bad[b] = not finite
                 if not finite:
-                    for i in range(32):
-                        codes[b * 32 + i] = 0
+                    for i in range(MX_BLOCK):
+                        codes[b * MX_BLOCK + i] = 0
                     eblk[b] = 128
                     live[b] = False
                     continue
@@ -128,12 +131,12 @@ if HAS_NUMBA:
                 one[0] = 0.0
                 one.view(np.int32)[0] = (127 - e) << 23
                 p = one[0]  # 2^-e, exact (0 only for e = 127, which no finite amax reaches)
-                for i in range(32):
+                for i in range(MX_BLOCK):
                     buf[i] = buf[i] * p
                 nz = False
-                for i in range(32):
+                for i in range(MX_BLOCK):
                     code = _round_code(bufi[i], ebits, mbits, bias, min_normal_bits, sub_mul, max_code, buf[i])
-                    codes[b * 32 + i] = code
+                    codes[b * MX_BLOCK + i] = code
                     if (code & (sign_mask - 1)) != 0:
                         nz = True
                 live[b] = nz
@@ -153,8 +156,8 @@ if HAS_NUMBA:
                 out_scale[r, gi] = one[0]
                 for b in range(gi * bpg, (gi + 1) * bpg):
                     if bad[b]:
-                        for i in range(32):
-                            out[r, b * 32 + i] = _E4M3_NAN
+                        for i in range(MX_BLOCK):
+                            out[r, b * MX_BLOCK + i] = _E4M3_NAN
                         continue
                     d = eblk[b] - e_ref
                     if live[b] and d < -window:
@@ -162,12 +165,12 @@ if HAS_NUMBA:
                     m = max(d + shift, -126)
                     one.view(np.int32)[0] = (m + 127) << 23
                     p = one[0]
-                    for i in range(32):
-                        buf[i] = table[codes[b * 32 + i]] * p
-                    for i in range(32):
-                        out[r, b * 32 + i] = _round_code(bufi[i], 4, 3, 7, e4_min_normal_bits, e4_sub_mul,
+                    for i in range(MX_BLOCK):
+                        buf[i] = table[codes[b * MX_BLOCK + i]] * p
+                    for i in range(MX_BLOCK):
+                        out[r, b * MX_BLOCK + i] = _round_code(bufi[i], 4, 3, 7, e4_min_normal_bits, e4_sub_mul,
                                                          0x7E, buf[i])
-            inexact[r] = n_out
+            outside[r] = n_out
 
 
 @lru_cache(maxsize=None)
@@ -175,64 +178,65 @@ def _format_args(name: str) -> tuple:
     """The kernel's per-format arguments, in `_pack_rows`'s order (computed once per format)."""
     f = FORMATS[name]
     return (f.ebits, f.mbits, f.bias, f.emax, int(np.float32(f.min_normal).view(np.int32)),
-            np.float32(2.0 ** (f.mbits - f.emin)), _max_code(f), code_table(f).numpy(), f.fold_shift,
+            np.float32(2.0 ** (f.mbits - f.emin)), max_code(f), code_table(f).numpy(), f.fold_shift,
             f.fold_window)
 
 
-def _fold_rows(v: torch.Tensor, fmt: str, granularity: str | int, hadamard: bool, poison: bool):
-    """(E4M3 data, fp32 scales, n_inexact) of fp32 [R, C] `v` quantized along C (see module doc)."""
+def _fold_rows(v: torch.Tensor, fmt: str, granularity: FoldGranularity, hadamard: bool, poison: bool):
+    """(E4M3 data, fp32 scales, blocks outside the window) of fp32 [R, C] `v` quantized along C."""
     f = get_format(fmt)
     if f.fold_shift is None:
         raise ValueError(f"fmt: elements of format {f.name!r} are not exactly representable in E4M3")
+    if not isinstance(granularity, FoldGranularity):
+        raise ValueError(f"granularity: expected a FoldGranularity, got {granularity!r}")
     r, c = v.shape
-    if c % 32:
-        raise ValueError(f"x: {c} columns do not split into blocks of 32")
-    group = _group_size(granularity, c, 32) if c else 32
+    if c % granularity.row_multiple:
+        raise ValueError(f"x: {c} columns do not split into blocks of {MX_BLOCK} and {granularity.value} "
+                         f"groups (a multiple of {granularity.row_multiple})")
+    group = granularity.group_size(c) if c else MX_BLOCK
     vn = v.contiguous().numpy()
     # Poisoned (0xFF: NaN in E4M3 and fp32) for tests: an element the kernel missed fails them.
     out = np.full((r, c), 0xFF if poison else 0, np.uint8)
     out_scale = np.full((r, c // group), np.nan if poison else 0.0, np.float32)
-    inexact = np.full(r, -(1 << 40) if poison else 0, np.int64)
+    outside = np.full(r, -(1 << 40) if poison else 0, np.int64)
     if r and c:
-        _pack_rows(vn, group, hadamard, np.float32(HADAMARD_SCALE), *_format_args(f.name), out, out_scale, inexact)
+        _pack_rows(vn, group, hadamard, np.float32(HADAMARD_SCALE), *_format_args(f.name), out, out_scale, outside)
     data = torch.from_numpy(out).view(torch.float8_e4m3fn)
-    return data, torch.from_numpy(out_scale), torch.tensor(int(inexact.sum()), dtype=torch.int64)
+    return data, torch.from_numpy(out_scale), torch.tensor(int(outside.sum()), dtype=torch.int64)
 
 
-def pack_cpu(
+def mx_operands_cpu(
     x: torch.Tensor,
     *,
     row: bool = True,
     col: bool = True,
-    granularity: str | int = "row",
+    granularity: FoldGranularity = FoldGranularity.ROWWISE,
     hadamard: bool = True,
     fmt: str = "e2m3",
     prologue: str = "none",
     aux: torch.Tensor | None = None,
     colsum: bool = False,
     _poison: bool = False,
-):
-    """`pack_reference` on the CPU, bit for bit (same arguments, same `Packed` result)."""
-    from ..ops.pack_reference import Packed, apply_prologue, padded_rows
-
+) -> MXOperands:
+    """`mx_operands_reference` on the CPU, bit for bit (same arguments, same `MXOperands` result)."""
     if not HAS_NUMBA:
-        raise RuntimeError("pack_cpu needs numba (pip install numba); use pack_reference instead")
+        raise RuntimeError("mx_operands_cpu needs numba (pip install numba); use mx_operands_reference instead")
     if x.dim() != 2:
         raise ValueError(f"x: expected a 2-D [rows, cols] tensor, got shape {tuple(x.shape)}")
     if x.device.type != "cpu":
-        raise ValueError(f"x: pack_cpu runs on CPU tensors, got device {x.device}")
+        raise ValueError(f"x: mx_operands_cpu runs on CPU tensors, got device {x.device}")
     v = apply_prologue(x, prologue, aux)
     vf = v.float()
     row_data = row_scale = col_data = col_scale = sums = None
-    n_inexact = torch.zeros((), dtype=torch.int64)
+    outside = torch.zeros((), dtype=torch.int64)
     if row:
         row_data, row_scale, n = _fold_rows(vf, fmt, granularity, hadamard, _poison)
-        n_inexact = n_inexact + n
+        outside = outside + n
     if col:
         rows = vf.shape[0]
         vt = F.pad(vf, (0, 0, 0, padded_rows(rows, granularity) - rows)).t()
         col_data, col_scale, n = _fold_rows(vt, fmt, granularity, hadamard, _poison)
-        n_inexact = n_inexact + n
+        outside = outside + n
     if colsum:
         sums = vf.sum(dim=0)
-    return Packed(row_data, row_scale, col_data, col_scale, sums, n_inexact)
+    return MXOperands(row_data, row_scale, col_data, col_scale, sums, outside)

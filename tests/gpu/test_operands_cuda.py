@@ -1,6 +1,7 @@
-"""The Triton packers against the reference packer, bit for bit (CUDA only; skipped elsewhere).
+"""The Triton MX operand packers against the reference packer, bit for bit (CUDA only; skipped
+elsewhere; test_operands_interpreted.py runs small cases under Triton's CPU interpreter).
 
-Every comparison runs `pack_reference` on the same CUDA device. Outputs are poisoned (0xFF bytes:
+Every comparison runs `mx_operands_reference` on the same CUDA device. Outputs are poisoned (0xFF bytes:
 NaN in fp32 and in E4M3) before the kernels write, so an element no kernel wrote fails the exact
 comparison. colsum is compared to fp32 summation-order tolerance; the tanh-GELU prologues to the
 kernel's own bf16 activation (bit for bit) and to torch's (fraction of differing activations).
@@ -15,26 +16,27 @@ import torch
 
 from pack_inputs import DISTS, adversarial, assert_bits_equal, assert_colsum_close, dev_gen, normal, ties
 
-from mxflux.kernels import kernel_available, pack_cuda, prologue_cuda
-from mxflux.ops.pack_reference import apply_prologue, pack_reference
+from mxflux.kernels import cuda_kernel_available, mx_operands_cuda, prologue_cuda
+from mxflux.mx import FoldGranularity as G
+from mxflux.mx import apply_prologue, mx_operands_reference
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-needs_triton = pytest.mark.skipif(not kernel_available(), reason="needs Triton and a CUDA device")
+needs_triton = pytest.mark.skipif(not cuda_kernel_available(), reason="needs Triton and a CUDA device")
 
 FLUX_SHAPES = [(4096, 3072), (4096, 12288), (4096, 15360)]
 RAGGED_SHAPES = [(1000, 3072), (4100, 3072), (777, 3104)]  # R not /32 or /128; C /32 but not /128
 
 
 def check(x, **kw):
-    """pack_cuda (poisoned outputs) against pack_reference on the same device."""
-    got = pack_cuda(x, _poison=True, **kw)
-    want = pack_reference(x, **kw)
+    """mx_operands_cuda (poisoned outputs) against mx_operands_reference on the same device."""
+    got = mx_operands_cuda(x, _poison=True, **kw)
+    want = mx_operands_reference(x, **kw)
     for name in ("row_data", "row_scale", "col_data", "col_scale"):
         assert_bits_equal(name, getattr(got, name), getattr(want, name))
-    assert got.n_inexact.dtype == torch.int64 and got.n_inexact.dim() == 0
-    assert got.n_inexact.device == x.device
-    assert int(got.n_inexact) == int(want.n_inexact)
+    assert got.blocks_outside_window.dtype == torch.int64 and got.blocks_outside_window.dim() == 0
+    assert got.blocks_outside_window.device == x.device
+    assert int(got.blocks_outside_window) == int(want.blocks_outside_window)
     if kw.get("colsum"):
         assert_colsum_close(got.colsum, want.colsum, apply_prologue(x, kw.get("prologue", "none"), kw.get("aux")))
     else:
@@ -47,26 +49,26 @@ def check(x, **kw):
 @needs_cuda
 @needs_triton
 @pytest.mark.parametrize("shape", FLUX_SHAPES + RAGGED_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("granularity", ["row", 128, 32])
+@pytest.mark.parametrize("granularity", list(G))
 @pytest.mark.parametrize("dist", list(DISTS))
 def test_pack_matches_reference(shape, granularity, dist, gen):
     r, c = shape
     x = DISTS[dist](r, c, gen, "cuda")
-    if granularity == 128 and c % 128:  # the row orientation's 1x128 groups must tile C
+    if granularity is G.BLOCKWISE and c % 128:  # the row orientation's 1x128 groups must tile C
         with pytest.raises(ValueError):
-            pack_reference(x, granularity=128)
+            mx_operands_reference(x, granularity=G.BLOCKWISE)
         with pytest.raises(ValueError, match="granularity"):
-            pack_cuda(x, granularity=128)
+            mx_operands_cuda(x, granularity=G.BLOCKWISE)
         return
     _, want = check(x, granularity=granularity, colsum=True)
-    if dist == "adversarial" and granularity != 32:  # (per-block scales are always exact)
-        assert int(want.n_inexact) > 0  # the out-of-window path was exercised
+    if dist == "adversarial" and granularity is not G.EXACT:  # (per-block scales are always exact)
+        assert int(want.blocks_outside_window) > 0  # the out-of-window path was exercised
 
 
 @gpu
 @needs_cuda
 @needs_triton
-@pytest.mark.parametrize("granularity", ["row", 128, 32])
+@pytest.mark.parametrize("granularity", list(G))
 @pytest.mark.parametrize("hadamard", [True, False])
 @pytest.mark.parametrize("dist", ["ties", "adversarial"])
 def test_pack_without_rotation_and_ties(granularity, hadamard, dist, gen):
@@ -79,7 +81,7 @@ def test_pack_without_rotation_and_ties(granularity, hadamard, dist, gen):
 @needs_triton
 @pytest.mark.parametrize("row,col,colsum", [(True, False, False), (False, True, False), (False, False, True),
                                             (True, False, True), (False, True, True)])
-@pytest.mark.parametrize("granularity", ["row", 32])
+@pytest.mark.parametrize("granularity", [G.ROWWISE, G.EXACT])
 def test_pack_single_orientation(row, col, colsum, granularity, gen):
     x = adversarial(300, 640, gen, "cuda")
     check(x, row=row, col=col, colsum=colsum, granularity=granularity)
@@ -91,14 +93,14 @@ def test_pack_single_orientation(row, col, colsum, granularity, gen):
 def test_pack_strided_input(gen):
     base = normal(640, 4096, gen, "cuda")
     x = base[::2, 1024:3072]  # row stride 4096, contiguous along C
-    check(x, granularity="row", colsum=True)
+    check(x, granularity=G.ROWWISE, colsum=True)
 
 
 @gpu
 @needs_cuda
 @needs_triton
 @pytest.mark.parametrize("io", ["coalesced", "blocks"])
-@pytest.mark.parametrize("granularity", ["row", 128, 32])
+@pytest.mark.parametrize("granularity", list(G))
 def test_pack_both_io_variants(io, granularity, gen, monkeypatch):
     """Both ways of reading a tile (MXFLUX_PACK_IO) give the same bits, with and without a prologue."""
     monkeypatch.setenv("MXFLUX_PACK_IO", io)
@@ -107,11 +109,11 @@ def test_pack_both_io_variants(io, granularity, gen, monkeypatch):
     y = (3.0 * torch.randn(300, 640, generator=dev_gen(gen, "cuda"), device="cuda")).bfloat16()
     aux = (3.0 * torch.randn(300, 640, generator=dev_gen(gen, "cuda"), device="cuda")).bfloat16()
     v = prologue_cuda(y, "gelu_tanh_grad", aux)
-    got = pack_cuda(y, granularity=granularity, prologue="gelu_tanh_grad", aux=aux, colsum=True, _poison=True)
-    want = pack_reference(v, granularity=granularity, colsum=True)
+    got = mx_operands_cuda(y, granularity=granularity, prologue="gelu_tanh_grad", aux=aux, colsum=True, _poison=True)
+    want = mx_operands_reference(v, granularity=granularity, colsum=True)
     for name in ("row_data", "row_scale", "col_data", "col_scale"):
         assert_bits_equal(name, getattr(got, name), getattr(want, name))
-    assert int(got.n_inexact) == int(want.n_inexact)
+    assert int(got.blocks_outside_window) == int(want.blocks_outside_window)
 
 
 # ------------------------------------------------------------------ prologues
@@ -122,7 +124,7 @@ GELU_MISMATCH_BOUND = 1e-3  # measured fraction is recorded in benchmarks/RESULT
 @needs_cuda
 @needs_triton
 @pytest.mark.parametrize("prologue", ["gelu_tanh", "gelu_tanh_grad"])
-@pytest.mark.parametrize("granularity", ["row", 128, 32])
+@pytest.mark.parametrize("granularity", list(G))
 def test_pack_prologues(prologue, granularity, gen):
     r, c = 1024, 3072
     x = (3.0 * torch.randn(r, c, generator=gen)).bfloat16().cuda()
@@ -133,14 +135,14 @@ def test_pack_prologues(prologue, granularity, gen):
     print(f"{prologue}: {differ:.2e} of bf16 activations differ from torch's")
     assert differ <= GELU_MISMATCH_BOUND
     # the fused packer == the reference packer applied to the kernel's own activation, bit for bit
-    got = pack_cuda(x, granularity=granularity, prologue=prologue, aux=aux, colsum=True, _poison=True)
-    want = pack_reference(v_kernel, granularity=granularity, colsum=True)
+    got = mx_operands_cuda(x, granularity=granularity, prologue=prologue, aux=aux, colsum=True, _poison=True)
+    want = mx_operands_reference(v_kernel, granularity=granularity, colsum=True)
     for name in ("row_data", "row_scale", "col_data", "col_scale"):
         assert_bits_equal(name, getattr(got, name), getattr(want, name))
-    assert int(got.n_inexact) == int(want.n_inexact)
+    assert int(got.blocks_outside_window) == int(want.blocks_outside_window)
     assert_colsum_close(got.colsum, want.colsum, v_kernel)
     # ... and == the reference with torch's prologue wherever a row's / column's activations agree
-    ref = pack_reference(x, granularity=granularity, prologue=prologue, aux=aux)
+    ref = mx_operands_reference(x, granularity=granularity, prologue=prologue, aux=aux)
     same = v_kernel.view(torch.int16) == v_torch.view(torch.int16)
     rows_ok = same.all(dim=1)
     cols_ok = same.all(dim=0)
@@ -155,8 +157,8 @@ def test_prologue_padding_and_ragged_rows(gen):
     x = (2.0 * torch.randn(1001, 640, generator=gen)).bfloat16().cuda()
     aux = torch.randn(1001, 640, generator=gen).bfloat16().cuda()
     v = prologue_cuda(x, "gelu_tanh_grad", aux)
-    got = pack_cuda(x, prologue="gelu_tanh_grad", aux=aux, colsum=True, _poison=True)
-    want = pack_reference(v, colsum=True)
+    got = mx_operands_cuda(x, prologue="gelu_tanh_grad", aux=aux, colsum=True, _poison=True)
+    want = mx_operands_reference(v, colsum=True)
     for name in ("row_data", "row_scale", "col_data", "col_scale"):
         assert_bits_equal(name, getattr(got, name), getattr(want, name))
 
@@ -166,15 +168,16 @@ def _primitive_kernel():
     import triton
     import triton.language as tl
 
-    from mxflux.kernels import pack as P
+    from mxflux.kernels import operands_cuda as P
+    from mxflux.kernels.triton_common import f32_to_e4m3
 
     @triton.jit
     def kern(x_ptr, b_ptr, f_ptr, o1h, o1s, o2h, o2s, n, BLOCK: tl.constexpr):
         o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = o < n
         x = tl.load(x_ptr + o, mask=m, other=0.0)
-        tl.store(o1h + o, P._f32_to_e4m3(x, True), mask=m)
-        tl.store(o1s + o, P._f32_to_e4m3(x, False), mask=m)
+        tl.store(o1h + o, f32_to_e4m3(x, True), mask=m)
+        tl.store(o1s + o, f32_to_e4m3(x, False), mask=m)
         b = tl.load(b_ptr + o, mask=m, other=0)
         f = tl.load(f_ptr + o, mask=m, other=0)
         tl.store(o2h + o, P._refold(b, f, True), mask=m)
@@ -218,12 +221,12 @@ def test_hardware_conversions_equal_their_emulation(gen):
 @gpu
 @needs_cuda
 @needs_triton
-@pytest.mark.parametrize("granularity", ["row", 32])
+@pytest.mark.parametrize("granularity", [G.ROWWISE, G.EXACT])
 def test_emulated_path_on_gpu_matches(granularity, gen):
     """The integer-emulation kernels (what the CPU interpreter runs) also match on the GPU."""
     x = adversarial(300, 640, gen, "cuda")
-    got = pack_cuda(x, granularity=granularity, _hw=False, _poison=True)
-    want = pack_reference(x, granularity=granularity)
+    got = mx_operands_cuda(x, granularity=granularity, _hw=False, _poison=True)
+    want = mx_operands_reference(x, granularity=granularity)
     for name in ("row_data", "row_scale", "col_data", "col_scale"):
         assert_bits_equal(name, getattr(got, name), getattr(want, name))
 
@@ -235,24 +238,24 @@ def test_emulated_path_on_gpu_matches(granularity, gen):
 def test_pack_errors_name_the_argument():
     x = torch.zeros(64, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="fmt"):
-        pack_cuda(x, fmt="e3m2")
+        mx_operands_cuda(x, fmt="e3m2")
     with pytest.raises(ValueError, match="granularity"):
-        pack_cuda(x, granularity=64)
+        mx_operands_cuda(x, granularity=128)
     with pytest.raises(ValueError, match="x"):
-        pack_cuda(x.float())
+        mx_operands_cuda(x.float())
     with pytest.raises(ValueError, match="x"):
-        pack_cuda(torch.zeros(64, 48, dtype=torch.bfloat16, device="cuda"))
+        mx_operands_cuda(torch.zeros(64, 48, dtype=torch.bfloat16, device="cuda"))
     with pytest.raises(ValueError, match="aux"):
-        pack_cuda(x, prologue="gelu_tanh_grad")
+        mx_operands_cuda(x, prologue="gelu_tanh_grad")
     with pytest.raises(ValueError, match="prologue"):
-        pack_cuda(x, prologue="relu")
+        mx_operands_cuda(x, prologue="relu")
     with pytest.raises(ValueError, match="x"):
-        pack_cuda(x.cpu())
+        mx_operands_cuda(x.cpu())
 
 
 def test_import_without_cuda_is_clean():
     import mxflux.kernels as k
 
-    if not k.kernel_available():
-        with pytest.raises(RuntimeError, match="pack_cuda"):
-            k.pack_cuda(torch.zeros(32, 32, dtype=torch.bfloat16))
+    if not k.cuda_kernel_available():
+        with pytest.raises(RuntimeError, match="mx_operands_cuda"):
+            k.mx_operands_cuda(torch.zeros(32, 32, dtype=torch.bfloat16))

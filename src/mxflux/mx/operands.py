@@ -1,0 +1,94 @@
+"""Reference semantics of the MX operand packer: what every packing kernel must reproduce.
+
+A packer reads one bf16 matrix [R, C] (optionally through a prologue), quantizes it to MX
+(rotation, E8M0 scales, element codes) and folds it into the operands that the FP8 tensor cores
+consume (docs/design.md, "The exact FP8 fold and its window" and "The three GEMMs and their
+operands"):
+
+- "row" orientation: quantized along C (blocks of MX_BLOCK consecutive columns), folded to
+  E4M3 → data [R, C] float8_e4m3fn + fp32 scale [R, C/g] (g = C for ROWWISE → [R, 1]);
+- "col" orientation: the transposed copy, quantized along R → data [C, Rp] + scale [C, Rp/g],
+  where R is zero-padded to Rp, whole blocks and whole scale groups (zero blocks add nothing
+  to a GEMM);
+- colsum: Σ over rows of the (prologue-applied) bf16 values in fp32 → [C] (a bias gradient);
+- blocks_outside_window: blocks outside the fold window, summed over both orientations.
+
+Prologues (the fused MLP's, docs/design.md, "Fusions") reproduce exactly what the unfused
+modules compute in bf16: "gelu_tanh" is F.gelu(x, approximate="tanh"); "gelu_tanh_grad" is
+x × GELU′(aux), torch's gelu_backward with aux = the pre-activation.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .fold import fold_to_e4m3
+from .granularity import FoldGranularity
+from .quantize import quantize
+
+__all__ = ["MXOperands", "PROLOGUES", "apply_prologue", "mx_operands_reference", "padded_rows"]
+
+PROLOGUES = ("none", "gelu_tanh", "gelu_tanh_grad")
+
+
+class MXOperands(NamedTuple):
+    """A packer's outputs; None for an orientation or column sum that was not asked for."""
+
+    row_data: torch.Tensor | None
+    row_scale: torch.Tensor | None
+    col_data: torch.Tensor | None
+    col_scale: torch.Tensor | None
+    colsum: torch.Tensor | None
+    blocks_outside_window: torch.Tensor  # 0-d int64
+
+
+def padded_rows(r: int, granularity: FoldGranularity = FoldGranularity.ROWWISE) -> int:
+    """Rows of the col orientation: R rounded up to whole blocks and whole scale groups."""
+    multiple = granularity.row_multiple
+    return -(-r // multiple) * multiple
+
+
+def apply_prologue(x: torch.Tensor, prologue: str, aux: torch.Tensor | None = None) -> torch.Tensor:
+    if prologue == "none":
+        return x
+    if prologue == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if prologue == "gelu_tanh_grad":
+        if aux is None or aux.shape != x.shape:
+            raise ValueError(f"aux: the gelu_tanh_grad prologue needs the pre-activation, shape {tuple(x.shape)}")
+        return torch.ops.aten.gelu_backward(x, aux, approximate="tanh")
+    raise ValueError(f"prologue: expected one of {PROLOGUES}, got {prologue!r}")
+
+
+def mx_operands_reference(
+    x: torch.Tensor,
+    *,
+    row: bool = True,
+    col: bool = True,
+    granularity: FoldGranularity = FoldGranularity.ROWWISE,
+    hadamard: bool = True,
+    fmt: str = "e2m3",
+    prologue: str = "none",
+    aux: torch.Tensor | None = None,
+    colsum: bool = False,
+) -> MXOperands:
+    """Pack a 2-D [R, C] tensor into the requested GEMM operands (see module docstring)."""
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D [rows, cols] tensor, got shape {tuple(x.shape)}")
+    v = apply_prologue(x, prologue, aux)
+    outside = torch.zeros((), dtype=torch.int64, device=x.device)
+    row_data = row_scale = col_data = col_scale = sums = None
+    if row:
+        row_data, row_scale, n = fold_to_e4m3(quantize(v, fmt, axis=1, hadamard=hadamard), granularity)
+        outside = outside + n
+    if col:
+        r = v.shape[0]
+        vt = F.pad(v, (0, 0, 0, padded_rows(r, granularity) - r)).t()  # [C, Rp]
+        col_data, col_scale, n = fold_to_e4m3(quantize(vt, fmt, axis=1, hadamard=hadamard), granularity)
+        outside = outside + n
+    if colsum:
+        sums = v.float().sum(dim=0)
+    return MXOperands(row_data, row_scale, col_data, col_scale, sums, outside)
