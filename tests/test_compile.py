@@ -29,7 +29,7 @@ def stack():
 def test_fullgraph_forward_and_backward_without_graph_breaks_and_bit_equal(gen):
     model = stack()
     # The input requires grad: otherwise dynamo never reaches the backward and would report
-    # zero breaks whatever is in there (the seed's lesson).
+    # zero breaks whatever is in there.
     x = torch.randn(2, 48, 128, generator=gen).bfloat16().requires_grad_()
     dy = torch.randn(2, 48, 128, generator=gen).bfloat16()
 
