@@ -5,14 +5,12 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from mxflux.nn import FP8Linear, FusedMXFP6MLP, MXFP6Linear
-from mxflux.nn.mlp import FUSED_MLP_ENV
+from mxflux.nn import FusedMXFP6MLP, MXFP6Linear
 from mxflux.ops.custom_ops import fp8_pack, mx_pack, scaled_gemm
 
 
 @pytest.fixture(autouse=True)
-def fresh_dynamo(monkeypatch):
-    monkeypatch.delenv(FUSED_MLP_ENV, raising=False)
+def fresh_dynamo():
     torch._dynamo.reset()
     counters.clear()
     yield
@@ -23,7 +21,6 @@ def stack():
     return nn.Sequential(
         MXFP6Linear(128, 256), FusedMXFP6MLP(256, 512, mode="on"), MXFP6Linear(256, 128, mx_gemm="blockwise"),
         MXFP6Linear(128, 128, mx_gemm="exact"),
-        FP8Linear(128, 128),
     ).bfloat16()
 
 

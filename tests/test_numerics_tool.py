@@ -152,7 +152,5 @@ def test_linear_rows_report_each_gemm(capsys):
     for rot in (True, False):
         for gemm in ("fprop", "dgrad", "wgrad"):
             assert 24.0 <= layer_rows[(f"MXFP6Linear.{gemm}", rot)] <= 32.0  # the seed's ~28 dB
-    assert layer_rows[("FP8Linear.fprop", None)] > 25.0  # E4M3
-    assert layer_rows[("FP8Linear.dgrad", None)] > 21.0  # E5M2 gradients
     assert main(["numerics", *SMALL, "--linear"]) == 0
     assert "MXFP6Linear" in capsys.readouterr().out

@@ -72,7 +72,7 @@ def _add_numerics(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic X and of W (default: 0)")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available, else cpu")
     p.add_argument("--linear", action="store_true",
-                   help="also run X through MXFP6Linear (rotation on/off) and FP8Linear, forward and "
+                   help="also run X through MXFP6Linear (rotation on and off), forward and "
                         "backward, and report the SNR of each GEMM (fprop, dgrad, wgrad) against float64")
     p.add_argument("--json", action="store_true", help="print only JSON: a list of row objects")
     p.set_defaults(handler=_numerics, parser=p)

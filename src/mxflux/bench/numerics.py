@@ -15,7 +15,7 @@ matrix X [M, K] and reports (DESIGN.md §1-§2):
 Fold columns are None ("n/a") for formats whose elements have no exact E4M3 image.
 
 With ``--linear`` it also runs X through the linear layers that training uses (MXFP6Linear with
-the rotation on and off, FP8Linear), forward and backward with a random dY, and adds one row per
+the rotation on and off), forward and backward with a random dY, and adds one row per
 GEMM: ``format`` names the layer and GEMM (e.g. "MXFP6Linear.wgrad") and ``gemm_snr_db`` is that
 GEMM's SNR against float64; the quantizer columns are None.
 
@@ -243,7 +243,7 @@ def run_linear_numerics(x: torch.Tensor, w: torch.Tensor, *, seed: int = 0) -> l
     """
     from torch import nn
 
-    from mxflux.nn import FP8Linear, MXFP6Linear
+    from mxflux.nn import MXFP6Linear
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     dy = torch.randn(x.shape[0], w.shape[0], generator=g).to(x.device, torch.bfloat16)
@@ -254,13 +254,13 @@ def run_linear_numerics(x: torch.Tensor, w: torch.Tensor, *, seed: int = 0) -> l
     (x64 @ w64.t()).backward(dy.double())
     y64 = (xb.double() @ wb.double().t())
 
-    layers = [("MXFP6Linear", True, dict()), ("MXFP6Linear", False, dict(hadamard=False)), ("FP8Linear", None, None)]
+    layers = [("MXFP6Linear", True, dict()), ("MXFP6Linear", False, dict(hadamard=False))]
     rows = []
     for name, rot, kwargs in layers:
         base = nn.Linear(w.shape[1], w.shape[0], bias=False, device=x.device, dtype=torch.bfloat16)
         with torch.no_grad():
             base.weight.copy_(wb)
-        layer = MXFP6Linear.from_linear(base, **kwargs) if name == "MXFP6Linear" else FP8Linear.from_linear(base)
+        layer = MXFP6Linear.from_linear(base, **kwargs)
         xin = xb.clone().requires_grad_()
         y = layer(xin)
         y.backward(dy)
