@@ -25,11 +25,20 @@ def test_two_precisions_are_rejected_naming_both_fields(other, value):
     ({"fp6": "e2m3"}, "fp8_scaling", "rowwise", "fp8"),
     ({"fp8": "hybrid"}, "mx_gemm", "exact", "mxfp6"),
     ({}, "fused_mlp", "off", "mxfp6"),
-    ({}, "fp8_scaling", "tensorwise", "fp8"),  # even at its default value: the line is dead
+    ({}, "fp8_scaling", "rowwise", "fp8"),
 ])
 def test_an_option_of_an_unselected_precision_is_an_error(selector, option, value, owner):
     with pytest.raises(ValidationError, match=f"{option}: an option of precision {owner}, but this recipe runs"):
         PrecisionConfig(**selector, **{option: value})
+
+
+@pytest.mark.parametrize("recipe", ["tiny-mxfp6", "tiny-bf16", "flux12b-fp8-mlperf", "flux12b-mxfp6-mlperf"])
+def test_a_dumped_config_loads_back_unchanged(recipe):
+    """Checkpoints store the config as a dump, which lists every field of every precision."""
+    from mxflux.train.config import load_recipe
+
+    cfg = load_recipe(recipe).precision
+    assert PrecisionConfig(**cfg.model_dump(mode="json")) == cfg
 
 
 def test_other_invalid_configs():

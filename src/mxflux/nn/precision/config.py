@@ -3,7 +3,7 @@
 Which precision runs is chosen by one selector field per precision (`fp6: e2m3` is MXFP6,
 `fp8: hybrid` is FP8, none is bf16); the other fields are options that belong to exactly one
 precision (`PrecisionConverter.options`), and setting an option of a precision the recipe does
-not select is an error, not a silently ignored line. `include` / `exclude` choose the layers.
+not select to anything but its default is an error, not a silently ignored line. `include` / `exclude` choose the layers.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ class PrecisionConfig(BaseModel):
             if name == chosen:
                 continue
             for option in converter_class(name).options:
-                if option in self.model_fields_set:
+                # Non-default only: a dumped config (checkpoints, check-config) lists every field.
+                if getattr(self, option) != type(self).model_fields[option].default:
                     raise ValueError(f"{option}: an option of precision {name}, but this recipe "
                                      f"runs {chosen}; remove it or select {name}")
         if not self.include:

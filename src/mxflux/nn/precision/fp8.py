@@ -14,7 +14,8 @@ scale granularity, and with it which library recipe this is derived from:
 
 Cost: each linear casts X, W and dY to FP8 (one amax reduction and one cast per operand and
 GEMM orientation) and runs three FP8 GEMMs on `torch._scaled_mm`, which needs a CUDA device
-of compute capability 8.9 or newer. On other devices the modules still swap (so recipes
+of compute capability 8.9 or newer. With row-wise scales torchao runs the two gradient GEMMs
+(no fast accumulation) on the tensor-wise kernel and multiplies the scales into the output. On other devices the modules still swap (so recipes
 validate and the placement can be tested on the CPU), and the model's first forward raises.
 """
 
