@@ -1,4 +1,4 @@
-"""Layer-level benchmarks on the GPU: MXFP6Linear / FusedMXFP6MLP against bf16 and a peer.
+"""Layer-level benchmarks on the GPU: MXFP6Linear / FusedMXFP6MLP / torchao FP8 against bf16 and a peer.
 
 Every ratio is measured side by side in one run (these machines are noisy; absolute times only
 mean something on the GPU). Times are forward+backward medians from triton.testing.do_bench.
@@ -23,6 +23,7 @@ from torch import nn
 
 from mxflux.mx import MX_BLOCK, FoldGranularity, fold_to_e4m3, quantize
 from mxflux.nn import FusedMXFP6MLP, MXFP6Linear
+from mxflux.nn.precision.fp8 import float8_linear_config
 
 # Flux-12B linear shapes: name → (K, N).
 FLUX_LINEARS = {
@@ -34,6 +35,13 @@ FLUX_LINEARS = {
     "single.linear2": (15360, 3072),
 }
 
+
+
+def fp8_linear(base: nn.Linear) -> nn.Module:
+    """The FP8 baseline: torchao's Float8Linear with mxflux's `fp8: hybrid` tensor-wise config."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    return Float8Linear.from_float(base, config=float8_linear_config("tensorwise"))
 
 def bench(fn, warmup=10, rep=50) -> float:
     """Median milliseconds of fn() (CUDA events through triton's do_bench)."""
@@ -66,6 +74,7 @@ def linear_rows(ms, quick: bool):
             t = {"bf16": bench(fwd_bwd(base, x, dy))}
             for mode in ("rowwise", "blockwise", "exact"):
                 t[f"mxfp6-{mode}"] = bench(fwd_bwd(MXFP6Linear.from_linear(base, mx_gemm=mode), x, dy))
+            t["fp8"] = bench(fwd_bwd(fp8_linear(base), x, dy))
             peer_name, peer = peer_linear(base)
             if peer is not None:
                 t["peer"] = bench(fwd_bwd(peer, x, dy))
@@ -170,11 +179,11 @@ def fold_window_study(batch: int = 4):
             captured.setdefault(f"{name}:dY", []).append(gout[0].detach().reshape(-1, gout[0].shape[-1]))
         return fwd_hook, bwd_hook
 
-    from mxflux.model import MX_LINEAR_PATTERNS
+    from mxflux.model import DEFAULT_PRECISION_INCLUDE
     import fnmatch
 
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and any(fnmatch.fnmatchcase(name, p) for p in MX_LINEAR_PATTERNS):
+        if isinstance(mod, nn.Linear) and any(fnmatch.fnmatchcase(name, p) for p in DEFAULT_PRECISION_INCLUDE):
             f, b = grab(name)
             mod.register_forward_hook(f)
             mod.register_full_backward_hook(b)
@@ -217,7 +226,7 @@ def profile_layer(name: str, m: int, variants=("bf16", "mxfp6"), steps: int = 5)
     base = nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    mods = {"bf16": base, "mxfp6": MXFP6Linear.from_linear(base)}
+    mods = {"bf16": base, "mxfp6": MXFP6Linear.from_linear(base), "fp8": fp8_linear(base)}
     for v in variants:
         step = fwd_bwd(mods[v], x, dy)
         for _ in range(5):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from mxflux.model import (FLUX_CONFIGS, MX_LINEAR_PATTERNS, Flux, flops_per_sample, flux_config,
+from mxflux.model import (FLUX_CONFIGS, DEFAULT_PRECISION_INCLUDE, Flux, flops_per_sample, flux_config,
                           forward_flops, image_ids, patchify, text_ids, unpatchify)
 from mxflux.model.layers import EmbedND, apply_rope, timestep_embedding
 
@@ -37,7 +37,7 @@ def break_zero_init(model, gen, std=0.05):
 
 def mx_selected(model):
     return {name: m for name, m in model.named_modules()
-            if any(fnmatch.fnmatchcase(name, pattern) for pattern in MX_LINEAR_PATTERNS)}
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in DEFAULT_PRECISION_INCLUDE)}
 
 
 # --------------------------------------------------------------------------- configs and names
@@ -116,8 +116,9 @@ def test_precision_policy_swaps_exactly_the_patterns_and_keeps_the_state_dict(ge
     model = Flux(config)
     break_zero_init(model, gen)
     keys = list(model.state_dict())
-    report = apply_precision(model, "mxfp6", include=MX_LINEAR_PATTERNS)
-    assert sorted(report.swapped) == sorted(mx_selected(Flux(config))) and not report.kept_bf16
+    report = apply_precision(model, "mxfp6")
+    assert sorted(report.swapped) == sorted(mx_selected(Flux(config)))
+    assert set(report.kept_bf16.values()) == {"not matched by precision.include"}
     assert report.swapped["double_blocks.0.img_mlp.0"].startswith("mxfp6")
     assert list(model.state_dict()) == keys  # BFL checkpoints still load
     out = model(**make_inputs(config, gen))
@@ -156,11 +157,11 @@ def test_meta_model_can_be_swapped_materialised_and_initialised(gen):
     config = flux_config("flux-tiny")
     with torch.device("meta"):
         model = Flux(config)
-    apply_precision(model, "mxfp6", include=MX_LINEAR_PATTERNS)
+    apply_precision(model, "mxfp6")
     model.to_empty(device="cpu")
     model.init_weights()
     assert not model.final_layer.linear.weight.any()
-    assert model.double_blocks[0].img_mlp.get_submodule("2").weight.abs().max() > 0
+    assert model.double_blocks[0].img_mlp[2].weight.abs().max() > 0
     out = model(**make_inputs(config, gen))
     assert torch.equal(out, torch.zeros_like(out))
 

@@ -8,13 +8,6 @@ from torch import nn
 
 from mxflux.mx import snr_db
 from mxflux.nn import FusedMXFP6MLP
-from mxflux.nn.mlp import FUSED_MLP_ENV
-
-
-@pytest.fixture(autouse=True)
-def no_ambient_mode(monkeypatch):
-    """Tests pin the mode; the shell's MXFLUX_FUSED_MLP must not decide what they test."""
-    monkeypatch.delenv(FUSED_MLP_ENV, raising=False)
 
 
 def grads_of(mlp, x, dy):
@@ -35,7 +28,7 @@ def test_fused_equals_unfused_bit_for_bit(gen):
     x = torch.randn(2, 96, 256, generator=gen).bfloat16()
     dy = torch.randn(2, 96, 256, generator=gen).bfloat16()
     a, b = grads_of(fused, x, dy), grads_of(unfused, x, dy)
-    names = ["output", "dx", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    names = ["output", "dx", "0.weight", "0.bias", "2.weight", "2.bias"]
     for name, ta, tb in zip(names, a, b):
         print(f"fused vs unfused {name}: SNR {snr_db(tb, ta)} dB")
         assert torch.equal(ta, tb), name
@@ -48,7 +41,7 @@ def test_fused_against_fp64(gen):
     dy = torch.randn(128, 256, generator=gen).bfloat16()
     got = grads_of(mlp, x, dy)
     ref = nn.Sequential(nn.Linear(256, 768), nn.GELU(approximate="tanh"), nn.Linear(768, 256)).double()
-    ref.load_state_dict({k.replace("fc1", "0").replace("fc2", "2"): v.double() for k, v in mlp.state_dict().items()})
+    ref.load_state_dict({k: v.double() for k, v in mlp.state_dict().items()})
     want = grads_of(ref, x.double(), dy.double())
     for name, g, r in zip(["output", "dx", "w1", "b1", "w2", "b2"], got, want):
         assert snr_db(r, g) > 22, name
@@ -87,23 +80,23 @@ def test_off_mode_forces_unfused_without_warning():
     assert not mlp.fused
 
 
-def test_environment_overrides_the_argument(monkeypatch):
-    monkeypatch.setenv(FUSED_MLP_ENV, "off")
-    assert not FusedMXFP6MLP(64, 128, mode="on").fused
-    monkeypatch.setenv(FUSED_MLP_ENV, "on")
-    with pytest.raises(ValueError, match="mode is 'on'"):
-        FusedMXFP6MLP(64, 128, mode="auto", activation="gelu")
-    monkeypatch.setenv(FUSED_MLP_ENV, "sometimes")
-    with pytest.raises(ValueError, match=r"fused_mlp mode: expected one of .* \(argument or \$MXFLUX_FUSED_MLP\)"):
-        FusedMXFP6MLP(64, 128)
+def test_a_mode_not_in_the_list_is_refused():
+    with pytest.raises(ValueError, match=r"fused_mlp mode: expected one of \('auto', 'on', 'off'\), got 'sometimes'"):
+        FusedMXFP6MLP(64, 128, mode="sometimes")
 
 
 def test_shapes_that_cannot_be_mx_are_refused():
-    with pytest.raises(ValueError, match="hidden: 100 is not a multiple of 32"):
+    with pytest.raises(ValueError, match="out_features=100 not a multiple of 32"):
         FusedMXFP6MLP(64, 100)
 
 
-def test_state_dict_layout_follows_child_names():
-    mlp = FusedMXFP6MLP(64, 128, mode="on", child_names=("0", "2"))
-    assert list(mlp.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    assert mlp.fc1 is mlp._modules["0"] and mlp.fc2 is mlp._modules["2"]
+def test_it_is_the_sequential_it_replaces(gen):
+    """Same keys and indexing as nn.Sequential(Linear, GELU, Linear): checkpoints and code that
+    index the bf16 MLP work unchanged; from_linears keeps the Parameters."""
+    bf16 = nn.Sequential(nn.Linear(64, 128), nn.GELU(approximate="tanh"), nn.Linear(128, 64))
+    mlp = FusedMXFP6MLP.from_linears(bf16[0], bf16[2], activation="gelu_tanh", mode="on")
+    assert list(mlp.state_dict()) == list(bf16.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert mlp[0] is mlp.fc1 and mlp[2] is mlp.fc2 and isinstance(mlp[1], nn.GELU)
+    assert mlp.fc1.weight is bf16[0].weight and mlp.fc2.bias is bf16[2].bias
+    x = torch.randn(16, 64, generator=gen).bfloat16()
+    assert snr_db(bf16.bfloat16()(x).float(), mlp(x).float()) > 20

@@ -9,7 +9,6 @@ from torch._dynamo.utils import counters
 
 from mxflux.mx import snr_db
 from mxflux.nn import FusedMXFP6MLP, MXFP6Linear
-from mxflux.nn.mlp import FUSED_MLP_ENV
 from mxflux.ops import custom_ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -17,7 +16,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(autouse=True)
 def pinned(monkeypatch):
-    monkeypatch.delenv(FUSED_MLP_ENV, raising=False)
     monkeypatch.setattr(custom_ops, "FORCE_REFERENCE", False)
 
 

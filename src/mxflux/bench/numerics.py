@@ -16,7 +16,7 @@ fold and its window"):
 
 Fold columns are None ("n/a") for formats whose elements have no exact E4M3 image.
 
-With ``--linear`` it also runs X through the linear layer that training uses (MXFP6Linear with
+With ``--linear`` it also runs X through the linear layers that training uses (MXFP6Linear with
 the rotation on and off), forward and backward with a random dY, and adds one row per
 GEMM: ``format`` names the layer and GEMM (e.g. "MXFP6Linear.wgrad") and ``gemm_snr_db`` is that
 GEMM's SNR against float64; the quantizer columns are None.

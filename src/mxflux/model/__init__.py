@@ -2,8 +2,8 @@
 
 from .configs import FLUX_CONFIGS, FluxConfig, ForwardFlops, flops_per_sample, flux_config, forward_flops
 from .convert import diffusers_to_bfl
-from .flux import MX_LINEAR_PATTERNS, Flux, image_ids, patchify, text_ids, unpatchify
+from .flux import DEFAULT_PRECISION_INCLUDE, Flux, image_ids, patchify, text_ids, unpatchify
 
-__all__ = ["FLUX_CONFIGS", "MX_LINEAR_PATTERNS", "Flux", "FluxConfig", "ForwardFlops",
+__all__ = ["FLUX_CONFIGS", "DEFAULT_PRECISION_INCLUDE", "Flux", "FluxConfig", "ForwardFlops",
            "diffusers_to_bfl", "flops_per_sample", "flux_config", "forward_flops", "image_ids",
            "patchify", "text_ids", "unpatchify"]

@@ -1,8 +1,8 @@
 """The Flux DiT (black-forest-labs/flux `model.py`), its MLPerf initialisation, and its inputs.
 
 State-dict names equal BFL's, so BFL checkpoints load unchanged (diffusers ones through
-`mxflux.model.convert`). The model knows nothing about precision: `MX_LINEAR_PATTERNS` tells the
-precision policy which linears to swap.
+`mxflux.model.convert`). The model knows nothing about precision: `DEFAULT_PRECISION_INCLUDE` names
+the linears a recipe's precision converts unless the recipe chooses others (`precision.include`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from torch import Tensor, nn
 from .configs import FluxConfig
 from .layers import DoubleStreamBlock, EmbedND, LastLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 
-__all__ = ["Flux", "MX_LINEAR_PATTERNS", "image_ids", "patchify", "text_ids", "unpatchify"]
+__all__ = ["DEFAULT_PRECISION_INCLUDE", "Flux", "image_ids", "patchify", "text_ids", "unpatchify"]
 
-MX_LINEAR_PATTERNS: tuple[str, ...] = (
+DEFAULT_PRECISION_INCLUDE: tuple[str, ...] = (
     "double_blocks.*.img_attn.qkv",
     "double_blocks.*.img_attn.proj",
     "double_blocks.*.txt_attn.qkv",
@@ -27,12 +27,12 @@ MX_LINEAR_PATTERNS: tuple[str, ...] = (
     "single_blocks.*.linear1",
     "single_blocks.*.linear2",
 )
-"""Include globs (over `named_modules()` names) for `mxflux.nn.apply_precision`: the seed's MXFP6 set.
+"""The default `precision.include`: fnmatch patterns over `named_modules()` names.
 
-Attention qkv/proj and MLP fc1/fc2: 8 linears per double block, 2 per single block. The seed
-splits a single block into 4 linears (qkv, MLP in, attention proj, MLP out) and counts 304 in
-flux-12b; BFL fuses them into linear1 (qkv + MLP in) and linear2 (proj + MLP out), so the same
-weights and GEMM FLOPs are 19·8 + 38·2 = 228 modules here. Together they carry 97.1% of
+Attention qkv/proj and MLP fc1/fc2: 8 linears per double block, 2 per single block. Counted as 4
+linears per single block (qkv, MLP in, attention proj, MLP out) flux-12b has 304; BFL fuses them
+into linear1 (qkv + MLP in) and linear2 (proj + MLP out), so the same weights and GEMM FLOPs are
+19·8 + 38·2 = 228 modules here. Together they carry 97.1% of
 flux-12b's forward matmul FLOPs at 256 image + 256 text tokens (`forward_flops`); attention
 (SDPA) is 2.7%, everything left in bf16 (img_in, txt_in, time_in, vector_in, guidance_in,
 modulation, final layer) 0.2%.
@@ -99,10 +99,8 @@ class Flux(nn.Module):
         if isinstance(self.guidance_in, MLPEmbedder):
             normal(self.guidance_in)
         for b in self.double_blocks:
-            # By name, not b.img_mlp[0]: the precision policy may have replaced the Sequential
-            # with a fused MLP that keeps the child names "0" and "2" but is not indexable.
-            xavier(*(b.get_submodule(f"{stream}_{name}") for stream in ("img", "txt")
-                     for name in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")))
+            xavier(b.img_attn.qkv, b.img_attn.proj, b.img_mlp[0], b.img_mlp[2],
+                   b.txt_attn.qkv, b.txt_attn.proj, b.txt_mlp[0], b.txt_mlp[2])
             zero(b.img_mod.lin, b.txt_mod.lin)
         for b in self.single_blocks:
             xavier(b.linear1, b.linear2)

@@ -1,8 +1,9 @@
-"""MXFP6 layers and the precision policy that installs them."""
+"""MXFP6 layers and the precision converters that install them (and torchao's FP8) in a model."""
 
 from .linear import MXFP6Linear
 from .mlp import FusedMXFP6MLP
-from .precision import PrecisionConfig, PrecisionReport, apply_precision
+from .precision import (PrecisionConfig, PrecisionConverter, PrecisionReport, apply_precision,
+                        register_precision)
 
-__all__ = ["FusedMXFP6MLP", "MXFP6Linear", "PrecisionConfig", "PrecisionReport",
-           "apply_precision"]
+__all__ = ["FusedMXFP6MLP", "MXFP6Linear", "PrecisionConfig", "PrecisionConverter", "PrecisionReport",
+           "apply_precision", "register_precision"]

@@ -40,6 +40,18 @@ def _check_config(args) -> int:
 
     cfg = _load(args)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
+    # Precision patterns are checked against the real module names: a dry run on the meta device.
+    import torch
+
+    from ..model import Flux
+    from ..nn import apply_precision
+
+    with torch.device("meta"):
+        model = Flux(cfg.model.flux_config())
+    try:
+        print(apply_precision(model, cfg.precision).format(), file=sys.stderr)
+    except ValueError as e:
+        args.parser.error(str(e))
     print(f"# OK: {cfg.name} is valid ({cfg.precision.name}, model {cfg.model.name}, "
           f"global batch {cfg.batch.global_batch_size})", file=sys.stderr)
     return 0

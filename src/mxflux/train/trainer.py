@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model import MX_LINEAR_PATTERNS, Flux, image_ids, patchify, text_ids
+from ..model import Flux, image_ids, patchify, text_ids
 from ..nn import apply_precision
 from ..nn.linear import MXFP6Linear
 from .checkpoint import (LATEST, LATEST_SHARDED, load_checkpoint, load_sharded_checkpoint, resolve_checkpoint,
@@ -73,7 +73,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         with torch.device(self.device):  # initialised where it trains (a 12B model's CPU init takes minutes)
             self.model = Flux(cfg.model.flux_config())  # fp32 master weights
-        self.precision_report = apply_precision(self.model, cfg.precision, include=MX_LINEAR_PATTERNS)
+        self.precision_report = apply_precision(self.model, cfg.precision)
         if cfg.model.activation_checkpointing or cfg.model.compile:
             self._wrap_blocks()
         # Distributed wrapping (FSDP2/DDP) is injected by the caller; see mxflux.train.distributed.

@@ -1,0 +1,57 @@
+"""mxfp6: linears as MXFP6Linear, and fc1 → GELU(tanh) → fc2 MLPs as FusedMXFP6MLP."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..linear import MXFP6Linear, mx_ineligibility
+from ..mlp import FusedMXFP6MLP, activation_name
+from .registry import PrecisionConverter, register_precision, replace_module
+
+__all__ = ["MXFP6Converter"]
+
+
+def _mlp_activation(module: nn.Module) -> str | None:
+    """The activation's name if `module` is exactly nn.Sequential(Linear, activation, Linear) keyed
+    '0', '1', '2' (the keys FusedMXFP6MLP keeps); None otherwise."""
+    if type(module) is not nn.Sequential or list(module._modules) != ["0", "1", "2"]:
+        return None
+    if isinstance(module[0], nn.Linear) and isinstance(module[2], nn.Linear):
+        return activation_name(module[1])
+    return None
+
+
+@register_precision
+class MXFP6Converter(PrecisionConverter):
+    """`fp6: e2m3`: E2M3 elements with an E8M0 scale per 32, Hadamard-rotated, on FP8 GEMMs.
+
+    Options: mx_gemm (the fold granularity), hadamard, fused_mlp (auto | on | off: an MLP whose
+    two linears are both chosen becomes one FusedMXFP6MLP with the same state-dict keys).
+    """
+
+    name = "mxfp6"
+    selected_by = "fp6"
+    selector_value = "e2m3"
+    options = ("mx_gemm", "hadamard", "fused_mlp")
+
+    def ineligibility(self, linear: nn.Linear) -> str | None:
+        return mx_ineligibility(linear.in_features, linear.out_features, self.cfg.mx_gemm)
+
+    def convert(self, model: nn.Module, chosen: dict[str, nn.Linear]) -> dict[str, str]:
+        mx = dict(mx_gemm=self.cfg.mx_gemm, hadamard=self.cfg.hadamard)
+        done: dict[str, str] = {}
+        if self.cfg.fused_mlp != "off":
+            for name, module in list(model.named_modules()):
+                act = _mlp_activation(module)
+                if not name or act is None or not {f"{name}.0", f"{name}.2"} <= chosen.keys():
+                    continue  # (a model that is itself the MLP keeps its Sequential: nothing to replace it in)
+                mlp = FusedMXFP6MLP.from_linears(module[0], module[2], activation=act,
+                                                 mode=self.cfg.fused_mlp, **mx)
+                replace_module(model, name, mlp)
+                for k in ("0", "2"):
+                    done[f"{name}.{k}"] = "mxfp6-fused" if mlp.fused else "mxfp6"
+        for name, linear in chosen.items():
+            if name not in done:
+                replace_module(model, name, MXFP6Linear.from_linear(linear, **mx))
+                done[name] = "mxfp6"
+        return done
