@@ -69,6 +69,5 @@ def test_no_source_cites_design_md():
     assert _sources_mentioning("DESIGN.md") == []
 
 
-@pytest.mark.xfail(strict=False, reason="the fused-MLP environment override is removed with the precision plug-ins")
 def test_no_environment_variable_overrides_the_fused_mlp_recipe_field():
     assert _sources_mentioning("MXFLUX_FUSED_MLP") == []
