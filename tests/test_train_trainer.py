@@ -120,29 +120,6 @@ def test_resume_continues_exactly(demo_root, tmp_path):
     assert got == want  # bit for bit: weights, optimizer, LR, data order and RNG all resumed
 
 
-def test_format_1_checkpoints_still_load(demo_root, tmp_path):
-    """Checkpoints written before the noise became stateless (optimizer keyed by parameter number,
-    per-rank generator states, the data position in one rank's micro-batches) resume too."""
-    from mxflux.train.checkpoint import rng_state
-
-    a = make_trainer(demo_root, tmp_path / "a", recipe="tiny-bf16")
-    batches = a.batches()
-    a.train_step([next(batches) for _ in range(2)])
-    save_checkpoint(tmp_path / "old.pt", {
-        "config": a.cfg.model_dump(mode="json"), "model": a.model.state_dict(), "optimizer": a.optimizer.state_dict(),
-        "scheduler": a.scheduler.state_dict(), "rng": rng_state(), "world_size": 1,
-        "progress": {"step": 1, "samples": 8, "epoch": 0, "batch_in_epoch": 2, "last_eval": None},
-        "generators": [torch.Generator().get_state()]})
-    b = make_trainer(demo_root, tmp_path / "b", recipe="tiny-bf16")
-    b.resume(tmp_path / "old.pt")
-    assert (b.step, b.samples, b.batch_in_epoch) == (1, 8, 2)
-    assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
-    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
-    assert sa.keys() == sb.keys() and all(torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"]) for k in sa)
-    nb = b.batches()
-    assert b.train_step([next(nb) for _ in range(2)]).read()["loss"] == a.train_step([next(batches) for _ in range(2)]).read()["loss"]
-
-
 def test_same_seed_same_run(demo_root, tmp_path):
     losses = []
     for run in ("x", "y"):
@@ -198,9 +175,16 @@ def test_mlperf_warmup_leaves_no_trace_and_the_log_fails_only_where_it_must(demo
     import sys
 
     def run(tag, warmup):
-        tr = make_trainer(demo_root, tmp_path / tag, "mlperf.enabled=true", f"mlperf.warmup_steps={warmup}",
-                          "train.train_samples=48", "train.eval_every_samples=16", "mlperf.target_eval_loss=0.01")
-        tr.fit(progress=False)
+        from mxflux.train.mlperf import MLPerfCallback
+
+        cfg = load_recipe("tiny-mxfp6", [f"data.root={demo_root}", f"train.out_dir={tmp_path / tag}/run",
+                                         "batch.global_batch_size=8", "batch.micro_batch_size=4",
+                                         "train.eval_batch_size=8", "train.eval_samples=16", "train.log_every=1",
+                                         "train.sample_prompts=[]", "optim.warmup_steps=2", "mlperf.enabled=true",
+                                         f"mlperf.warmup_steps={warmup}", "train.train_samples=48",
+                                         "train.eval_every_samples=16", "mlperf.target_eval_loss=0.01"])
+        mlperf = MLPerfCallback(cfg.out_dir, cfg)  # before the trainer: the timed init phase starts here
+        Trainer(cfg, device="cpu", callbacks=[mlperf]).fit(progress=False)
         rows = (tmp_path / tag / "run" / "metrics.csv").read_text().splitlines()[1:]
         return [r.split(",")[3] for r in rows], tmp_path / tag / "run" / "mlperf.log"
 
