@@ -150,7 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     command = getattr(args, "parser", parser).prog
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()  # here, where a closed pipe can still be handled, not at interpreter exit
+        return code
     except BrokenPipeError:  # `mxflux ... | head`: the reader is gone, nothing more to say
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
