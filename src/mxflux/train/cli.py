@@ -260,7 +260,10 @@ def _trainer_from_checkpoint(args):
     except RecipeError as e:
         args.parser.error(str(e))
     trainer = Trainer(cfg, ctx=alone(device.type if device is not None else None), device=device)
-    trainer.resume(path) if path.is_dir() else trainer.load_state_dict(state)
+    if path.is_dir():
+        trainer.resume(path)
+    else:
+        trainer.load_state_dict(state)
     return trainer
 
 

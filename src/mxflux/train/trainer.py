@@ -295,7 +295,10 @@ class Trainer:
                 dist.barrier()
         if default and self.rank == 0:  # the other format's checkpoint (another world size) is stale now
             stale = self.out_dir / (LATEST if sharded else LATEST_SHARDED)
-            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
         self.last_checkpoint = path
         return path
 
