@@ -52,13 +52,13 @@ def test_fsdp_and_ddp_agree_and_resume_exactly(data, tmp_path):
     assert grouped == pytest.approx(full, rel=1e-6)
 
     half = train(2, tmp_path / "half", data, "--max-steps", "2", "--set", "distributed.strategy=fsdp", port=29613)
-    resumed = train(2, tmp_path / "half", data, "--max-steps", "2", "--resume", str(tmp_path / "half"),
+    resumed = train(2, tmp_path / "half", data, "--max-steps", "4", "--resume", str(tmp_path / "half"),
                     "--set", "distributed.strategy=fsdp", port=29614)
     assert half[:2] == full[:2] and resumed[2:] == full[2:]  # bit for bit across the restart
     assert sorted(p.name for p in (tmp_path / "half").glob("latest*")) == ["latest.dcp"]  # sharded
 
     # The 2-rank checkpoint (whole tensors) loads onto one rank and keeps training.
-    one = train(1, tmp_path / "half", data, "--max-steps", "1", "--resume", str(tmp_path / "half"), port=29615)
+    one = train(1, tmp_path / "half", data, "--max-steps", "5", "--resume", str(tmp_path / "half"), port=29615)
     assert len(one) == 5 and 0 < one[-1] < 3
 
 
@@ -80,7 +80,7 @@ def test_losses_do_not_depend_on_world_size_and_resume_onto_any(data, tmp_path):
     # The 1-process reference: 2 steps, a single-file checkpoint, 2 more steps from it.
     ref = run(None, tmp_path / "one", "--max-steps", "2", *one)
     shutil.copytree(tmp_path / "one", tmp_path / "one_to_two")
-    ref = run(None, tmp_path / "one", "--max-steps", "2", "--resume", str(tmp_path / "one"), *one)
+    ref = run(None, tmp_path / "one", "--max-steps", "4", "--resume", str(tmp_path / "one"), *one)
     assert len(ref) == 4
 
     # 2 ranks: the same losses; a sharded checkpoint at step 2.
@@ -91,9 +91,9 @@ def test_losses_do_not_depend_on_world_size_and_resume_onto_any(data, tmp_path):
 
     # 2-rank sharded checkpoint → 1 process (no process group), and 1-rank file → 2 ranks: both
     # continue as the reference.
-    two_to_one = run(None, tmp_path / "two_to_one", "--max-steps", "2", "--resume", str(tmp_path / "two_to_one"),
+    two_to_one = run(None, tmp_path / "two_to_one", "--max-steps", "4", "--resume", str(tmp_path / "two_to_one"),
                      *one)
-    one_to_two = run(2, tmp_path / "one_to_two", "--max-steps", "2", "--resume", str(tmp_path / "one_to_two"),
+    one_to_two = run(2, tmp_path / "one_to_two", "--max-steps", "4", "--resume", str(tmp_path / "one_to_two"),
                      *FP32, port=29625)
     assert two_to_one[2:] == pytest.approx(ref[2:], rel=WORLD_RTOL)
     assert one_to_two[2:] == pytest.approx(ref[2:], rel=WORLD_RTOL)
@@ -162,8 +162,9 @@ def test_fsdp_units_group_consecutive_blocks(monkeypatch):
     from torch.distributed.fsdp import fully_shard
 
     from mxflux.model import Flux, flux_config
-    from mxflux.train.config import DistributedSection
-    from mxflux.train.distributed import DistContext, wrap_model
+    from mxflux.train import load_recipe
+    from mxflux.train.distributed import DistContext
+    from mxflux.train.parallelize import parallelize
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29617")
@@ -173,7 +174,8 @@ def test_fsdp_units_group_consecutive_blocks(monkeypatch):
         units = {}
         for n in (1, 2):
             model = Flux(flux_config("flux-tiny", depth=3, depth_single_blocks=4))
-            wrap_model(model, DistributedSection(fsdp_blocks_per_unit=n), ctx, param_dtype=torch.float32)
+            cfg = load_recipe("tiny-bf16", [f"distributed.fsdp_blocks_per_unit={n}", "train.compute_dtype=float32"])
+            assert parallelize(model, cfg, ctx) is model  # FSDP2 shards in place
             states = [fully_shard.state(b) for b in [*model.double_blocks, *model.single_blocks]]
             units[n] = len({id(s) for s in states})
         assert units == {1: 7, 2: 2 + 2}  # doubles (0,1)(2); singles (0,1)(2,3)

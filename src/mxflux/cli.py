@@ -3,13 +3,16 @@
 Each subcommand is one `_add_<name>(subparsers)` function that declares its arguments and sets
 `handler`, listed in `SUBCOMMANDS`. Argument parsing uses only the standard library; handlers
 import their (torch-heavy) modules when they run, so `mxflux --help` and `--version` start fast.
-Handlers return an exit code; a handler's `InputError` (bad user input, the message names the
-argument) is reported like an argparse error: usage, message, exit status 2.
+Handlers return an exit code. A user's mistake found deeper down (a recipe, checkpoint, dataset
+or run directory that cannot be used as asked: `USER_ERRORS`) is one line on stderr and exit
+status 2, and a run stopped by a non-finite value exit status 1, without a traceback; `--debug`
+shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -102,6 +105,7 @@ SUBCOMMANDS = (
     _lazy("mxflux.train.cli", "add_eval_parser"),
     _lazy("mxflux.train.cli", "add_sample_parser"),
     _lazy("mxflux.train.cli", "add_check_config_parser"),
+    _lazy("mxflux.train.cli", "add_recipes_parser"),
     _lazy("mxflux.data.cli", "add_data_parser"),
     _lazy("mxflux.bench.cli", "add_bench_parser"),
     _add_numerics,
@@ -114,20 +118,57 @@ def build_parser() -> argparse.ArgumentParser:
         description="mxflux: Flux diffusion transformers with MXFP6 linear layers.",
     )
     parser.add_argument("--version", action="version", version=f"mxflux {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="on an error, show the full traceback (may also follow the command)")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)
     return parser
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the user asked for something that cannot be done as given; each
+    one's message names the file or field and what was expected. Imported only once one was
+    raised (their modules import torch)."""
+    from mxflux.data.shards import DataError
+    from mxflux.train.checkpoint import CheckpointCorruptError, CheckpointNotFoundError
+    from mxflux.train.config import RecipeError
+    from mxflux.train.rundir import RunDirError
+
+    return DataError, CheckpointCorruptError, CheckpointNotFoundError, RecipeError, RunDirError
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mxflux` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]  # accepted anywhere, not only before the command
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "handler", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    return args.handler(args)
+    command = getattr(args, "parser", parser).prog
+    try:
+        code = args.handler(args)
+        sys.stdout.flush()  # here, where a closed pipe can still be handled, not at interpreter exit
+        return code
+    except BrokenPipeError:  # `mxflux ... | head`: the reader is gone, nothing more to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what the shell reports for a command killed by it
+    except Exception as e:
+        if debug:
+            raise
+        from mxflux.train.stop import NonFiniteError
+
+        if isinstance(e, NonFiniteError):
+            print(f"{command}: stopped: {e}", file=sys.stderr)
+            return 1
+        if isinstance(e, _user_errors()):
+            print(f"{command}: error: {e}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

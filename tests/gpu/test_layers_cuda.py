@@ -56,7 +56,7 @@ def test_mxfp6_linear_gpu_matches_the_cpu_reference(gen, mode, m, k, n):
         assert snr_db(c.float(), g.float()) > 45, name
         if name != "bgrad":
             assert s_gpu > 24, (name, s_gpu)
-    assert int(gpu_layer.fold_outside_window) == 0
+    assert int(gpu_layer.blocks_outside_window) == 0
 
 
 def test_fused_mlp_gpu_against_unfused_and_cpu(gen):

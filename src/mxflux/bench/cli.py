@@ -20,9 +20,10 @@ def add_bench_parser(sub) -> None:
                     "excluded from the timing. Batches are read before timing and reused, so data loading is "
                     "not timed; the host-to-device copy is. Under torchrun: images/s/GPU = global images/s / "
                     "world size, peak memory = the largest over ranks.")
-    s.add_argument("--recipe", required=True, help="built-in recipe name or a YAML file")
-    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="recipe overrides, e.g. batch.micro_batch_size=32 'precision={fp8: hybrid}'")
+    s.add_argument("overrides", nargs="*", metavar="[RECIPE] KEY=VALUE",
+                   help="the recipe (a built-in name or a YAML file, as for `mxflux train`), then recipe "
+                        "overrides, e.g. batch.micro_batch_size=32 'precision={fp8: hybrid}'")
+    s.add_argument("--recipe", help="the recipe, for scripts that name it this way")
     s.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a recipe override, as for `mxflux train` (repeatable)")
     s.add_argument("--steps", type=positive_int, default=8, help="timed optimizer steps (default: 8)")
@@ -49,6 +50,10 @@ def _step(args) -> int:
     from ..train.config import RecipeError
     from . import step
 
+    if args.recipe is None and args.overrides and "=" not in args.overrides[0]:
+        args.recipe, args.overrides = args.overrides[0], args.overrides[1:]
+    if args.recipe is None:
+        args.parser.error("name a recipe: `mxflux bench step RECIPE [KEY=VALUE ...]` or --recipe RECIPE (`mxflux recipes` lists them)")
     try:
         cfg = step.load_bench_recipe(args.recipe, [*args.overrides, *args.set_overrides])
     except RecipeError as e:

@@ -320,16 +320,14 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
     `distributed`: join the torchrun process group when the environment describes one (the
     model is then wrapped as `mxflux train` wraps it). See the module docstring for the fields.
     """
-    from ..train.distributed import DistContext, init_distributed, wrap_model
-    from ..train.trainer import Trainer, default_device
+    from ..train.distributed import alone, init_distributed
+    from ..train.trainer import Trainer
 
     if steps <= 0 or warmup < 0 or profile_steps < 0:
         raise ValueError(f"need steps > 0, warmup >= 0, profile_steps >= 0; got {steps}, {warmup}, {profile_steps}")
     gc.collect()  # a previous run's trainer must not count in this one's memory (cyclic garbage)
-    if distributed:
-        ctx = init_distributed(torch.device(device).type if device is not None else None)
-    else:
-        ctx = DistContext(0, 1, 0, default_device())
+    device_type = torch.device(device).type if device is not None else None
+    ctx = init_distributed(device_type) if distributed else alone(device_type)
     device = torch.device(device) if device is not None else ctx.device
     mc = _model_config(cfg)
     total_steps = warmup + steps + profile_steps
@@ -340,10 +338,6 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
                                text_len=text_len, data_dir=data_dir, local_rank=ctx.local_rank)
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"root": str(root)})})
 
-    wrap = None
-    if ctx.world_size > 1:
-        param_dtype = getattr(torch, cfg.train.compute_dtype)
-        wrap = lambda m: wrap_model(m, cfg.distributed, ctx, param_dtype=param_dtype)  # noqa: E731
     cuda = device.type == "cuda"
 
     def sync():
@@ -355,8 +349,8 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
             dist.barrier()
 
     with tempfile.TemporaryDirectory(prefix="mxflux-bench-") as out_dir:
-        tr = Trainer(cfg, device=device, out_dir=out_dir, wrap_model=wrap)
-        batches = tr._train_batches()
+        tr = Trainer(cfg, ctx=ctx, device=device, out_dir=out_dir)
+        batches = tr.batches()
         pool = [[next(batches) for _ in range(tr.accum)] for _ in range(cycle)]
         batches.close()  # shuts the loader's workers down
         train_set = tr.train_set
@@ -382,6 +376,7 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
             peak_bytes, peak_source = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu ru_maxrss"
         elapsed, peak_bytes = _max_over_ranks([sum(times), float(peak_bytes)], device)
 
+        last = result.read()
         breakdown = None
         if profile_steps:
             from torch.profiler import ProfilerActivity, profile
@@ -438,7 +433,7 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
         "mfu": per_gpu * flops / (peak * 1e12) if peak else None,
         "peak_memory_gib": peak_bytes / 2**30,
         "peak_memory_source": peak_source,
-        "loss": result.get("loss"),
+        "loss": last["loss"],
         "breakdown": breakdown,
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

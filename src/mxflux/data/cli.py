@@ -12,24 +12,9 @@ import argparse
 import json
 import sys
 
+from ..argtypes import non_negative_int, positive_int
+
 __all__ = ["add_data_parser"]
-
-
-def _count(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
-
-
-def _positive(text: str) -> int:
-    v = _count(text)
-    if v == 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
 
 
 def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,14 +35,14 @@ def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                        description="Write a dataset of random tensors with realistic statistics. "
                                    "Defaults are the MLPerf dims (T5 256x4096, CLIP 768, latent 16x32x32).")
     p.add_argument("--out", required=True, metavar="DIR", help="new dataset directory (must not hold files)")
-    p.add_argument("--train", type=_count, required=True, metavar="N", help="training samples")
-    p.add_argument("--eval", type=_count, required=True, metavar="N", help="evaluation samples")
-    p.add_argument("--t5-len", type=_positive, default=256, metavar="L", help="T5 tokens (default: 256)")
-    p.add_argument("--t5-dim", type=_positive, default=4096, metavar="D", help="T5 width (default: 4096)")
-    p.add_argument("--clip-dim", type=_positive, default=768, metavar="D", help="CLIP width (default: 768)")
-    p.add_argument("--latent-size", type=_positive, default=32, metavar="HW",
+    p.add_argument("--train", type=non_negative_int, required=True, metavar="N", help="training samples")
+    p.add_argument("--eval", type=non_negative_int, required=True, metavar="N", help="evaluation samples")
+    p.add_argument("--t5-len", type=positive_int, default=256, metavar="L", help="T5 tokens (default: 256)")
+    p.add_argument("--t5-dim", type=positive_int, default=4096, metavar="D", help="T5 width (default: 4096)")
+    p.add_argument("--clip-dim", type=positive_int, default=768, metavar="D", help="CLIP width (default: 768)")
+    p.add_argument("--latent-size", type=positive_int, default=32, metavar="HW",
                    help="latent height = width (default: 32)")
-    p.add_argument("--shard-size", type=_positive, metavar="N", help="samples per shard (default: ~1 GiB shards)")
+    p.add_argument("--shard-size", type=positive_int, metavar="N", help="samples per shard (default: ~1 GiB shards)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.set_defaults(handler=_synth, parser=p)
 
@@ -77,24 +62,24 @@ def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                    help="CLIP tokenizer directory (default: --clip; FLUX.1: tokenizer/)")
     split = p.add_mutually_exclusive_group()
     split.add_argument("--eval-images", metavar="DIR", help="evaluation images (default: --num-eval held out)")
-    split.add_argument("--num-eval", type=_count, default=0, metavar="N",
+    split.add_argument("--num-eval", type=non_negative_int, default=0, metavar="N",
                        help="hold out the last N training images (sorted by path) as the eval split")
-    p.add_argument("--t5-len", type=_positive, default=256, metavar="L", help="T5 tokens (default: 256)")
-    p.add_argument("--image-size", type=_positive, default=256, metavar="PX", help="square image side (default: 256)")
-    p.add_argument("--batch-size", type=_positive, default=16, metavar="N",
+    p.add_argument("--t5-len", type=positive_int, default=256, metavar="L", help="T5 tokens (default: 256)")
+    p.add_argument("--image-size", type=positive_int, default=256, metavar="PX", help="square image side (default: 256)")
+    p.add_argument("--batch-size", type=positive_int, default=16, metavar="N",
                    help="images per encoder batch (default: 16)")
     p.add_argument("--device", default="cpu", help="encoder device, e.g. cuda or cpu (default: cpu)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="encoder compute dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--shard-size", type=_positive, metavar="N", help="samples per shard (default: ~1 GiB shards)")
+    p.add_argument("--shard-size", type=positive_int, metavar="N", help="samples per shard (default: ~1 GiB shards)")
     p.set_defaults(handler=_prepare, parser=p)
 
     p = sub.add_parser("demo", help="build the built-in demo dataset of captioned shapes",
                        description="Build the demo dataset: 64x64 images of coloured shapes with captions, "
                                    "encoded by an exact pixel 'VAE' and hashed word embeddings (for flux-tiny).")
     p.add_argument("--out", required=True, metavar="DIR", help="new dataset directory (must not hold files)")
-    p.add_argument("--train", type=_count, default=2048, metavar="N", help="training samples (default: 2048)")
-    p.add_argument("--eval", type=_count, default=256, metavar="N", help="evaluation samples (default: 256)")
+    p.add_argument("--train", type=non_negative_int, default=2048, metavar="N", help="training samples (default: 2048)")
+    p.add_argument("--eval", type=non_negative_int, default=256, metavar="N", help="evaluation samples (default: 256)")
     p.add_argument("--seed", type=int, default=0, help="scene seed (default: 0)")
     p.set_defaults(handler=_demo, parser=p)
 
@@ -109,10 +94,10 @@ def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
                                    "warm-up batches. Run it twice to see page-cache-warm numbers.")
     p.add_argument("root", metavar="DIR", help="dataset directory")
     p.add_argument("--split", default="train", help="split to read (default: train)")
-    p.add_argument("--batch-size", type=_positive, default=32, metavar="N", help="batch size (default: 32)")
-    p.add_argument("--workers", type=_count, default=2, metavar="N", help="DataLoader workers (default: 2)")
-    p.add_argument("--prefetch", type=_positive, default=4, metavar="N", help="prefetch factor (default: 4)")
-    p.add_argument("--warmup", type=_count, default=4, metavar="N", help="batches not timed (default: 4)")
+    p.add_argument("--batch-size", type=positive_int, default=32, metavar="N", help="batch size (default: 32)")
+    p.add_argument("--workers", type=non_negative_int, default=2, metavar="N", help="DataLoader workers (default: 2)")
+    p.add_argument("--prefetch", type=positive_int, default=4, metavar="N", help="prefetch factor (default: 4)")
+    p.add_argument("--warmup", type=non_negative_int, default=4, metavar="N", help="batches not timed (default: 4)")
     p.add_argument("--pin-memory", action="store_true", help="pin batches (as a CUDA trainer does)")
     p.add_argument("--device", help="also copy each batch to this device, e.g. cuda")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

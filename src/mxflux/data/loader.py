@@ -137,5 +137,15 @@ def build_loader(dataset, *, batch_size: int, rank: int = 0, world_size: int = 1
         # Workers' base seed is drawn from this generator, not from torch's global RNG, so
         # building a loader never disturbs the training randomness.
         generator=torch.Generator().manual_seed(_epoch_seed(seed + 1, epoch)),
+        worker_init_fn=_ignore_sigint if num_workers > 0 else None,
     )
+
+
+def _ignore_sigint(worker_id: int) -> None:
+    """Ctrl-C reaches every process of the terminal's group, workers included; the trainer
+    finishes its step and checkpoints before it stops, so its workers must keep serving until
+    then (they end with their loader)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 

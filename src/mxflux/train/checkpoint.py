@@ -17,6 +17,7 @@ the non-tensor part is one pickled entry, `meta`, written by rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import random
@@ -30,7 +31,8 @@ import torch
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_sharded_checkpoint", "load_sharded_checkpoint",
            "read_checkpoint_meta", "resolve_checkpoint", "is_sharded_checkpoint", "rng_state",
-           "set_rng_state", "LATEST", "LATEST_SHARDED", "CheckpointNotFoundError", "CheckpointWriteError"]
+           "set_rng_state", "model_optimizer_state", "load_model_optimizer_state", "LATEST", "LATEST_SHARDED", "CheckpointNotFoundError", "CheckpointCorruptError",
+           "CheckpointWriteError"]
 
 LATEST = "latest.pt"
 LATEST_SHARDED = "latest.dcp"
@@ -39,6 +41,10 @@ _META = "meta"  # the sharded checkpoint's entry holding the non-tensor state
 
 class CheckpointNotFoundError(FileNotFoundError):
     """No checkpoint at the given path; the message says what was looked for."""
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint that exists but cannot be read (truncated, or not an mxflux checkpoint)."""
 
 
 class CheckpointWriteError(OSError):
@@ -58,6 +64,32 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --- weights and optimizer state by parameter name --------------------------------------------
+
+
+def model_optimizer_state(model, optimizer, *, full: bool, world_size: int) -> dict:
+    """{"model", "optimizer"} keyed by parameter name (the same keys alone, under DDP and under
+    FSDP2): this rank's shards, or (`full`) whole tensors on the CPU of rank 0. A collective
+    under FSDP2/DDP: call on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if full and world_size > 1 else None
+    fresh = not optimizer.state
+    model_state, optim_state = get_state_dict(model, optimizer, options=opts)
+    if fresh:  # get_state_dict initialised the optimizer state (a zero-lr step): undo that
+        optimizer.state.clear()
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def load_model_optimizer_state(model, optimizer, tensors: dict, *, full: bool, world_size: int) -> None:
+    """Load `model_optimizer_state`'s dict: whole tensors (`full`, scattered to this world size)
+    or this rank's shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"],
+                   options=StateDictOptions(full_state_dict=True) if full and world_size > 1 else None)
 
 
 # --- one file --------------------------------------------------------------------------------
@@ -88,16 +120,34 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
     resumes from one without that copy (`Trainer.resume`).
     """
     path = resolve_checkpoint(path)
-    if path.is_dir():
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with _readable(path):
+        if path.is_dir():
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-        with tempfile.TemporaryDirectory(prefix=".mxflux-ckpt-") as tmp:
-            dcp_to_torch_save(path, Path(tmp) / "state.pt")
-            state = torch.load(Path(tmp) / "state.pt", map_location=map_location, weights_only=False)
-        state.update(_loads(state.pop(_META)))
-        return state
-    # Our own files hold RNG states (numpy/python objects), so full unpickling is needed.
-    return torch.load(path, map_location=map_location, weights_only=False)
+            with tempfile.TemporaryDirectory(prefix=".mxflux-ckpt-") as tmp:
+                dcp_to_torch_save(path, Path(tmp) / "state.pt")
+                state = torch.load(Path(tmp) / "state.pt", map_location=map_location, weights_only=False)
+            state.update(_loads(state.pop(_META)))
+            return state
+        # Our own files hold RNG states (numpy/python objects), so full unpickling is needed.
+        state = torch.load(path, map_location=map_location, weights_only=False)
+    if not isinstance(state, dict) or "progress" not in state:
+        raise CheckpointCorruptError(f"checkpoint {str(path)!r}: a torch file, but not an mxflux checkpoint "
+                                     f"(no training progress in it)")
+    return state
+
+
+@contextlib.contextmanager
+def _readable(path: Path):
+    """Reading errors of a checkpoint as one error naming the file (a truncated write, a file
+    that is not a checkpoint), instead of the unpickler's or zip reader's own."""
+    try:
+        yield
+    except (CheckpointCorruptError, MemoryError):
+        raise
+    except Exception as e:
+        raise CheckpointCorruptError(f"checkpoint {str(path)!r} cannot be read ({type(e).__name__}: {e}); it is "
+                                     f"truncated or not an mxflux checkpoint") from e
 
 
 # --- sharded directories ---------------------------------------------------------------------
@@ -198,7 +248,7 @@ def load_sharded_checkpoint(path: str | Path, tensors: dict) -> dict:
     state = dict(tensors)
     state[_META] = b""
     # Without a process group dcp.load reads in this process alone (torch >= 2.11 at least).
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+    with warnings.catch_warnings(), _readable(Path(path)):  # "assuming ... load in a single process": it is
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
         dcp.load(state, checkpoint_id=Path(path))
     for k in tensors:

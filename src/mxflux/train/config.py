@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..nn.precision import PrecisionConfig
 
-__all__ = ["RunConfig", "RecipeError", "load_recipe", "recipe_names", "apply_overrides"]
+__all__ = ["RunConfig", "RecipeError", "load_recipe", "config_from_dict", "recipe_names", "recipe_descriptions",
+           "apply_overrides"]
 
 
 class _Section(BaseModel):
@@ -162,16 +163,37 @@ def recipe_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("mxflux.recipes").iterdir() if p.name.endswith(".yaml"))
 
 
+def recipe_descriptions() -> dict[str, str]:
+    """Each built-in recipe's name and its `description` line."""
+    return {name: str((_parse(_builtin(name).read_text(), name) or {}).get("description", "")).strip()
+            for name in recipe_names()}
+
+
+def _builtin(name: str):
+    return resources.files("mxflux.recipes") / f"{name}.yaml"
+
+
+def _parse(text: str, label: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise RecipeError(f"recipe {label}: YAML syntax error{where}: {problem}") from None
+
+
 def _read(recipe: str) -> tuple[dict, str]:
     path = Path(recipe)
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
             raise RecipeError(f"recipe: no such file {recipe!r}")
-        return yaml.safe_load(path.read_text()) or {}, str(path)
-    res = resources.files("mxflux.recipes") / f"{recipe}.yaml"
+        return _parse(path.read_text(), str(path)) or {}, str(path)
+    res = _builtin(recipe)
     if not res.is_file():
-        raise RecipeError(f"recipe: unknown recipe {recipe!r}; built-in recipes: {recipe_names()}")
-    return yaml.safe_load(res.read_text()) or {}, recipe
+        raise RecipeError(f"recipe: unknown recipe {recipe!r}; built-in recipes: {recipe_names()} "
+                          f"(`mxflux recipes` lists them)")
+    return _parse(res.read_text(), recipe) or {}, recipe
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -187,7 +209,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise RecipeError(f"override {item!r}: {p!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(value)
+        try:
+            node[parts[-1]] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise RecipeError(f"override {item!r}: the value is not valid YAML ({getattr(e, 'problem', e)})") from None
     return data
 
 
@@ -196,8 +221,15 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Run
     data, label = _read(recipe)
     if not isinstance(data, dict):
         raise RecipeError(f"recipe {label}: expected a mapping at the top level")
-    data = apply_overrides(data, list(overrides))
+    data = dict(data)
     data.setdefault("name", Path(label).stem)
+    return config_from_dict(data, label, overrides)
+
+
+def config_from_dict(data: dict, label: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Validate a recipe's data (e.g. the config a checkpoint holds) with overrides applied;
+    `label` names it in errors."""
+    data = apply_overrides(data, list(overrides))
     try:
         return RunConfig(**data)
     except ValidationError as e:

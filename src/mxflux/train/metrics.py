@@ -5,32 +5,50 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-__all__ = ["MetricsLogger", "plot_loss_curve"]
+from .callbacks import Callback
+
+__all__ = ["MetricsLogger", "MetricsCallback", "plot_loss_curve"]
 
 
 class MetricsLogger:
-    """Appends metric rows to `metrics.csv` (and TensorBoard, if installed) under `out_dir`."""
+    """Appends metric rows to `metrics.csv` (and TensorBoard, if installed) under `out_dir`.
 
-    def __init__(self, out_dir: str | Path, *, tensorboard: bool = True, append: bool = False):
+    A run that resumes at step S (`resume_step=S`) keeps the rows up to step S and drops later
+    ones (logged after its last checkpoint, they are about to be trained again), and TensorBoard
+    purges its events after S's samples (`resume_samples`): a resumed run's curves continue
+    without duplicates. A new run (`resume_step=None`) starts a new file.
+    """
+
+    FIELDS = ("step", "samples", "split", "loss", "lr", "grad_norm", "images_per_s", "blocks_outside_window")
+
+    def __init__(self, out_dir: str | Path, *, tensorboard: bool = True, resume_step: int | None = None,
+                 resume_samples: int = 0):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.csv_path = self.out_dir / "metrics.csv"
-        self._fields: list[str] | None = None
-        if append and self.csv_path.exists():
-            with open(self.csv_path) as f:
-                self._fields = next(csv.reader(f), None)
+        if resume_step is None:
+            self.csv_path.unlink(missing_ok=True)
         elif self.csv_path.exists():
-            self.csv_path.unlink()
+            self._truncate_after(resume_step)
         self._tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
             except ImportError:  # tensorboard is optional at run time
-                self._tb = None
+                SummaryWriter = None
+            if SummaryWriter is not None:
+                purge = {"purge_step": resume_samples + 1} if resume_step is not None else {}
+                self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), **purge)
 
-    FIELDS = ("step", "samples", "split", "loss", "lr", "grad_norm", "images_per_s", "fold_outside_window")
+    def _truncate_after(self, step: int) -> None:
+        with open(self.csv_path, newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step]
+        tmp = self.csv_path.with_name(f".{self.csv_path.name}.tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=self.FIELDS, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+        tmp.replace(self.csv_path)
 
     def log(self, **row) -> None:
         row = {k: row.get(k, "") for k in self.FIELDS}
@@ -48,6 +66,34 @@ class MetricsLogger:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+class MetricsCallback(Callback):
+    """The trainer's metrics: a CSV row (and TensorBoard scalars) per log step and per eval, and
+    the loss curve PNG at the end of `fit`. A run that resumed continues its files."""
+
+    def __init__(self, out_dir: str | Path, *, title: str = ""):
+        self.out_dir, self.title = Path(out_dir), title
+        self.logger: MetricsLogger | None = None
+
+    def on_fit_start(self, trainer, end_step: int) -> None:
+        resumed = trainer.step > 0
+        self.logger = MetricsLogger(self.out_dir, resume_step=trainer.step if resumed else None,
+                                    resume_samples=trainer.samples)
+
+    def on_log(self, trainer, row: dict) -> None:
+        self.logger.log(split="train", **row)
+
+    def on_eval_end(self, trainer, loss: float) -> bool:
+        self.logger.log(step=trainer.step, samples=trainer.samples, split="eval", loss=loss)
+        return False
+
+    def on_fit_end(self, trainer) -> None:
+        if self.logger is None:
+            return
+        self.logger.close()
+        if self.logger.csv_path.exists():
+            plot_loss_curve(self.logger.csv_path, self.out_dir / "loss_curve.png", title=self.title)
 
 
 def plot_loss_curve(csv_path: str | Path, png_path: str | Path, title: str = "") -> Path:

@@ -37,8 +37,11 @@ from typing import Any
 from mlperf_logging.mllog import mllog as _mllog_impl
 from mlperf_logging.mllog import constants as C
 
+from .callbacks import Callback
+
 __all__ = [
     "MLPerfLogger",
+    "MLPerfCallback",
     "TARGET_EVAL_LOSS",
     "EVAL_INTERVAL_SAMPLES",
     "FLUX1_TRAIN_SAMPLES",
@@ -289,3 +292,58 @@ def _default_platform(world_size: int) -> str:
     except Exception:  # pragma: no cover - platform string is best-effort
         pass
     return f"{world_size}xCPU"
+
+
+class MLPerfCallback(Callback):
+    """The MLPerf log of a training run, as a trainer callback (see the event sequence above).
+
+    Create it before the trainer: the timed "init" phase starts at construction, before the
+    model and data are built. `fit` then runs the untimed warm-up (`mlperf.warmup_steps`, which
+    leaves no trace), logs init_stop/run_start, a block per evaluation interval, each
+    evaluation, and run_stop (success once the target is reached, which stops training).
+    MLPerf evaluates on its schedule only, so `fit` adds no extra evaluation at its end.
+    """
+
+    final_eval = False
+
+    def __init__(self, out_dir: str | os.PathLike, cfg, *, rank: int = 0, world_size: int = 1):
+        self.cfg = cfg
+        self.world_size = world_size
+        self.log = MLPerfLogger(Path(out_dir) / "mlperf.log", cfg, rank=rank, world_size=world_size,
+                                submission_org=cfg.mlperf.submission_org,
+                                submission_platform=cfg.mlperf.submission_platform)
+        self.log.init_start()
+        self.converged = False
+        self.end_step = 0
+
+    def on_fit_start(self, trainer, end_step: int) -> None:
+        from .warmup import warmup_without_trace
+
+        self.end_step = end_step
+        warmup_without_trace(trainer, self.cfg.mlperf.warmup_steps)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+        self.log.init_stop()
+        self.log.run_start()
+        self.log.block_start(trainer.samples)
+
+    def on_eval_start(self, trainer) -> None:
+        self.log.block_stop(trainer.samples)
+        self.log.eval_start(trainer.samples)
+
+    def on_eval_end(self, trainer, loss: float) -> bool:
+        self.log.eval_stop(trainer.samples)
+        self.log.eval_accuracy(loss, trainer.samples)
+        if loss <= self.cfg.mlperf.target_eval_loss:
+            self.converged = True
+            return True
+        if trainer.step < self.end_step:
+            self.log.block_start(trainer.samples)
+        return False
+
+    def on_fit_end(self, trainer) -> None:
+        # run_stop comes before the final checkpoint and plots: they are outside the timed run.
+        self.log.run_stop(trainer.samples, status=C.SUCCESS if self.converged else C.ABORTED)
+        self.log.close()

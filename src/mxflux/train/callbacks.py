@@ -1,0 +1,68 @@
+"""What happens around training that is not training: hooks the fit loop calls.
+
+`Trainer.fit` calls every callback at fixed points; each hook gets the trainer and the values
+already read on the host, so no hook ever forces a host-device synchronisation of its own. The
+metrics files (`mxflux.train.metrics`), the MLPerf log (`mxflux.train.mlperf`) and the progress
+bar (here) are callbacks; a new one subclasses `Callback` and overrides what it needs.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Callback", "ProgressBar"]
+
+
+class Callback:
+    """No-op hooks, called in this order: on_fit_start, then per optimizer step on_step_end (the
+    `StepResult`, unread) and at log steps on_log (the row as host floats), around each
+    evaluation on_eval_start / on_eval_end, and on_fit_end once (also when the run fails)."""
+
+    # Whether `fit` may evaluate once more at its last step (MLPerf evaluates on its schedule only).
+    final_eval = True
+
+    def on_fit_start(self, trainer, end_step: int) -> None:
+        pass
+
+    def on_step_end(self, trainer, result) -> None:
+        pass
+
+    def on_log(self, trainer, row: dict) -> None:
+        """`row`: step, samples, loss, lr, grad_norm, images_per_s and, with MX layers,
+        blocks_outside_window (cumulative over the run)."""
+
+    def on_eval_start(self, trainer) -> None:
+        pass
+
+    def on_eval_end(self, trainer, loss: float) -> bool:
+        """Return True to stop training here (e.g. a convergence target reached)."""
+        return False
+
+    def on_fit_end(self, trainer) -> None:
+        pass
+
+
+class ProgressBar(Callback):
+    """A rich progress bar: steps done of the run's end step, loss, LR and images/s."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.bar = None
+
+    def on_fit_start(self, trainer, end_step: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[stats]}"), TimeRemainingColumn())
+        self.bar.start()
+        self.task = self.bar.add_task(self.name, total=end_step, completed=trainer.step, stats="")
+
+    def on_log(self, trainer, row: dict) -> None:
+        self.bar.update(self.task, completed=row["step"],
+                        stats=f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['images_per_s']:.1f} img/s")
+
+    def on_eval_end(self, trainer, loss: float) -> bool:
+        self.bar.console.print(f"step {trainer.step}: eval loss {loss:.4f}")
+        return False
+
+    def on_fit_end(self, trainer) -> None:
+        if self.bar is not None:
+            self.bar.stop()

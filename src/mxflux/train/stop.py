@@ -1,0 +1,59 @@
+"""Why a run stops before its end, and how: an interrupt, or a non-finite value.
+
+Both stop a run without losing it (docs/design.md, "The trainer"): an interrupt finishes the
+step and writes a checkpoint; a non-finite loss or gradient norm stops it before anything more
+is written, so the last checkpoint on disk is a good one.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+__all__ = ["NonFiniteError", "TrainingInterrupted", "SignalFlag"]
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient norm stopped the run; nothing was written after it."""
+
+
+class TrainingInterrupted(Exception):
+    """SIGINT or SIGTERM stopped the run after a whole step and a checkpoint."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(f"{signal.Signals(signum).name} at step {step}; checkpoint {checkpoint}")
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention for death by a signal: 128 + its number (130 for SIGINT)."""
+        return 128 + self.signum
+
+
+class SignalFlag:
+    """Within the block, SIGINT and SIGTERM set `signum` instead of killing the process. Only
+    the first one: a second signal gets the previous handler, so a second Ctrl-C still stops a
+    stuck run at once. Only the main thread can install handlers; elsewhere it does nothing."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self) -> "SignalFlag":
+        self.signum: int | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        self._restore()
+
+    def _restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
