@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from mxflux.train import load_recipe
-from mxflux.train.distributed import cleanup, init_distributed, wrap_model
+from mxflux.train.distributed import cleanup, init_distributed
 from mxflux.train.trainer import Trainer
 
 
@@ -28,19 +28,18 @@ def main(data: str, out: str) -> None:
         cfg = load_recipe("tiny-bf16", [f"data.root={data}", f"train.out_dir={out}", "batch.global_batch_size=8",
                                         "batch.micro_batch_size=4", "train.compute_dtype=float32",
                                         "optim.warmup_steps=1", "train.sample_prompts=[]"])
-        return Trainer(cfg, device="cpu",
-                       wrap_model=lambda m: wrap_model(m, cfg.distributed, ctx, param_dtype=torch.float32))
+        return Trainer(cfg, ctx=ctx, device="cpu")
 
     def local(p):
         return (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
 
     a = make()
-    batches = a._train_batches()
+    batches = a.batches()
     a.train_step([next(batches) for _ in range(a.accum)])
     ck = a.save()
     assert ck == Path(out) / "latest.dcp", ck
     saved = [local(p) for p in a.model.parameters()]
-    want = a.train_step([next(batches) for _ in range(a.accum)])["loss"]
+    want = a.train_step([next(batches) for _ in range(a.accum)]).read()["loss"]
 
     original = FileSystemWriter.write_data
 
@@ -67,8 +66,8 @@ def main(data: str, out: str) -> None:
     b.resume(out)  # the previous checkpoint: step 1, its weights, and the same continuation
     assert (b.step, b.samples) == (1, 8), (b.step, b.samples)
     assert all(torch.equal(local(p), s) for p, s in zip(b.model.parameters(), saved))
-    nb = b._train_batches()
-    got = b.train_step([next(nb) for _ in range(b.accum)])["loss"]
+    nb = b.batches()
+    got = b.train_step([next(nb) for _ in range(b.accum)]).read()["loss"]
     assert got == want, (got, want)
     if rank == 0:
         print(f"OK interrupted write: previous checkpoint intact, resumed loss {got} == {want}")

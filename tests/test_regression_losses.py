@@ -20,7 +20,7 @@ PINNED = json.loads((Path(__file__).parent / "data" / "first20_losses.json").rea
 def test_first_20_losses_bit_exact(recipe, tmp_path):
     cfg = load_recipe(recipe, [f"train.out_dir={tmp_path}"])
     tr = Trainer(cfg, device="cpu")
-    batches = tr._train_batches()
-    got = [tr.train_step([next(batches) for _ in range(tr.accum)])["loss"] for _ in range(20)]
+    batches = tr.batches()
+    got = [tr.train_step([next(batches) for _ in range(tr.accum)]).read()["loss"] for _ in range(20)]
     want = [float.fromhex(h) for h in PINNED[recipe]]
     assert got == want, f"{recipe}: first differing step {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"

@@ -162,8 +162,9 @@ def test_fsdp_units_group_consecutive_blocks(monkeypatch):
     from torch.distributed.fsdp import fully_shard
 
     from mxflux.model import Flux, flux_config
-    from mxflux.train.config import DistributedSection
-    from mxflux.train.distributed import DistContext, wrap_model
+    from mxflux.train import load_recipe
+    from mxflux.train.distributed import DistContext
+    from mxflux.train.parallelize import parallelize
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29617")
@@ -173,7 +174,8 @@ def test_fsdp_units_group_consecutive_blocks(monkeypatch):
         units = {}
         for n in (1, 2):
             model = Flux(flux_config("flux-tiny", depth=3, depth_single_blocks=4))
-            wrap_model(model, DistributedSection(fsdp_blocks_per_unit=n), ctx, param_dtype=torch.float32)
+            cfg = load_recipe("tiny-bf16", [f"distributed.fsdp_blocks_per_unit={n}", "train.compute_dtype=float32"])
+            assert parallelize(model, cfg, ctx) is model  # FSDP2 shards in place
             states = [fully_shard.state(b) for b in [*model.double_blocks, *model.single_blocks]]
             units[n] = len({id(s) for s in states})
         assert units == {1: 7, 2: 2 + 2}  # doubles (0,1)(2); singles (0,1)(2,3)

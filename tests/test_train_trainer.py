@@ -63,7 +63,8 @@ def test_setup_places_empty_encodings_once_and_swaps_mx_linears(demo_root, tmp_p
 
 def test_lr_warms_up_linearly_then_stays_constant(demo_root, tmp_path):
     tr = make_trainer(demo_root, tmp_path, "optim.lr=1e-3", "optim.warmup_steps=4")
-    lrs = [tr._lr_factor(s) * 1e-3 for s in range(7)]
+    batches = tr.batches()
+    lrs = [tr.train_step([next(batches) for _ in range(2)]).lr for _ in range(7)]
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3, 1e-3])
 
 
@@ -71,11 +72,11 @@ def test_reported_losses_are_not_rescaled_by_micro_batching(demo_root, tmp_path)
     """The seed's bug: a reported loss aliasing the tensor that is divided by the number of
     micro-batches came out halved at 2 micro-batches. Here: 2 micro-batches per step."""
     tr = make_trainer(demo_root, tmp_path)
-    batches = tr._train_batches()
+    batches = tr.batches()
     micro = [next(batches) for _ in range(2)]
     with torch.no_grad():  # the noise is a function of (seed, step, index): the step redraws the same
         direct = [float(tr.training_loss(tr._to_device(b))) for b in micro]
-    reported = tr.train_step(micro)["loss"]
+    reported = tr.train_step(micro).read()["loss"]
     assert reported == pytest.approx(sum(direct) / 2, rel=1e-6)
 
     # Validation: Σloss/Σcount over two eval batches equals the per-sample mean computed directly.
@@ -105,17 +106,17 @@ def test_checkpoints_are_atomic(tmp_path, monkeypatch):
 
 def test_resume_continues_exactly(demo_root, tmp_path):
     a = make_trainer(demo_root, tmp_path / "a")
-    batches = a._train_batches()
+    batches = a.batches()
     a.train_step([next(batches) for _ in range(2)])
     a.train_step([next(batches) for _ in range(2)])
     ck = a.save(tmp_path / "ck.pt")
-    want = [a.train_step([next(batches) for _ in range(2)])["loss"] for _ in range(3)]
+    want = [a.train_step([next(batches) for _ in range(2)]).read()["loss"] for _ in range(3)]
 
     b = make_trainer(demo_root, tmp_path / "b")
     b.resume(ck)
     assert (b.step, b.samples, b.batch_in_epoch) == (2, 16, 4)
-    nb = b._train_batches()
-    got = [b.train_step([next(nb) for _ in range(2)])["loss"] for _ in range(3)]
+    nb = b.batches()
+    got = [b.train_step([next(nb) for _ in range(2)]).read()["loss"] for _ in range(3)]
     assert got == want  # bit for bit: weights, optimizer, LR, data order and RNG all resumed
 
 
@@ -125,7 +126,7 @@ def test_format_1_checkpoints_still_load(demo_root, tmp_path):
     from mxflux.train.checkpoint import rng_state
 
     a = make_trainer(demo_root, tmp_path / "a", recipe="tiny-bf16")
-    batches = a._train_batches()
+    batches = a.batches()
     a.train_step([next(batches) for _ in range(2)])
     save_checkpoint(tmp_path / "old.pt", {
         "config": a.cfg.model_dump(mode="json"), "model": a.model.state_dict(), "optimizer": a.optimizer.state_dict(),
@@ -138,16 +139,16 @@ def test_format_1_checkpoints_still_load(demo_root, tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
     sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"]) for k in sa)
-    nb = b._train_batches()
-    assert b.train_step([next(nb) for _ in range(2)])["loss"] == a.train_step([next(batches) for _ in range(2)])["loss"]
+    nb = b.batches()
+    assert b.train_step([next(nb) for _ in range(2)]).read()["loss"] == a.train_step([next(batches) for _ in range(2)]).read()["loss"]
 
 
 def test_same_seed_same_run(demo_root, tmp_path):
     losses = []
     for run in ("x", "y"):
         tr = make_trainer(demo_root, tmp_path / run)
-        b = tr._train_batches()
-        losses.append(tr.train_step([next(b) for _ in range(2)])["loss"])
+        b = tr.batches()
+        losses.append(tr.train_step([next(b) for _ in range(2)]).read()["loss"])
     assert losses[0] == losses[1]
 
 
@@ -182,8 +183,8 @@ def test_activation_checkpointing_gives_the_same_step(demo_root, tmp_path):
     losses, grads = [], []
     for ac in ("false", "true"):
         tr = make_trainer(demo_root, tmp_path / ac, f"model.activation_checkpointing={ac}")
-        b = tr._train_batches()
-        losses.append(tr.train_step([next(b) for _ in range(2)])["loss"])
+        b = tr.batches()
+        losses.append(tr.train_step([next(b) for _ in range(2)]).read()["loss"])
         grads.append(torch.cat([p.detach().flatten() for p in tr.model.parameters()]))
     assert losses[0] == losses[1]
     assert torch.equal(grads[0], grads[1])  # weights after one AdamW step: recompute is exact
@@ -258,9 +259,9 @@ def test_adamw_implementation_is_chosen_and_validated(demo_root, tmp_path):
     for impl in ("fused", "foreach"):
         tr = make_trainer(demo_root, tmp_path / impl, f"optim.implementation={impl}", recipe="tiny-bf16")
         assert tr.optimizer.defaults[impl] is True
-        batch = next(tr._train_batches())
+        batch = next(tr.batches())
         before = [p.detach().clone() for p in tr.model.parameters()]
-        losses[impl] = tr.train_step([batch])["loss"]
+        losses[impl] = tr.train_step([batch]).read()["loss"]
         assert any(not torch.equal(a, p) for a, p in zip(before, tr.model.parameters()))
     assert losses["fused"] == losses["foreach"]  # same weights and batch before the first update
     with pytest.raises(ValueError, match="implementation"):

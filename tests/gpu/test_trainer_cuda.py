@@ -17,9 +17,9 @@ def test_compiled_training_on_gpu_lowers_the_loss(tmp_path, recipe):
                                "batch.global_batch_size=32", "batch.micro_batch_size=32", "train.eval_samples=32"])
     tr = Trainer(cfg, device="cuda")
     before = tr.evaluate()
-    batches = tr._train_batches()
+    batches = tr.batches()
     for _ in range(60):
         tr.train_step([next(batches)])
     after = tr.evaluate()
-    print(f"{recipe}: eval loss {before:.4f} -> {after:.4f}, fold outside window {tr.fold_outside_window()}")
+    print(f"{recipe}: eval loss {before:.4f} -> {after:.4f}, fold outside window {tr.blocks_outside_window()}")
     assert after < 0.7 * before

@@ -63,7 +63,7 @@ def add_train_parser(sub) -> None:
 def _train(args) -> int:
     import torch
 
-    from .distributed import cleanup, init_distributed, wrap_model
+    from .distributed import cleanup, init_distributed
     from .trainer import Trainer
 
     cfg = _load(args)
@@ -76,9 +76,7 @@ def _train(args) -> int:
             args.parser.error(str(e))
     ctx = init_distributed(torch.device(args.device).type if args.device else None)  # gloo for --device cpu
     device = torch.device(args.device) if args.device else ctx.device
-    trainer = Trainer(cfg, device=device, out_dir=args.out,
-                      wrap_model=lambda m: wrap_model(m, cfg.distributed, ctx,
-                                                      param_dtype=getattr(torch, cfg.train.compute_dtype)))
+    trainer = Trainer(cfg, ctx=ctx, device=device, out_dir=args.out)
     try:
         if args.resume:
             trainer.resume(args.resume)

@@ -1,10 +1,7 @@
-"""Distributed training through PyTorch's own stack: torchrun + FSDP2 (default) or DDP.
+"""The process group: torchrun's environment (RANK/WORLD_SIZE/LOCAL_RANK), or a run alone.
 
-FSDP2 (`fully_shard`) shards each transformer block and the root: parameters are kept sharded
-in fp32 (the master copy) and all-gathered in the compute dtype (bf16 by default; fp32 when the
-recipe computes in fp32); gradients are reduced in the recipe's `reduce_dtype`. Forward inputs are NOT cast by FSDP: the timesteps must stay fp32
-until the ×1000 sinusoidal embedding (a bf16 t would lose the fine timesteps). DDP keeps full
-fp32 replicas, computes under bf16 autocast, and all-reduces in buckets of `ddp_bucket_mb`.
+Who this process is and which device it trains on; how the model is sharded or replicated
+across the group is `mxflux.train.parallelize`.
 """
 
 from __future__ import annotations
@@ -14,11 +11,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from .config import DistributedSection
-
-__all__ = ["DistContext", "init_distributed", "wrap_model", "cleanup"]
+__all__ = ["DistContext", "init_distributed", "alone", "cleanup"]
 
 
 @dataclass(frozen=True)
@@ -33,15 +27,22 @@ class DistContext:
         return self.rank == 0
 
 
+def alone(device_type: str | None = None) -> DistContext:
+    """This process on its own (rank 0 of 1), whatever the environment says: the current CUDA
+    device when `device_type` is "cuda" (the default where CUDA is available), else the CPU."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    return DistContext(0, 1, 0, dev)
+
+
 def init_distributed(device_type: str | None = None) -> DistContext:
     """Join the process group torchrun describes (RANK/WORLD_SIZE/LOCAL_RANK), or run alone.
 
     NCCL on CUDA, gloo on CPU. Each rank takes the GPU of its LOCAL_RANK.
     """
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-        return DistContext(0, 1, 0, dev)
+        return alone(device_type)
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
@@ -52,34 +53,6 @@ def init_distributed(device_type: str | None = None) -> DistContext:
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
                                 device_id=device if device_type == "cuda" else None)
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
-
-
-def wrap_model(model: nn.Module, cfg: DistributedSection, ctx: DistContext, *,
-               param_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """Shard (FSDP2) or replicate (DDP) `model` across the process group; identity when alone.
-
-    `param_dtype` is the dtype FSDP2 all-gathers parameters in: the trainer's compute dtype.
-    """
-    if ctx.world_size == 1:
-        return model
-    if cfg.strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        return DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
-                   bucket_cap_mb=cfg.ddp_bucket_mb)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=getattr(torch, cfg.reduce_dtype),
-                              cast_forward_inputs=False)
-    n = cfg.fsdp_blocks_per_unit
-    for blocks in (model.double_blocks, model.single_blocks):
-        blocks = list(blocks)
-        for i in range(0, len(blocks), n):
-            unit = blocks[i:i + n]  # one all-gather / reduce-scatter for these blocks together
-            fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=mp,
-                        reshard_after_forward=cfg.fsdp_reshard_after_forward)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=cfg.fsdp_reshard_after_forward)
-    return model
 
 
 def cleanup() -> None:

@@ -18,46 +18,68 @@ import logging
 import math
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from ..model import MX_LINEAR_PATTERNS, Flux, image_ids, patchify, text_ids
-from ..nn import apply_precision
+from ..model import image_ids, patchify, text_ids
 from ..nn.linear import MXFP6Linear
+from .build import build_model
 from .checkpoint import (LATEST, LATEST_SHARDED, load_checkpoint, load_sharded_checkpoint, resolve_checkpoint,
                          rng_state, save_checkpoint, save_sharded_checkpoint, set_rng_state)
 from .config import RunConfig
+from .distributed import DistContext, init_distributed
 from .flow import cfg_dropout, eval_noise, noised, per_sample_mse, sample_latents
 from .noise import training_draws
+from .parallelize import parallelize
 
-__all__ = ["Trainer", "default_device"]
+__all__ = ["Trainer", "StepResult"]
 
 log = logging.getLogger(__name__)
 
 DEMO_DATA_DIR = Path("runs/demo-data")
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step produced, still on the device: reading it is the only
+    host-device synchronisation of a step, so the loop reads only when it logs."""
 
+    step: int  # optimizer steps taken, this one included
+    samples: int  # training samples consumed (global), this step's included
+    loss: torch.Tensor  # fp64 scalar: the step's mean loss over micro-batches and ranks
+    grad_norm: torch.Tensor  # scalar: the total gradient norm before clipping
+    lr: float  # the learning rate this step used
+    blocks_outside_window: torch.Tensor | None  # int64 scalar, cumulative over the run; None without MX
 
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    def read(self) -> dict[str, float]:
+        """The values as Python floats (one synchronisation for all of them)."""
+        values = [self.loss, self.grad_norm.double()]
+        if self.blocks_outside_window is not None:
+            values.append(self.blocks_outside_window.double())
+        host = torch.stack(values).tolist()
+        out = {"loss": host[0], "grad_norm": host[1], "lr": self.lr}
+        if self.blocks_outside_window is not None:
+            out["blocks_outside_window"] = int(host[2])
+        return out
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, *, device: torch.device | str | None = None,
-                 out_dir: str | Path | None = None, wrap_model=None):
+    def __init__(self, cfg: RunConfig, *, ctx: DistContext | None = None, device: torch.device | str | None = None,
+                 out_dir: str | Path | None = None, callbacks=()):
         from ..data import LatentDataset, ensure_demo_dataset, load_empty_encodings
 
         self.cfg = cfg
-        self.device = torch.device(device) if device is not None else default_device()
-        self.rank, self.world = _rank_world()
+        if ctx is None:
+            ctx = init_distributed(torch.device(device).type if device is not None else None)
+        self.ctx = ctx
+        self.device = torch.device(device) if device is not None else ctx.device
+        self.rank, self.world = ctx.rank, ctx.world_size
+        self.callbacks = list(callbacks)
         self.out_dir = Path(out_dir) if out_dir is not None else cfg.out_dir
         self.mllog = None
         if cfg.mlperf.enabled:  # the timed MLPerf "init" phase starts before anything is built
@@ -70,14 +92,9 @@ class Trainer:
         self.compute_dtype = getattr(torch, cfg.train.compute_dtype)
         self.accum = cfg.batch.accumulation_steps(self.world)
 
-        torch.manual_seed(cfg.train.seed)
-        with torch.device(self.device):  # initialised where it trains (a 12B model's CPU init takes minutes)
-            self.model = Flux(cfg.model.flux_config())  # fp32 master weights
-        self.precision_report = apply_precision(self.model, cfg.precision, include=MX_LINEAR_PATTERNS)
-        if cfg.model.activation_checkpointing or cfg.model.compile:
-            self._wrap_blocks()
-        # Distributed wrapping (FSDP2/DDP) is injected by the caller; see mxflux.train.distributed.
-        self.train_model = wrap_model(self.model) if wrap_model else self.model
+        self.model, self.precision_report = build_model(cfg, self.device)  # fp32 master weights
+        self.train_model = parallelize(self.model, cfg, ctx)
+        self._window_counters = [m.fold_outside_window for m in self.mx_modules()]
 
         self.data_root = Path(cfg.data.root) if cfg.data.root else ensure_demo_dataset(DEMO_DATA_DIR)
         self.train_set = LatentDataset(self.data_root, "train")
@@ -112,23 +129,10 @@ class Trainer:
     def _lr_factor(self, step: int) -> float:
         return _warmup_then_constant(self.cfg.optim.warmup_steps, step)
 
-    def _wrap_blocks(self) -> None:
-        """Per-block activation checkpointing and/or torch.compile (both switchable)."""
-        from torch.utils.checkpoint import checkpoint
-
-        for blocks in (self.model.double_blocks, self.model.single_blocks):
-            for i, block in enumerate(blocks):
-                fwd = block.forward
-                if self.cfg.model.activation_checkpointing:
-                    fwd = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(fwd)
-                if self.cfg.model.compile:
-                    fwd = torch.compile(fwd, mode=self.cfg.model.compile_mode)
-                block.forward = fwd
-
     def mx_modules(self) -> list[MXFP6Linear]:
         return [m for m in self.model.modules() if isinstance(m, MXFP6Linear)]
 
-    def fold_outside_window(self) -> int:
+    def blocks_outside_window(self) -> int:
         """Blocks that fell outside the FP8 fold window so far (summed over MX modules; syncs)."""
         mods = self.mx_modules()
         return int(sum(m.fold_outside_window for m in mods)) if mods else 0
@@ -169,7 +173,7 @@ class Trainer:
 
     # --- training -----------------------------------------------------------------------------
 
-    def _train_batches(self):
+    def batches(self):
         """Endless micro-batches for this rank, resumable at (epoch, batch_in_epoch).
 
         Each global batch is the same set of samples on any world size (the loader cuts the
@@ -194,8 +198,9 @@ class Trainer:
             self.epoch += 1
             self.batch_in_epoch = 0
 
-    def train_step(self, micro_batches: list[dict]) -> dict:
-        """One optimizer step over `accum` micro-batches. Returns loss (mean), grad norm, lr."""
+    def train_step(self, micro_batches: list[dict]) -> StepResult:
+        """One optimizer step over `accum` micro-batches, without waiting for the device: the
+        loss, gradient norm and window count stay device tensors (`StepResult.read()` syncs)."""
         self.train_model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -219,7 +224,10 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(mean)
             mean /= self.world
-        return {"loss": float(mean), "grad_norm": float(grad_norm), "lr": lr}
+        if isinstance(grad_norm, DTensor):  # FSDP2: the norm of sharded gradients
+            grad_norm = grad_norm.full_tensor()
+        window = torch.stack(self._window_counters).sum() if self._window_counters else None
+        return StepResult(self.step, self.samples, mean, grad_norm.detach(), lr, window)
 
     @torch.no_grad()
     def evaluate(self, max_samples: int | None = None) -> float:
@@ -421,7 +429,7 @@ class Trainer:
         if steps <= 0:
             return
         snapshot = self._snapshot()
-        batches = self._train_batches()
+        batches = self.batches()
         for _ in range(steps):
             self.train_step([next(batches) for _ in range(self.accum)])
         del batches
@@ -450,22 +458,23 @@ class Trainer:
             mll.run_start()
             mll.block_start(self.samples)
         converged = False
-        batches = self._train_batches()
+        batches = self.batches()
         next_eval = (self.samples // c.train.eval_every_samples + 1) * c.train.eval_every_samples
         bar = _progress(progress and is_main, end_step, self.step, c.name)
         t_last, samples_last = time.perf_counter(), self.samples
         result = {}
         try:
             while self.step < end_step:
-                result = self.train_step([next(batches) for _ in range(self.accum)])
+                step = self.train_step([next(batches) for _ in range(self.accum)])
                 if self.step % c.train.log_every == 0 or self.step == end_step:
+                    result = step.read()
                     now = time.perf_counter()
                     ips = (self.samples - samples_last) / max(now - t_last, 1e-9)
                     t_last, samples_last = now, self.samples
                     if logger:
                         logger.log(step=self.step, samples=self.samples, split="train", loss=result["loss"],
                                    lr=result["lr"], grad_norm=result["grad_norm"], images_per_s=ips,
-                                   fold_outside_window=self.fold_outside_window())
+                                   fold_outside_window=result.get("blocks_outside_window", 0))
                     bar.update(self.step, loss=result["loss"], lr=result["lr"], ips=ips)
                 if self.samples >= next_eval or (self.step == end_step and not mll):
                     if mll:

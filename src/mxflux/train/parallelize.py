@@ -1,0 +1,79 @@
+"""How the model runs: activation checkpointing, then torch.compile, then FSDP2 or DDP.
+
+One function, used by `mxflux train`, the `Trainer` and `mxflux bench step` alike, so that a
+benchmark times exactly the model a training run trains (docs/design.md, "Distributed
+training"). The order is the one that composes:
+
+1. Activation checkpointing wraps each transformer block (`checkpoint_wrapper`): the block's
+   activations are recomputed in backward instead of kept.
+2. torch.compile compiles each (wrapped) block in place (`module.compile`), so the recompute
+   runs the compiled code too and the parameter names do not change.
+3. FSDP2 (`fully_shard`) shards each unit of blocks and then the root, or DDP replicates the
+   whole model; alone, neither.
+
+FSDP2 keeps the fp32 parameters sharded (the master copy) and all-gathers them in the compute
+dtype; gradients are reduced in the recipe's `reduce_dtype`. Forward inputs are NOT cast by
+FSDP: the timesteps must stay fp32 until the x1000 sinusoidal embedding (a bf16 t would lose
+the fine timesteps). DDP keeps full fp32 replicas, computes under bf16 autocast, and
+all-reduces in buckets of `ddp_bucket_mb`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import DistributedSection, RunConfig
+from .distributed import DistContext
+
+__all__ = ["parallelize"]
+
+
+def parallelize(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> nn.Module:
+    """Apply the recipe's activation checkpointing, compile and data parallelism to `model` (a
+    `Flux`, changed in place) and return the module to train with: `model` itself, or its DDP
+    wrapper."""
+    m = cfg.model
+    if m.activation_checkpointing:
+        _checkpoint_blocks(model)
+    if m.compile:
+        for block in _blocks(model):
+            block.compile(mode=m.compile_mode)
+    if ctx.world_size == 1:
+        return model
+    if cfg.distributed.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
+                   bucket_cap_mb=cfg.distributed.ddp_bucket_mb)
+    _fully_shard(model, cfg.distributed, param_dtype=getattr(torch, cfg.train.compute_dtype))
+    return model
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    return [*model.double_blocks, *model.single_blocks]
+
+
+def _checkpoint_blocks(model: nn.Module) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for blocks in (model.double_blocks, model.single_blocks):
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_wrapper(block)  # non-reentrant torch.utils.checkpoint
+
+
+def _fully_shard(model: nn.Module, cfg: DistributedSection, *, param_dtype: torch.dtype) -> None:
+    """FSDP2 units of `fsdp_blocks_per_unit` consecutive blocks of one kind (one all-gather and
+    one reduce-scatter per unit), then the root (embeddings and final layer)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=getattr(torch, cfg.reduce_dtype),
+                              cast_forward_inputs=False)
+    n = cfg.fsdp_blocks_per_unit
+    for blocks in (model.double_blocks, model.single_blocks):
+        blocks = list(blocks)
+        for i in range(0, len(blocks), n):
+            unit = blocks[i:i + n]
+            fully_shard(unit if len(unit) > 1 else unit[0], mp_policy=mp,
+                        reshard_after_forward=cfg.fsdp_reshard_after_forward)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=cfg.fsdp_reshard_after_forward)
