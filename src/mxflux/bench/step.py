@@ -7,8 +7,9 @@ device; a sync per step would add one pipeline drain per step), and optionally p
 `profile_steps` more for the device-time split (`mxflux.bench.device_time`). With
 `bare_loop=True` it then times the bare loop of the same recipe (`mxflux.bench.bare_loop`: same
 model, precision, compile, optimizer; random on-device inputs) the same way, so that the
-trainer's own cost per step is their difference. Warm-up and profiled steps are not timed. It
-reports:
+trainer's own cost per step is their difference (the bare loop runs after the trainer in the
+same process, the trainer freed first; its memory figures are for reference, the trainer's are
+the measurement). Warm-up and profiled steps are not timed. It reports:
 
 - images/s (global) and images/s/GPU = global images/s / world size;
 - ms per 512 images = 512 / global images/s (one MLPerf flux1 global batch on this job);
