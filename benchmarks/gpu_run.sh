@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # One device call that runs the named stages in order and leaves logs and results under $OUT:
-#   PYTHONPATH=src bash benchmarks/gpu_run.sh tests convergence step fsdp12b
+#   PYTHONPATH=src bash benchmarks/gpu_run.sh tests convergence bench16 fsdp12b
 # tests        the CUDA test suite (tests/gpu; GPU_TESTS="files" for a subset)
 # kernels      benchmarks/bench_kernels.py: every packer and GEMM at the Flux-12B shapes
 # layers       benchmarks/bench_layers.py: MXFP6Linear / FusedMXFP6MLP / peer vs bf16
 # layerprofile per-kernel times of single linears (LAYER_PROFILE="proj 16384 proj 32768")
 # convergence  benchmarks/convergence.py: bf16 vs MXFP6, same seed, width 768
-# step         benchmarks/bench_step.py at the flux-12b width (2+4 blocks), compiled, micro-batch 64,
-#              bf16/FP8/MXFP6 side by side
+# bench16      `mxflux bench step --proxy` at micro-batch 16: bf16, fp8-tensorwise, fp8-rowwise, mxfp6,
+#              each in its own process, with the bare loop and one profiled step (BENCH_SETTINGS,
+#              BENCH_ARGS to change); JSON $OUT/bench_step_mbs16.json
+# bench64      the same at micro-batch 64 ($OUT/bench_step_mbs64.json)
+# memory       `--memory` breakdown of one step at micro-batch 16 for bf16, fp8-tensorwise, mxfp6
+#              ($OUT/memory_mbs16.json, tables in $OUT/memory.log)
 # fsdp12b      flux-12b with FSDP2 over every visible GPU (`mxflux bench step` under torchrun)
 # host         benchmarks/bench_host.py: host time per MX op call (op dispatch, our Python, Triton launch)
 # sweepcomm    benchmarks/sweep_comm.py: FSDP2 blocks per unit for SWEEP_RECIPE on every visible GPU
 # Two GPUs, one call (background job + `wait`, never a pgrep on a pattern the command line contains):
 #   export OUT; CUDA_VISIBLE_DEVICES=1 bash benchmarks/gpu_run.sh convergence >$OUT/conv.log 2>&1 &
-#   CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_run.sh step >$OUT/step.log 2>&1; wait
+#   CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_run.sh bench16 >$OUT/bench16.log 2>&1; wait
 #   bash benchmarks/gpu_run.sh fsdp12b >$OUT/fsdp12b.log 2>&1
 # Wheels in .whl/ (pydantic for torch 2.11's Python 3.12, torchao) are installed to /tmp/site.
 set -uo pipefail
@@ -42,18 +46,27 @@ for stage in "$@"; do
       python3 benchmarks/bench_layers.py --json "$OUT/bench_layers.json" ${LAYERS_ARGS:-} 2>&1 | grep -v "^W11" | tail -40 ;;
     convergence)
       python3 benchmarks/convergence.py --out "$OUT" ${CONVERGENCE_ARGS:-} 2>&1 | grep -v "^W11" | tail -8 ;;
-    step)
-      # STEP_MODEL is one argument (YAML needs the spaces); STEP_ARGS are plain options.
-      python3 benchmarks/bench_step.py --json "$OUT/bench_step.json" \
-        "${STEP_MODEL:-model.overrides={depth: 2, depth_single_blocks: 4}}" \
-        ${STEP_ARGS:---compile --mbs 64 --steps 8 --warmup 3 --profile-steps 1} 2>&1 | grep -v "^W11" | tail -30 ;;
+    bench16|bench64)
+      # Budget: a setting compiles the proxy in ~1-2 min (the bare loop reuses the trainer's
+      # compiled code), so 4 settings fit the 10-minute call only with the per-setting timeout.
+      mbs=${stage#bench}
+      timeout ${BENCH_TIMEOUT:-550} python3 -m mxflux.cli bench step --proxy --mbs $mbs \
+        --settings ${BENCH_SETTINGS:-bf16,fp8-tensorwise,fp8-rowwise,mxfp6} --setting-timeout ${SETTING_TIMEOUT:-130} \
+        ${BENCH_ARGS:---steps 6 --warmup 2 --profile-steps 1 --bare-loop} \
+        --json "$OUT/bench_step_mbs$mbs.json" > "$OUT/bench$mbs.log" 2>&1
+      grep -v "^\[" "$OUT/bench$mbs.log" | grep -v "^W11" | tail -60 ;;
+    memory)
+      timeout ${BENCH_TIMEOUT:-550} python3 -m mxflux.cli bench step --proxy --mbs ${MEMORY_MBS:-16} \
+        --settings ${MEMORY_SETTINGS:-bf16,fp8-tensorwise,mxfp6} --setting-timeout ${SETTING_TIMEOUT:-170} \
+        --steps 2 --warmup 2 --memory "$OUT/memory_mbs${MEMORY_MBS:-16}.json" \
+        --json "$OUT/bench_step_memory_mbs${MEMORY_MBS:-16}.json" > "$OUT/memory.log" 2>&1
+      grep -vE "W11|I11" "$OUT/memory.log" | tail -150 ;;
     fsdp12b)  # the full flux-12b under FSDP2 on all visible GPUs, MXFP6 then bf16 (same recipe otherwise)
       n=$(nvidia-smi -L | wc -l)
       for prec in mxfp6 bf16; do
-        block=$([ $prec = bf16 ] && echo 'precision={}' || echo 'precision={fp6: e2m3, fused_mlp: "off"}')
         mbs=${FSDP_MBS:-8}
         timeout ${FSDP_TIMEOUT:-300} python3 -m torch.distributed.run --nproc_per_node $n -m mxflux.cli bench step --recipe flux12b-mxfp6-dev \
-          --synthetic --steps ${FSDP_STEPS:-4} --warmup 2 --profile-steps ${FSDP_PROFILE:-1} --json "$OUT/fsdp12b_$prec.json" "$block" \
+          --synthetic --steps ${FSDP_STEPS:-4} --warmup 2 --profile-steps ${FSDP_PROFILE:-1} --json "$OUT/fsdp12b_$prec.json" --settings $prec \
           ${FSDP_ARGS:-model.compile=false model.activation_checkpointing=true} batch.micro_batch_size=$mbs \
           batch.global_batch_size=$((mbs * n)) data.num_workers=2 2>&1 | grep -v "^W11" | tail -22
       done ;;

@@ -10,8 +10,10 @@ transformer blocks share one unit (`distributed.fsdp_blocks_per_unit`): one para
 and one gradient reduce-scatter per unit. Larger units mean fewer, larger collectives and more
 unsharded parameters alive at once. Every setting runs through `mxflux bench step` (the same
 harness as every published number) in this one torchrun job, so the settings are measured side
-by side; the table adds, from a profiled step, the communication kernel time and the exposed
-part of it (NCCL time that no other kernel overlaps). Results go to --json and the optimum (most
+by side (in-process: the settings share one precision and its compiled code, and a torchrun job
+per setting would pay the start-up and compile each time); the table adds, from a profiled step,
+the communication share of device busy time and the exposed part of it (NCCL time that no other
+kernel overlaps). Results go to --json and the optimum (most
 images/s/GPU) is printed last.
 """
 
@@ -75,7 +77,8 @@ def main(argv=None):
 
     import torch.distributed as dist
 
-    from mxflux.bench.step import bench_settings, print_table, write_json
+    from mxflux.bench.report import print_table, write_json
+    from mxflux.bench.step import bench_settings
     from mxflux.train.distributed import init_distributed
 
     world = init_distributed().world_size

@@ -1,49 +1,90 @@
-"""`mxflux bench step` on the CPU: the harness runs a recipe's trainer and reports consistent numbers."""
+"""`mxflux bench step` on the CPU: the harness runs a recipe's trainer and its bare loop, reports
+consistent numbers, compares settings each in its own process, and accounts for saved tensors."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
-from mxflux.bench.step import CATEGORIES, _peak_tflops
+from mxflux.bench.device_time import CATEGORIES
+from mxflux.bench.step import _peak_tflops
 from mxflux.cli import main
 from mxflux.model import flux_config
 from mxflux.model.configs import flops_per_sample
 
+ROOT = Path(__file__).resolve().parents[1]
+# The smallest run that still has every part: 1 double + 1 single block, 4x4 image tokens, 16 text tokens.
+TINY = ["--synthetic", "--image-size", "64", "--text-len", "16", "--peak-tflops", "2",
+        "--set", "model.overrides={depth: 1, depth_single_blocks: 1}"]
 
-def test_bench_step_reports_consistent_throughput_mfu_memory_and_breakdown(tmp_path, capsys):
-    out = tmp_path / "bench.json"
-    rc = main(["bench", "step", "--recipe", "tiny-bf16", "--synthetic", "--steps", "2", "--warmup", "1",
-               "--profile-steps", "1", "--image-size", "128", "--text-len", "64", "--peak-tflops", "2",
+
+def test_one_setting_in_process_with_bare_loop_breakdown_and_memory(tmp_path, capsys):
+    out, mem = tmp_path / "bench.json", tmp_path / "memory.json"
+    rc = main(["bench", "step", "--recipe", "tiny-bf16", "--settings", "recipe", "--steps", "2", "--warmup", "1",
+               "--profile-steps", "1", "--bare-loop", "--memory", str(mem), *TINY,
                "--data-dir", str(tmp_path / "data"), "--json", str(out),
                "batch.global_batch_size=8", "batch.micro_batch_size=4"])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "images/s/GPU" in printed and "MFU" in printed and "gemm" in printed
-    r = json.loads(out.read_text())
+    assert "images/s/GPU" in printed and "trainer / bare loop" in printed and "saved for backward" in printed
+    (r,) = json.loads(out.read_text())
 
     assert (r["model"], r["precision"], r["world_size"], r["steps"], r["warmup_steps"]) == ("flux-tiny", "bf16", 1, 2, 1)
     assert (r["global_batch_size"], r["micro_batch_size"], r["accumulation_steps"]) == (8, 4, 2)
-    assert (r["image_tokens"], r["text_tokens"], r["synthetic_data"]) == (64, 64, True)  # 128 px → 16² latents → 8² tokens
+    assert (r["image_tokens"], r["text_tokens"], r["synthetic_data"]) == (16, 16, True)  # 64 px → 8² latents → 4² tokens
     assert r["images_per_s"] > 0 and r["images_per_s_per_gpu"] == r["images_per_s"]
     assert r["images_per_s"] == pytest.approx(8 * 1e3 / r["step_ms"], rel=1e-9)
     assert r["ms_per_512"] == pytest.approx(512 / r["images_per_s"] * 1e3, rel=1e-9)
-    assert len(r["step_ms_each"]) == 2 and sum(r["step_ms_each"]) / 2 == pytest.approx(r["step_ms"], rel=1e-9)
-    assert r["flops_per_sample"] == flops_per_sample(flux_config("flux-tiny"), 64, 64)
-    assert r["peak_tflops"] == 2.0
+    assert r["model_overrides"] == {"depth": 1, "depth_single_blocks": 1}
+    assert r["flops_per_sample"] == flops_per_sample(flux_config("flux-tiny", depth=1, depth_single_blocks=1), 16, 16)
     assert r["mfu"] == pytest.approx(r["images_per_s_per_gpu"] * r["flops_per_sample"] / 2e12, rel=1e-9)
     assert 0 < r["mfu"] < 1
-    assert r["peak_memory_gib"] > 0 and r["peak_memory_source"] == "cpu ru_maxrss"
-    assert 0 < r["loss"] < 10
+    assert r["memory"]["max_allocated_gib"] > 0 and r["memory"]["source"].startswith("cpu")
+    assert 0 < r["loss"] < 10 and r["pid"] == os.getpid()
 
-    b = r["breakdown"]
+    b = r["breakdown"]  # the CPU: host ops' self time, split into the same categories
     assert b["steps"] == 1 and set(b["categories"]) == set(CATEGORIES)
-    assert sum(c["fraction"] for c in b["categories"].values()) == pytest.approx(1.0)
-    assert sum(c["ms_per_step"] for c in b["categories"].values()) == pytest.approx(b["total_ms_per_step"])
+    assert sum(c["ms_per_step"] for c in b["categories"].values()) == pytest.approx(b["busy_ms_per_step"])
     assert b["categories"]["gemm"]["fraction"] > 0.1 and b["categories"]["attention"]["ms_per_step"] > 0
-    assert b["categories"]["mx_pack"]["ms_per_step"] == 0  # bf16: no MX packers
+    assert b["categories"]["mx_quant"]["ms_per_step"] == 0  # bf16: no MX packers
+    assert b["busy_ms_per_step"] <= b["wall_ms_per_step"]
+
+    bare = r["bare_loop"]
+    assert bare["step_ms"] > 0 and 0 < bare["loss"] < 10 and bare["breakdown"]["busy_ms_per_step"] > 0
+    assert bare["images_per_s"] == pytest.approx(8 * 1e3 / bare["step_ms"], rel=1e-9)
+    assert r["trainer_over_bare_loop"] == pytest.approx(r["step_ms"] / bare["step_ms"], rel=1e-9)
+
+    m = json.loads(mem.read_text())["bf16"]
+    s = m["saved_for_backward"]
+    assert m["allocator"] is None  # the allocator trace is CUDA's
+    assert s["bytes"] > 0 and s["by_dtype"]["bfloat16"] > 0  # autocast saves bf16 activations
+    assert sum(s["by_dtype"].values()) == s["bytes"]
+    names = {e["name"] for e in s["by_module"]}  # eager: down to the linears inside the blocks
+    assert "double_blocks.0.img_mlp.0" in names and "single_blocks.0.linear1" in names
+    assert {"Linear", "RMSNorm", "DoubleStreamBlock", "SingleStreamBlock"} <= {e["name"] for e in s["by_module_type"]}
+
+
+def test_saved_tensors_are_counted_once_per_storage_by_module_and_dtype():
+    from mxflux.bench.memory import record_saved_tensors
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8, bias=False))
+    x = torch.randn(4, 16)
+    with record_saved_tensors(model) as saved:
+        model(x).sum().backward()
+    r = saved.report()
+    # Linear 0 saves its input x; GELU its input (linear 0's output); linear 2 its input (GELU's output)
+    assert {e["name"]: e["bytes"] for e in r["by_module"]} == {"0": 4 * 16 * 4, "1": 4 * 32 * 4, "2": 4 * 32 * 4}
+    assert r["by_dtype"] == {"float32": (64 + 128 + 128) * 4}
+    # linear 2's weight, for its input's gradient (x needs none, so linear 0 saves no weight)
+    assert r["parameter_bytes_saved_by_reference"] == 8 * 32 * 4
+    assert {e["name"] for e in r["by_module_type"]} == {"Linear", "GELU"}
 
 
 def test_peak_rate_is_null_on_cpu_unless_given():
@@ -53,79 +94,44 @@ def test_peak_rate_is_null_on_cpu_unless_given():
 
 def test_bench_requires_a_recipe_and_checks_overrides(capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "step"])
+        main(["bench", "step", "--settings", "bf16"])
     assert exc.value.code == 2 and "--recipe" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "step", "--recipe", "tiny-bf16", "batch.micro_batchsize=4"])
+        main(["bench", "step", "--recipe", "tiny-bf16", "--settings", "bf16", "batch.micro_batchsize=4"])
     assert exc.value.code == 2 and "micro_batchsize" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "step", "--recipe", "tiny-bf16", "--settings", "bf16,fp9"])
+    assert exc.value.code == 2 and "fp9" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # a whole precision block would make the settings identical
+        main(["bench", "step", "--recipe", "tiny-bf16", "--settings", "bf16,mxfp6", "precision={}"])
+    assert exc.value.code == 2 and "--settings recipe" in capsys.readouterr().err
 
 
-def test_device_busy_time_skips_annotations_and_merges_overlaps():
-    from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import FunctionEvent
-
-    from mxflux.bench.step import _busy_us, _device_activities
-
-    def ev(i, name, start, end, device=DeviceType.CUDA, **kw):
-        return FunctionEvent(i, name, 0, start, end, device_type=device, **kw)
-
-    events = [
-        ev(0, "aten::mm", 0, 50, DeviceType.CPU),
-        ev(1, "Torch-Compiled Region", 0, 1000, DeviceType.CPU),
-        ev(2, "Torch-Compiled Region", 0, 1000),  # the annotation's GPU mirror: spans the region
-        ev(3, "ampere_gemm", 10, 40),
-        ev(4, "ncclKernel_AllGather", 30, 60),  # overlaps the GEMM on another stream
-        ev(5, "Memcpy HtoD", 100, 110),
-        ev(6, "my_range", 0, 500, is_user_annotation=True),
-    ]
-    assert _busy_us(_device_activities(events)) == 60.0  # [10, 60] + [100, 110]
+def test_settings_run_side_by_side_each_in_its_own_process(tmp_path):
+    """The CI smoke test of the default comparison's machinery: two settings, bare loop included."""
+    out = tmp_path / "cmp.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mxflux.cli", "bench", "step", "--recipe", "tiny-bf16", "--settings", "mxfp6,bf16",
+         "--mbs", "2", "--steps", "1", "--warmup", "1", "--bare-loop", *TINY, "--data-dir", str(tmp_path / "data"),
+         "--json", str(out)], cwd=tmp_path, env=env, timeout=300, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [(r["label"], r["precision"]) for r in results] == [("mxfp6", "mxfp6"), ("bf16", "bf16")]
+    assert len({r["pid"] for r in results}) == 2 and os.getpid() not in {r["pid"] for r in results}
+    assert all(r["global_batch_size"] == 2 and r["bare_loop"]["step_ms"] > 0 for r in results)
+    assert "vs bf16" in proc.stdout and "[mxfp6] " in proc.stdout  # one table; the children's output, prefixed
 
 
-def test_cuda_breakdown_counts_each_kernel_once_by_its_name():
-    from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import FunctionEvent
+def test_a_failing_setting_is_reported_and_the_others_still_run(tmp_path):
+    from mxflux.bench.compare import run_in_subprocesses
 
-    from mxflux.bench.step import device_time_breakdown
+    def child_argv(name, json_path, memory_path):
+        recipe = "tiny-bf16" if name == "bf16" else "no-such-recipe"
+        return ["--recipe", recipe, "--settings", name, "--mbs", "2", "--steps", "1", "--warmup", "0", *TINY,
+                "--data-dir", str(tmp_path / "data"), "--json", str(json_path)]
 
-    def ev(i, name, start, end, device=DeviceType.CUDA, **kw):
-        return FunctionEvent(i, name, 0, start, end, device_type=device, **kw)
-
-    gemm = ev(3, "nvjet_sm90_qqtst_128x128_bias_TNT", 10, 40)
-    events = [
-        ev(0, "aten::_scaled_mm", 0, 50, DeviceType.CPU),
-        ev(1, "Torch-Compiled Region", 0, 1000, DeviceType.CPU),
-        ev(2, "Torch-Compiled Region", 0, 1000),
-        gemm, gemm,  # the same device event listed twice is one kernel
-        ev(4, "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16", 40, 60),  # attention, not gemm
-        ev(5, "_pack_kernel", 60, 70), ev(6, "_dequant_kernel", 70, 75),
-        ev(7, "ncclDevKernel_AllGather_RING_LL", 50, 90),  # overlaps on another stream
-        ev(8, "void at::native::multi_tensor_apply_kernel<...>", 100, 130),
-        ev(9, "my_range", 0, 500, is_user_annotation=True),
-    ]
-    b = device_time_breakdown(events, 2)
-    got = {c: v["ms_per_step"] * 2e3 for c, v in b["categories"].items()}
-    assert got == pytest.approx({"gemm": 30, "attention": 20, "mx_pack": 15, "communication": 40, "other": 30})
-    assert b["total_ms_per_step"] * 2e3 == pytest.approx(135)
-    assert b["busy_ms_per_step"] * 2e3 == pytest.approx(110)  # [10, 90] + [100, 130]
-    assert b["exposed_communication_ms_per_step"] * 2e3 == pytest.approx(15)  # NCCL [50, 90] alone in [75, 90]
-    assert b["span_ms_per_step"] * 2e3 == pytest.approx(120) and b["activities_per_step"] == 3.0  # 6 kernels, the duplicate once
-    assert b["top"][0]["category"] == "communication"
-    assert b["idle_gaps"][0] == {"ms": pytest.approx(0.01), "after": "ncclDevKernel_AllGather_RING_LL",
-                                 "before": "void at::native::multi_tensor_apply_kernel<...>"}
-    assert [h["name"] for h in b["host_top"]] == ["Torch-Compiled Region", "aten::_scaled_mm"]
-
-
-def test_exposed_communication_is_nccl_time_no_other_kernel_overlaps():
-    from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import FunctionEvent
-
-    from mxflux.bench.step import _device_activities, _exposed_comm_us
-
-    def ev(i, name, start, end):
-        return FunctionEvent(i, name, 0, start, end, device_type=DeviceType.CUDA)
-
-    events = [ev(0, "ncclKernel_AllGather", 0, 10), ev(1, "ncclKernel_ReduceScatter", 20, 30),
-              ev(2, "ncclKernel_AllGather", 35, 50), ev(3, "nvjet_gemm", 5, 25), ev(4, "triton_poi", 28, 40)]
-    # comm 35 us; overlapped [5,10] [20,25] [28,30] [35,40] = 17 us
-    assert _exposed_comm_us(_device_activities(events)) == pytest.approx(18)
-    assert _exposed_comm_us(_device_activities(events[3:])) == 0
+    results, memory = run_in_subprocesses(["mxfp6", "bf16"], child_argv)
+    assert [r["label"] for r in results] == ["mxfp6", "bf16"] and memory == {}
+    assert "exit status 2" in results[0]["failed"] and "no-such-recipe" in results[0]["failed"]
+    assert results[1]["precision"] == "bf16" and results[1]["images_per_s"] > 0

@@ -57,13 +57,19 @@ def test_host_overhead_benchmark_runs(tmp_path):
     assert all(v > 0 for v in r.values())
 
 
-def test_step_benchmark_runs_precisions_side_by_side(tmp_path):
-    """benchmarks/bench_step.py on the CPU: one result per precision, in the order asked for."""
+def test_step_benchmark_is_the_proxy_comparison_unless_given_a_recipe(tmp_path):
+    """benchmarks/bench_step.py = `mxflux bench step --proxy`; with --recipe, that recipe (run here on
+    the CPU at toy size, one setting in process)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    script = str(ROOT / "benchmarks" / "bench_step.py")
     out = tmp_path / "step.json"
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_step.py"), "--recipe", "tiny-bf16",
-                    "--precisions", "mxfp6,bf16", "--mbs", "2", "--steps", "1", "--warmup", "0",
-                    "--json", str(out)], check=True, cwd=tmp_path, env=env, timeout=600)
-    results = json.loads(out.read_text())
-    assert [(r["label"], r["precision"]) for r in results] == [("mxfp6", "mxfp6"), ("bf16", "bf16")]
-    assert all(r["images_per_s_per_gpu"] > 0 and r["global_batch_size"] == 2 for r in results)
+    subprocess.run([sys.executable, script, "--recipe", "tiny-bf16", "--settings", "bf16", "--mbs", "2", "--steps", "1",
+                    "--warmup", "0", "--synthetic", "--image-size", "64", "--text-len", "16",
+                    "--set", "model.overrides={depth: 1, depth_single_blocks: 1}", "--json", str(out)],
+                   check=True, cwd=tmp_path, env=env, timeout=600)
+    (r,) = json.loads(out.read_text())
+    assert (r["label"], r["precision"], r["global_batch_size"]) == ("bf16", "bf16", 2) and r["images_per_s_per_gpu"] > 0
+    # without --recipe: the proxy recipe (an unknown field stops it at validation, naming the recipe)
+    proc = subprocess.run([sys.executable, script, "--settings", "bf16", "--set", "model.no_such_field=1"],
+                          cwd=tmp_path, env=env, timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 2 and "flux12b-mxfp6-dev" in proc.stderr and "no_such_field" in proc.stderr

@@ -1,10 +1,15 @@
 """Training-step throughput: the one harness behind every throughput number we publish.
 
 `bench_step(cfg)` builds the `Trainer` of a recipe exactly as `mxflux train` does (FSDP2/DDP
-under torchrun), runs `warmup` optimizer steps, then times `steps` optimizer steps with the
-device synchronised around each, and optionally profiles `profile_steps` more with
-torch.profiler for a breakdown of device time. Warm-up and profiled steps are excluded from the
-timing. It reports:
+under torchrun), runs `warmup` optimizer steps, then times `steps` optimizer steps with one
+device synchronisation at the end (a training loop that reads nothing back runs ahead of the
+device; a sync per step would add one pipeline drain per step), and optionally profiles
+`profile_steps` more for the device-time split (`mxflux.bench.device_time`). With
+`bare_loop=True` it then times the bare loop of the same recipe (`mxflux.bench.bare_loop`: same
+model, precision, compile, optimizer; random on-device inputs) the same way, so that the
+trainer's own cost per step is their difference (the bare loop runs after the trainer in the
+same process, the trainer freed first; its memory figures are for reference, the trainer's are
+the measurement). Warm-up and profiled steps are not timed. It reports:
 
 - images/s (global) and images/s/GPU = global images/s / world size;
 - ms per 512 images = 512 / global images/s (one MLPerf flux1 global batch on this job);
@@ -12,13 +17,16 @@ timing. It reports:
   FLOPs from `mxflux.model.configs.flops_per_sample` for the model and token counts of the data
   (flux-12b at 256 image + 256 text tokens: 20.4 TFLOP); the peak is 989 TFLOP/s on H100/H200,
   `peak_tflops` elsewhere, and MFU is null without one (CPU);
-- peak memory: CUDA's max allocated over the timed steps (the largest over ranks), or on the CPU
-  the process's peak resident set size (ru_maxrss, whole process lifetime);
-- with profiling, device time per step split into GEMMs (cuBLAS kernels), MX and FP8 packers
-  (our Triton kernels), attention (flash/SDPA kernels), communication (NCCL) and the rest, each
-  kernel counted once from the device side and classified by its name, next to the device's
-  busy time (the union of its activity). On the CPU the split is of the ops' self CPU time,
-  each op going to the category of the innermost op around it that has one.
+- memory over the timed steps (the largest over ranks): CUDA's max allocated (tensors), max
+  reserved (the caching allocator's segments: fragmentation and CUDA-graph pools too) and the
+  device's used memory (`mem_get_info`: everything on the device, CUDA contexts included); on
+  the CPU the process's peak resident set size (ru_maxrss, whole process lifetime);
+- with profiling, the device-time split: busy time (the union of all kernels, memcpys and
+  memsets) divided exactly among gemm / mx_quant / attention / communication / other /
+  memcpy_memset, next to the profiled steps' wall time (busy <= wall is checked). On the CPU, the
+  split of the host ops' self time;
+- with `memory_path`, one more step recorded for `mxflux.bench.memory` (what is alive at the
+  peak, by allocating frame; what autograd saved, by dtype and module).
 
 The batches of the first (at most) two steps are read before anything is timed and reused, so
 data loading is not in the timing; the host-to-device copy of each batch is. The training noise
@@ -31,9 +39,7 @@ from __future__ import annotations
 
 import datetime
 import gc
-import json
 import os
-import re
 import resource
 import tempfile
 import time
@@ -45,33 +51,12 @@ import torch.distributed as dist
 from ..model import flux_config
 from ..model.configs import flops_per_sample
 from ..train.config import RunConfig, load_recipe
+from .device_time import (activities_from_chrome_trace, device_breakdown, host_top, split_host_time)
 
-__all__ = ["bench_step", "bench_settings", "load_bench_recipe", "device_time_breakdown", "print_table", "write_json",
-           "PEAK_BF16_TFLOPS", "CATEGORIES"]
+__all__ = ["bench_step", "bench_settings", "load_bench_recipe", "PEAK_BF16_TFLOPS"]
 
 # Peak dense (non-sparse) bf16 tensor-core rates, TFLOP/s, by a substring of the device name.
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
-
-CATEGORIES = ("gemm", "mx_pack", "attention", "communication", "other")
-
-# On the CPU, the first profiled op (walking outward from an op) that matches a rule gives the
-# op's category.
-_OP_RULES = (
-    ("mx_pack", re.compile(r"mxflux::mx_operands")),
-    ("gemm", re.compile(r"^(aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm|_scaled_grouped_mm|matmul|linear)"
-                        r"|mxflux::scaled_gemm)$")),
-    ("attention", re.compile(r"attention|sdpa|flash", re.I)),
-    ("communication", re.compile(r"nccl|gloo|c10d::|all_gather|allgather|reduce_scatter|all_reduce|allreduce"
-                                 r"|broadcast", re.I)),
-)
-# On CUDA, every kernel by its own name (first match; attention before gemm: cuDNN's attention
-# kernels contain "wgmma"). The exact mode's dequantize kernel counts as MX quantization work.
-_KERNEL_RULES = (
-    ("communication", re.compile(r"nccl", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
-    ("mx_pack", re.compile(r"_pack_kernel|_prologue_kernel|_dequant_kernel")),
-    ("gemm", re.compile(r"gemm|nvjet|xmma|cublas|triton_tem_", re.I)),
-)
 
 
 def load_bench_recipe(recipe: str, overrides=()) -> RunConfig:
@@ -158,164 +143,96 @@ def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-def _classify(event) -> str:
-    """A host op's category: the first op (walking outward from it) that matches an _OP_RULES rule."""
-    e = event
-    while e is not None:
-        for category, rule in _OP_RULES:
-            if rule.search(e.name):
-                return category
-        e = e.cpu_parent
-    return "other"
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def _device_activities(events) -> list:
-    """The device-side kernel and copy events of a profile, each once.
+def _barrier(ctx) -> None:
+    if ctx.world_size > 1:
+        dist.barrier()
 
-    Skips the GPU-side mirrors of user annotations (record_function, compiled regions): they
-    span whole regions, overlapping the kernels inside them (an eager run once summed a 242 ms
-    step to 1630 ms of device time that way).
-    """
-    from torch.autograd import DeviceType
 
-    cpu_names = {e.name for e in events if e.device_type == DeviceType.CPU}
-    seen, out = set(), []
-    for e in events:
-        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False) or e.name in cpu_names:
-            continue
-        key = (e.name, e.time_range.start, e.time_range.end, e.device_index)
-        if key not in seen:
-            seen.add(key)
-            out.append(e)
+def _timed(step, *, warmup: int, steps: int, device: torch.device, ctx) -> tuple[float, object]:
+    """(seconds for `steps` calls of `step` after `warmup` untimed ones, the last call's result);
+    one synchronisation after the timed steps, none between them."""
+    out = None
+    for _ in range(warmup):
+        out = step()
+    _sync(device)
+    _barrier(ctx)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = step()
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    _barrier(ctx)
+    return elapsed, out
+
+
+def _memory(device: torch.device) -> dict:
+    """Memory over the steps since the last peak reset (see the module docstring)."""
+    gib = 2.0**30
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return {"max_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
+                "max_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
+                "device_used_gib": (total - free) / gib, "source": "cuda"}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"max_allocated_gib": rss / gib, "max_reserved_gib": None, "device_used_gib": None,
+            "source": "cpu ru_maxrss (whole process)"}
+
+
+def _profiled(step, n: int, device: torch.device) -> dict:
+    """The device-time split of `n` profiled calls of `step` (on the CPU: of the host ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    if not cuda:
+        out = split_host_time(prof.events(), n)
+        out["wall_ms_per_step"] = wall * 1e3 / n
+        return out
+    with tempfile.TemporaryDirectory(prefix="mxflux-trace-") as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        acts = activities_from_chrome_trace(path, device=index)
+    out = device_breakdown(acts, n, wall_s=wall)
+    out["host_top"] = host_top(prof.events())
     return out
 
 
-def _merged(spans) -> list[tuple[float, float]]:
-    """The union of [start, end) intervals as sorted, disjoint intervals."""
-    out: list[list[float]] = []
-    for start, end in sorted(spans):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return [(a, b) for a, b in out]
+def _throughput(step_s: float, g: int, world: int, flops: float, peak: float | None) -> dict:
+    images_per_s = g / step_s
+    per_gpu = images_per_s / world
+    return {"step_ms": step_s * 1e3, "images_per_s": images_per_s, "images_per_s_per_gpu": per_gpu,
+            "ms_per_512": 512 / images_per_s * 1e3, "achieved_tflops_per_gpu": per_gpu * flops / 1e12,
+            "mfu": per_gpu * flops / (peak * 1e12) if peak else None}
 
 
-def _length(spans) -> float:
-    return sum(b - a for a, b in spans)
+def _over_ranks(mem: dict, elapsed: float, device: torch.device) -> tuple[dict, float]:
+    keys = ["max_allocated_gib", "max_reserved_gib", "device_used_gib"]
+    vals = _max_over_ranks([elapsed] + [mem[k] if mem[k] is not None else -1.0 for k in keys], device)
+    return {**mem, **{k: (v if mem[k] is not None else None) for k, v in zip(keys, vals[1:])}}, vals[0]
 
 
-def _busy_us(acts) -> float:
-    """Microseconds the device was busy: the union of the intervals of `acts` (its kernels and
-    copies, from _device_activities), so that kernels overlapping on several streams (NCCL next
-    to compute) count once."""
-    return _length(_merged((e.time_range.start, e.time_range.end) for e in acts))
-
-
-def _exposed_comm_us(acts) -> float:
-    """Microseconds in which communication kernels ran and nothing else did: the collective time
-    that compute did not hide (the union of NCCL intervals minus its overlap with all others)."""
-    comm, rest = [], []
-    for e in acts:
-        (comm if _kernel_category(e.name) == "communication" else rest).append((e.time_range.start, e.time_range.end))
-    comm, rest = _merged(comm), _merged(rest)
-    overlap, j = 0.0, 0
-    for a, b in comm:  # both lists sorted and disjoint: one sweep
-        while j < len(rest) and rest[j][1] <= a:
-            j += 1
-        k = j
-        while k < len(rest) and rest[k][0] < b:
-            overlap += min(b, rest[k][1]) - max(a, rest[k][0])
-            k += 1
-    return _length(comm) - overlap
-
-
-def _idle_gaps(acts, top: int = 6) -> list[dict]:
-    """The longest stretches with no device activity, with the activities either side of each
-    (where a host-bound step waits: a sync, a slow launch, Python between regions)."""
-    acts = sorted(acts, key=lambda e: e.time_range.start)
-    gaps, end, last = [], None, None
-    for e in acts:
-        if end is not None and e.time_range.start > end:
-            gaps.append((e.time_range.start - end, last.name, e.name))
-        if end is None or e.time_range.end > end:
-            end, last = e.time_range.end, e
-    gaps.sort(key=lambda g: -g[0])
-    return [{"ms": g / 1e3, "after": a[:80], "before": b[:80]} for g, a, b in gaps[:top]]
-
-
-def _host_top(events, top: int = 8) -> list[dict]:
-    """Host ops by self CPU time (what the CPU did while the device may have waited)."""
-    from torch.autograd import DeviceType
-
-    by_name: dict[str, float] = {}
-    for e in events:
-        if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0:
-            by_name[e.name] = by_name.get(e.name, 0.0) + e.self_cpu_time_total
-    return [{"name": n[:80], "ms": t / 1e3} for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]]
-
-
-def _kernel_category(name: str) -> str:
-    for category, rule in _KERNEL_RULES:
-        if rule.search(name):
-            return category
-    return "other"
-
-
-def device_time_breakdown(events, steps: int, *, device_type: str = "cuda", top: int = 12) -> dict:
-    """Split a profile's device time per step into CATEGORIES (and the top kernels or ops).
-
-    `events` is `prof.events()`. On CUDA every kernel and copy is counted once, from the device
-    side, and classified by its own name (each kernel library names its kernels: cuBLAS nvjet /
-    gemm, cuDNN and flash attention, NCCL, our Triton packers). Summing the kernels listed under
-    each host op instead counted some kernels twice: 448 ms of "device time" for a 282 ms step.
-    `busy_ms_per_step` is the union of the device's activity intervals (overlapping streams
-    once); it is at most the step's wall time. On the CPU the split is the ops' self CPU time.
-    """
-    us = dict.fromkeys(CATEGORIES, 0.0)
-    by_name: dict[tuple[str, str], float] = {}
-    acts = _device_activities(events) if device_type == "cuda" else []
-    if device_type == "cuda":
-        for e in acts:
-            cat = _kernel_category(e.name)
-            d = e.time_range.end - e.time_range.start
-            us[cat] += d
-            by_name[(e.name, cat)] = by_name.get((e.name, cat), 0.0) + d
-    else:
-        from torch.autograd import DeviceType
-
-        for e in events:
-            if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0:
-                cat = _classify(e)
-                us[cat] += e.self_cpu_time_total
-                by_name[(e.name, cat)] = by_name.get((e.name, cat), 0.0) + e.self_cpu_time_total
-    total = sum(us.values())
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
-    out = {
-        "source": "CUDA kernel time" if device_type == "cuda" else "CPU op self time",
-        "steps": steps,
-        "total_ms_per_step": total / 1e3 / steps,
-        "categories": {c: {"ms_per_step": us[c] / 1e3 / steps, "fraction": us[c] / total if total else 0.0}
-                       for c in CATEGORIES},
-        "top": [{"name": n[:120], "category": c, "ms_per_step": t / 1e3 / steps} for (n, c), t in ranked],
-    }
-    if device_type == "cuda":
-        out["busy_ms_per_step"] = _busy_us(acts) / 1e3 / steps
-        out["exposed_communication_ms_per_step"] = _exposed_comm_us(acts) / 1e3 / steps
-        if acts:  # the device's first-to-last span: busy + the bubbles between kernels
-            span = max(e.time_range.end for e in acts) - min(e.time_range.start for e in acts)
-            out["span_ms_per_step"] = span / 1e3 / steps
-            out["activities_per_step"] = len(acts) / steps
-        out["idle_gaps"] = _idle_gaps(acts)
-        out["host_top"] = _host_top(events)
-    return out
-
-
-def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps: int = 0,
-               synthetic: bool = False, image_size: int = 256, text_len: int = 256, data_dir: str | None = None,
-               peak_tflops: float | None = None, device: str | torch.device | None = None,
-               recipe: str | None = None, label: str | None = None, distributed: bool = True) -> dict | None:
-    """Time `steps` optimizer steps of `cfg`'s trainer; the result on rank 0 (None elsewhere).
+def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps: int = 0, bare_loop: bool = False,
+               memory_path: str | os.PathLike | None = None, synthetic: bool = False, image_size: int = 256,
+               text_len: int = 256, data_dir: str | None = None, peak_tflops: float | None = None,
+               device: str | torch.device | None = None, recipe: str | None = None, label: str | None = None,
+               distributed: bool = True) -> dict | None:
+    """Time `steps` optimizer steps of `cfg`'s trainer (and, with `bare_loop`, of its bare loop);
+    the result on rank 0 (None elsewhere). `memory_path`: write the memory breakdown of one more
+    trainer step there as JSON (and print it).
 
     `distributed`: join the torchrun process group when the environment describes one (the
     model is then wrapped as `mxflux train` wraps it). See the module docstring for the fields.
@@ -330,84 +247,69 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
     ctx = init_distributed(device_type) if distributed else alone(device_type)
     device = torch.device(device) if device is not None else ctx.device
     mc = _model_config(cfg)
-    total_steps = warmup + steps + profile_steps
-    cycle = min(total_steps, 2)  # distinct batches read up front, then reused
+    cycle = min(warmup + steps + profile_steps + (1 if memory_path else 0), 2)  # batches read up front, reused
     reason = "--synthetic" if synthetic else _synthetic_reason(cfg, mc)
     if reason:
         root = _synthetic_root(mc, n_train=cfg.batch.global_batch_size * cycle, image_size=image_size,
                                text_len=text_len, data_dir=data_dir, local_rank=ctx.local_rank)
         cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"root": str(root)})})
-
-    cuda = device.type == "cuda"
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    def barrier():
-        if ctx.world_size > 1:
-            dist.barrier()
+    g = cfg.batch.global_batch_size
+    peak = _peak_tflops(device, peak_tflops)
 
     with tempfile.TemporaryDirectory(prefix="mxflux-bench-") as out_dir:
         tr = Trainer(cfg, ctx=ctx, device=device, out_dir=out_dir)
         batches = tr.batches()
         pool = [[next(batches) for _ in range(tr.accum)] for _ in range(cycle)]
         batches.close()  # shuts the loader's workers down
-        train_set = tr.train_set
-        c, h, w = train_set.latent_shape
-        image_tokens, text_tokens = (h // 2) * (w // 2), train_set.t5_shape[0]
+        c, h, w = tr.train_set.latent_shape
+        image_tokens, text_tokens = (h // 2) * (w // 2), tr.train_set.t5_shape[0]
+        flops = flops_per_sample(mc, image_tokens, text_tokens)
+        calls = iter(range(1 << 62))
 
-        for i in range(warmup):
-            tr.train_step(pool[i % cycle])
-        sync()
-        barrier()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        times, result = [], {}
-        for i in range(warmup, warmup + steps):
-            t0 = time.perf_counter()
-            result = tr.train_step(pool[i % cycle])
-            sync()
-            times.append(time.perf_counter() - t0)
-        barrier()
-        if cuda:
-            peak_bytes, peak_source = torch.cuda.max_memory_allocated(device), "cuda max_memory_allocated"
-        else:
-            peak_bytes, peak_source = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu ru_maxrss"
-        elapsed, peak_bytes = _max_over_ranks([sum(times), float(peak_bytes)], device)
+        def trainer_step():
+            return tr.train_step(pool[next(calls) % cycle])
 
-        last = result.read()
-        breakdown = None
-        if profile_steps:
-            from torch.profiler import ProfilerActivity, profile
+        elapsed, last = _timed(trainer_step, warmup=warmup, steps=steps, device=device, ctx=ctx)
+        memory, elapsed = _over_ranks(_memory(device), elapsed, device)
+        loss = last.read()["loss"]
+        breakdown = _profiled(trainer_step, profile_steps, device) if profile_steps else None
+        mem_report = None
+        if memory_path:
+            from .memory import memory_breakdown
 
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-            with profile(activities=acts) as prof:
-                for i in range(warmup + steps, total_steps):
-                    tr.train_step(pool[i % cycle])
-                sync()
-            breakdown = device_time_breakdown(prof.events(), profile_steps, device_type="cuda" if cuda else "cpu")
-            del prof
+            mem_report = memory_breakdown(trainer_step, model=tr.model, optimizer=tr.optimizer, device=device)
         precision = cfg.precision.name
-        del tr, pool
+        del tr, pool, last
     gc.collect()
-    if cuda:
+    if device.type == "cuda":
         torch.cuda.empty_cache()
-    barrier()
+
+    bare = None
+    if bare_loop:
+        from .bare_loop import BareLoop
+
+        loop = BareLoop(cfg, ctx, device, latent_hw=(h, w), text_tokens=text_tokens)
+        b_elapsed, b_last = _timed(loop.step, warmup=warmup, steps=steps, device=device, ctx=ctx)
+        b_memory, b_elapsed = _over_ranks(_memory(device), b_elapsed, device)
+        bare = {**_throughput(b_elapsed / steps, g, ctx.world_size, flops, peak), "memory": b_memory,
+                "loss": float(b_last),
+                "breakdown": _profiled(loop.step, profile_steps, device) if profile_steps else None}
+        del loop, b_last
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    _barrier(ctx)
     if ctx.rank != 0:
         return None
 
-    g = cfg.batch.global_batch_size
-    images_per_s = g * steps / elapsed
-    per_gpu = images_per_s / ctx.world_size
-    flops = flops_per_sample(mc, image_tokens, text_tokens)
-    peak = _peak_tflops(device, peak_tflops)
-    return {
+    result = {
         "label": label or precision,
         "recipe": recipe or cfg.name,
         "name": cfg.name,
         "model": cfg.model.name,
+        "model_overrides": dict(cfg.model.overrides),
         "precision": precision,
+        "precision_config": cfg.precision.model_dump(mode="json"),
         "compile": cfg.model.compile,
         "device": _device_name(device),
         "world_size": ctx.world_size,
@@ -422,88 +324,33 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
         "steps": steps,
         "warmup_steps": warmup,
         "profile_steps": profile_steps,
-        "step_ms": elapsed / steps * 1e3,
-        "step_ms_each": [t * 1e3 for t in times],  # rank 0's
-        "images_per_s": images_per_s,
-        "images_per_s_per_gpu": per_gpu,
-        "ms_per_512": 512 / images_per_s * 1e3,
+        **_throughput(elapsed / steps, g, ctx.world_size, flops, peak),
         "flops_per_sample": flops,
-        "achieved_tflops_per_gpu": per_gpu * flops / 1e12,
         "peak_tflops": peak,
-        "mfu": per_gpu * flops / (peak * 1e12) if peak else None,
-        "peak_memory_gib": peak_bytes / 2**30,
-        "peak_memory_source": peak_source,
-        "loss": last["loss"],
+        "memory": memory,
+        "loss": loss,
         "breakdown": breakdown,
+        "bare_loop": bare,
+        "trainer_over_bare_loop": (elapsed / steps * 1e3) / bare["step_ms"] if bare else None,
         "torch": torch.__version__,
+        "pid": os.getpid(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if memory_path and mem_report is not None:
+        from .memory import print_memory_report
+        from .report import write_json
 
-
-def _fmt(v, spec: str) -> str:
-    return "–" if v is None else format(v, spec)
-
-
-def print_table(results: list[dict], *, baseline: int | None = 0, console=None) -> None:
-    """One column per result (rich); with several, a row of images/s/GPU relative to `baseline`."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    r0 = results[0]
-    title = (f"{r0['model']} · {r0['device']} x{r0['world_size']} · global batch {r0['global_batch_size']} "
-             f"(micro {r0['micro_batch_size']}) · {r0['image_tokens']}+{r0['text_tokens']} tokens · "
-             f"{r0['steps']} timed steps after {r0['warmup_steps']} warm-up")
-    console.print(title, style="bold")
-    table = Table()
-    table.add_column("metric")
-    for r in results:
-        table.add_column(r["label"], justify="right")
-    rows = [
-        ("ms / step", lambda r: _fmt(r["step_ms"], ".1f")),
-        ("images/s (global)", lambda r: _fmt(r["images_per_s"], ".1f")),
-        ("images/s/GPU", lambda r: _fmt(r["images_per_s_per_gpu"], ".1f")),
-        ("ms per 512 images", lambda r: _fmt(r["ms_per_512"], ".0f")),
-        ("TFLOP / sample", lambda r: _fmt(r["flops_per_sample"] / 1e12, ".3f")),
-        ("TFLOP/s/GPU", lambda r: _fmt(r["achieved_tflops_per_gpu"], ".1f")),
-        ("MFU", lambda r: "–" if r["mfu"] is None else f"{100 * r['mfu']:.1f}% of {r['peak_tflops']:.0f}"),
-        ("peak memory GiB", lambda r: _fmt(r["peak_memory_gib"], ".2f")),
-        ("last loss", lambda r: _fmt(r["loss"], ".4f")),
-    ]
-    if len(results) > 1 and baseline is not None:
-        base = results[baseline]["images_per_s_per_gpu"]
-        rows.insert(3, (f"vs {results[baseline]['label']}", lambda r: f"{r['images_per_s_per_gpu'] / base:.2f}x"))
-    for name, fn in rows:
-        table.add_row(name, *(fn(r) for r in results))
-    if any(r.get("breakdown") for r in results):
-        table.add_section()
-        table.add_row("device ms / step", *(_fmt(r["breakdown"] and r["breakdown"]["total_ms_per_step"], ".1f")
-                                            for r in results))
-        if any(r.get("breakdown") and "busy_ms_per_step" in r["breakdown"] for r in results):
-            table.add_row("  busy (union)", *(_fmt(r["breakdown"] and r["breakdown"].get("busy_ms_per_step"), ".1f")
-                                              for r in results))
-            table.add_row("  exposed comm.", *(
-                _fmt(r["breakdown"] and r["breakdown"].get("exposed_communication_ms_per_step"), ".1f")
-                for r in results))
-        for cat in CATEGORIES:
-            table.add_row(f"  {cat}", *(
-                "–" if not r.get("breakdown") else
-                f"{r['breakdown']['categories'][cat]['ms_per_step']:.1f} "
-                f"({100 * r['breakdown']['categories'][cat]['fraction']:.0f}%)" for r in results))
-    console.print(table)
-    notes = ["ms per 512 images = 512 / global images/s; MFU = images/s/GPU x FLOP/sample / peak dense bf16"]
-    if any(r.get("breakdown") for r in results):
-        src = next(r["breakdown"]["source"] for r in results if r.get("breakdown"))
-        notes.append(f"breakdown: {src} over the profiled steps (excluded from the timing)")
-    if any(r["synthetic_data"] for r in results):
-        notes.append("data: synthetic MLPerf-shaped shards")
-    console.print("; ".join(notes), style="dim")
+        write_json(memory_path, {result["label"]: mem_report})
+        print_memory_report(mem_report, title=f"{result['label']}: ")
+    return result
 
 
 def bench_settings(recipe: str, settings: list[tuple[str, list[str]]], *, common=(), **kwargs) -> list[dict]:
-    """`bench_step` for every (label, overrides) setting of `recipe`, one after the other in this
-    process, so that their ratios are measured side by side; `common` overrides apply to all and
-    `kwargs` go to `bench_step`. The results on rank 0 ([] on the other ranks)."""
+    """`bench_step` for every (label, overrides) setting of `recipe`, one after the other in THIS
+    process (`common` overrides apply to all, `kwargs` go to `bench_step`); the results on rank 0
+    ([] on the other ranks). For settings that share compiled code and precision, e.g. FSDP
+    wrapping variants under one torchrun job; settings of different precisions belong in
+    separate processes (`mxflux.bench.compare`)."""
     results = []
     for label, overrides in settings:
         cfg = load_bench_recipe(recipe, [*overrides, *common])
@@ -511,12 +358,5 @@ def bench_settings(recipe: str, settings: list[tuple[str, list[str]]], *, common
         if r is not None:
             results.append(r)
             print(f"{label}: {r['images_per_s_per_gpu']:.2f} images/s/GPU, {r['step_ms']:.1f} ms/step, "
-                  f"peak {r['peak_memory_gib']:.1f} GiB", flush=True)
+                  f"peak {r['memory']['max_allocated_gib']:.1f} GiB", flush=True)
     return results
-
-
-def write_json(path: str | os.PathLike, result) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    return path

@@ -1,0 +1,92 @@
+"""The bare training loop of a recipe: what a step costs without the trainer around it.
+
+The same model as the trainer's (`build_model`: seed, fp32 master weights, the recipe's
+precision; then `parallelize`: activation checkpointing, torch.compile, FSDP2/DDP), the same
+AdamW (fused on CUDA unless the recipe says otherwise), the same bf16 autocast, loss function and
+gradient clipping, on random inputs of the recipe's shapes that live on the device from the
+start: no data loader, no host-to-device copies, no noise sampling, no learning-rate schedule, no
+metrics. `mxflux bench step --bare-loop` times it next to the trainer; their ratio is what the
+trainer adds to a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ..model import image_ids, text_ids
+from ..train.config import RunConfig
+from ..train.distributed import DistContext
+from ..train.flow import per_sample_mse
+
+__all__ = ["BareLoop", "adamw"]
+
+
+def adamw(cfg: RunConfig, model: nn.Module, device: torch.device) -> torch.optim.AdamW:
+    """The recipe's AdamW, built as the trainer builds it (fused on CUDA for `implementation: auto`)."""
+    o = cfg.optim
+    impl = o.implementation
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else None
+    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             weight_decay=o.weight_decay, **({impl: True} if impl else {}))
+
+
+class BareLoop:
+    """`step()` runs one optimizer step over `accum` micro-batches of random on-device inputs."""
+
+    def __init__(self, cfg: RunConfig, ctx: DistContext, device: torch.device, *, latent_hw: tuple[int, int],
+                 text_tokens: int):
+        from ..train.build import build_model
+        from ..train.parallelize import parallelize
+
+        self.cfg, self.device = cfg, device
+        self.model, _ = build_model(cfg, device)
+        self.train_model = parallelize(self.model, cfg, ctx)
+        self.optimizer = adamw(cfg, self.model, device)
+        self.accum = cfg.batch.accumulation_steps(ctx.world_size)
+        self.compute_dtype = getattr(torch, cfg.train.compute_dtype)
+        mc = cfg.model.flux_config()
+        b, (h, w) = cfg.batch.micro_batch_size, latent_hw
+        if h % 2 or w % 2:
+            raise ValueError(f"latent_hw {latent_hw}: expected even sides (2x2 patches)")
+        image_tokens = (h // 2) * (w // 2)
+        g = torch.Generator(device).manual_seed(cfg.train.seed)
+        dt = self.compute_dtype
+
+        def randn(*shape, dtype=dt):
+            return torch.randn(shape, generator=g, device=device, dtype=dtype)
+
+        # One set of inputs per micro-batch of a step, as the trainer feeds a fresh batch each time.
+        self.inputs = [dict(img=randn(b, image_tokens, mc.in_channels),
+                            img_ids=image_ids(b, h // 2, w // 2, device=device),
+                            txt=randn(b, text_tokens, mc.context_in_dim),
+                            txt_ids=text_ids(b, text_tokens, device=device),
+                            y=randn(b, mc.vec_in_dim),
+                            timesteps=torch.rand((b,), generator=g, device=device))
+                       for _ in range(self.accum)]
+        self.targets = [randn(b, image_tokens, mc.in_channels, dtype=torch.float32) for _ in range(self.accum)]
+
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def step(self) -> torch.Tensor:
+        """One optimizer step; returns the last micro-batch's loss (a device tensor: no sync)."""
+        self.train_model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        for i, (inputs, target) in enumerate(zip(self.inputs, self.targets)):
+            with self._autocast():
+                pred = self.train_model(**inputs)
+            loss = per_sample_mse(pred, target).mean()
+            no_sync = contextlib.nullcontext()
+            if i < self.accum - 1 and hasattr(self.train_model, "no_sync"):
+                no_sync = self.train_model.no_sync()
+            with no_sync:
+                (loss / self.accum).backward()
+        nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        return loss.detach()

@@ -1,0 +1,106 @@
+"""Settings compared by `mxflux bench step`, each in its own process (torch-free to import).
+
+A setting is a named list of recipe overrides applied to the benchmarked recipe before the
+user's own. The default comparison is bf16, torchao float8 with tensorwise and with rowwise
+scaling, and MXFP6: the FP8 that people train with on Hopper is the baseline every MXFP6 number is
+held against.
+
+Why one process per setting: a torchao rowwise run right after a tensorwise run in the same
+process died with an illegal memory access, while the same rowwise run alone was fine. Within one
+process a setting leaves behind state that the next one inherits: dynamo's code caches and
+guards, inductor's in-memory compiled graphs and autotuning results, Triton's loaded kernels,
+CUDA-graph pools, library-global configuration, and the caching allocator's segments (with their
+addresses). `torch._dynamo.reset()` clears only dynamo's own caches, not the rest. And an illegal
+memory access is sticky: it poisons the CUDA context, so every later setting in that process fails
+too. A fresh process per setting gives each its own CUDA context, compile caches and allocator:
+the settings cannot influence each other's numbers or memory peaks, and a crash costs only its own
+column. (The root cause of that crash was not reproduced here; the isolation holds whatever it is.)
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["SETTINGS", "DEFAULT_SETTINGS", "PROXY_RECIPE", "PROXY_OVERRIDES", "parse_settings",
+           "run_in_subprocesses"]
+
+SETTINGS: dict[str, tuple[str, ...]] = {
+    "recipe": (),  # the recipe's own precision
+    "bf16": ("precision={}",),
+    "fp8-tensorwise": ("precision={fp8: hybrid}", "precision.fp8_scaling=tensorwise"),
+    "fp8-rowwise": ("precision={fp8: hybrid}", "precision.fp8_scaling=rowwise"),
+    "mxfp6": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off"}',),
+}
+DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
+
+# The throughput proxy of flux-12b (`--proxy`): its width (3072) and attention heads, 2 double + 4
+# single blocks, compiled, on synthetic 256 image + 256 text tokens per sample (the bench's
+# defaults); small enough to compile in a minute or two, wide enough that the GEMMs are 12B-shaped.
+PROXY_RECIPE = "flux12b-mxfp6-dev"
+PROXY_OVERRIDES = ("model.overrides={depth: 2, depth_single_blocks: 4}", "model.compile=true")
+
+
+def parse_settings(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in SETTINGS]
+    if bad or not names:
+        raise ValueError(f"--settings: expected a comma-separated list of {sorted(SETTINGS)}, got {text!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--settings: {text!r} names a setting twice")
+    return names
+
+
+def run_in_subprocesses(settings: list[str], child_argv, *, timeout_s: float | None = None,
+                        tail_lines: int = 25) -> tuple[list[dict], dict]:
+    """Run `python -m mxflux.cli bench step <child_argv(setting, json_path, memory_path)>` once per
+    setting, one after the other, streaming each child's output with its setting as prefix.
+
+    Returns (results in setting order, {setting: memory report}); a setting whose process failed,
+    timed out or wrote no result is {"label": setting, "failed": "<why and its last lines>"}.
+    """
+    results, memory = [], {}
+    with tempfile.TemporaryDirectory(prefix="mxflux-bench-settings-") as tmp:
+        for name in settings:
+            json_path, mem_path = Path(tmp) / f"{name}.json", Path(tmp) / f"{name}.memory.json"
+            cmd = [sys.executable, "-m", "mxflux.cli", "bench", "step", *child_argv(name, json_path, mem_path)]
+            print(f"=== {name}: {' '.join(cmd[1:])}", flush=True)
+            tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+            t0 = time.monotonic()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            timed_out = threading.Event()
+
+            def kill(proc=proc, timed_out=timed_out):  # a hung child (no output) is stopped too
+                timed_out.set()
+                proc.kill()
+
+            watchdog = threading.Timer(timeout_s, kill) if timeout_s else None
+            if watchdog:
+                watchdog.start()
+            assert proc.stdout is not None
+            for line in proc.stdout:  # the child's own output, as it comes
+                print(f"[{name}] {line}", end="", flush=True)
+                tail.append(line.rstrip("\n"))
+            rc = proc.wait()
+            if watchdog:
+                watchdog.cancel()
+            if rc == 0 and json_path.is_file():
+                (result,) = json.loads(json_path.read_text())
+                result["label"] = name
+                result["wall_s_including_compile"] = time.monotonic() - t0
+                results.append(result)
+                if mem_path.is_file():
+                    memory.update(json.loads(mem_path.read_text()))
+            else:
+                why = f"timed out after {timeout_s:.0f} s" if timed_out.is_set() else f"exit status {rc}"
+                print(f"=== {name} failed: {why}", flush=True)
+                results.append({"label": name, "failed": why + "\n    " + "\n    ".join(tail)})
+    return results, memory

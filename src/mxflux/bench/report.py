@@ -1,0 +1,117 @@
+"""The side-by-side table of `mxflux bench step` results, and their JSON (torch-free: the
+parent process of a multi-setting comparison never initialises CUDA)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+__all__ = ["print_table", "write_json", "CATEGORY_ORDER"]
+
+# The device-time categories in table order (mxflux.bench.device_time.CATEGORIES; repeated here so
+# that this module stays torch-free).
+CATEGORY_ORDER = ("gemm", "mx_quant", "attention", "communication", "other", "memcpy_memset")
+
+
+def _fmt(v, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def _get(r: dict, *keys):
+    for k in keys:
+        if not isinstance(r, dict):
+            return None
+        r = r.get(k)
+    return r
+
+
+def _ratio_row(results: list[dict], base_label: str):
+    base = next((r for r in results if r.get("label") == base_label and not r.get("failed")), None)
+    if base is None:
+        return None
+    b = base["images_per_s_per_gpu"]
+    return (f"vs {base_label}", lambda r: f"{r['images_per_s_per_gpu'] / b:.3f}x")
+
+
+def _split_rows(results: list[dict], which: str, title: str) -> list:
+    """Rows of the device-time split of the trainer (`which` = "breakdown") or the bare loop."""
+    def bd(r):
+        return r.get("breakdown") if which == "breakdown" else _get(r, "bare_loop", "breakdown")
+
+    if not any(bd(r) for r in results if not r.get("failed")):
+        return []
+
+    def step_ms(r):
+        return r["step_ms"] if which == "breakdown" else _get(r, "bare_loop", "step_ms")
+
+    rows = [(f"{title}: device busy ms / step", lambda r: _fmt(_get(bd(r), "busy_ms_per_step"), ".1f")),
+            ("  profiled wall ms / step", lambda r: _fmt(_get(bd(r), "wall_ms_per_step"), ".1f")),
+            # device profiles only: a CPU "busy" is the ops' self time summed over threads
+            ("  idle % of timed step", lambda r: "–" if _get(bd(r), "idle_ms_per_step") is None
+             else f"{100 * (1 - bd(r)['busy_ms_per_step'] / step_ms(r)):.1f}%")]
+    for cat in CATEGORY_ORDER:
+        rows.append((f"  {cat}", lambda r, c=cat: "–" if not bd(r) else
+                     f"{bd(r)['categories'][c]['ms_per_step']:.1f} ({100 * bd(r)['categories'][c]['fraction']:.0f}%)"))
+    rows.append(("  exposed comm. ms", lambda r: _fmt(_get(bd(r), "exposed_communication_ms_per_step"), ".1f")))
+    return rows
+
+
+def print_table(results: list[dict], *, console=None) -> None:
+    """One column per result: throughput, ratios vs bf16 and vs FP8 tensorwise (where those ran),
+    MFU, memory, the bare loop and the device-time splits. Failed settings show their error."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(width=max(160, Console().width))
+    ok = [r for r in results if not r.get("failed")]
+    if ok:
+        r0 = ok[0]
+        console.print(f"{r0['model']} · {r0['device']} x{r0['world_size']} · global batch {r0['global_batch_size']} "
+                      f"(micro {r0['micro_batch_size']}) · {r0['image_tokens']}+{r0['text_tokens']} tokens · "
+                      f"compile {r0['compile']} · {r0['steps']} timed steps after {r0['warmup_steps']} warm-up",
+                      style="bold")
+    table = Table()
+    table.add_column("metric")
+    for r in results:
+        table.add_column(r["label"], justify="right")
+    gib = "{:.2f}"
+    rows = [
+        ("ms / step", lambda r: _fmt(r["step_ms"], ".1f")),
+        ("images/s/GPU", lambda r: _fmt(r["images_per_s_per_gpu"], ".1f")),
+        *[row for row in (_ratio_row(ok, "bf16"), _ratio_row(ok, "fp8-tensorwise")) if row and len(results) > 1],
+        ("MFU", lambda r: "–" if r["mfu"] is None else f"{100 * r['mfu']:.1f}% of {r['peak_tflops']:.0f}"),
+        ("ms per 512 images", lambda r: _fmt(r["ms_per_512"], ".0f")),
+        ("peak allocated GiB", lambda r: gib.format(r["memory"]["max_allocated_gib"])),
+        ("peak reserved GiB", lambda r: _fmt(r["memory"]["max_reserved_gib"], ".2f")),
+        ("device used GiB", lambda r: _fmt(r["memory"]["device_used_gib"], ".2f")),
+        ("last loss", lambda r: _fmt(r["loss"], ".4f")),
+    ]
+    if any(r.get("bare_loop") for r in ok):
+        rows += [("bare loop ms / step", lambda r: _fmt(_get(r, "bare_loop", "step_ms"), ".1f")),
+                 ("trainer / bare loop", lambda r: _fmt(r.get("trainer_over_bare_loop"), ".3f")),
+                 ("bare peak allocated GiB", lambda r: _fmt(_get(r, "bare_loop", "memory", "max_allocated_gib"), ".2f"))]
+    split = _split_rows(results, "breakdown", "trainer") + _split_rows(results, "bare", "bare loop")
+    for i, (name, fn) in enumerate(rows + split):
+        if i == len(rows) and split:
+            table.add_section()
+        table.add_row(name, *("failed" if r.get("failed") and i == 0 else "–" if r.get("failed") else fn(r)
+                              for r in results))
+    console.print(table)
+    notes = ["MFU = images/s/GPU x FLOP/sample / peak dense bf16; device used = total - free (mem_get_info)"]
+    if any(r.get("breakdown") for r in ok):
+        notes.append("device split: the union of kernels, memcpy and memset over the profiled steps (excluded "
+                     "from the timing), shared equally among the categories active at once, so they sum to busy")
+    if any(r.get("synthetic_data") for r in ok):
+        notes.append("data: synthetic MLPerf-shaped shards")
+    console.print("; ".join(notes), style="dim")
+    for r in results:
+        if r.get("failed"):
+            console.print(f"{r['label']} failed: {r['failed']}", style="red")
+
+
+def write_json(path: str | os.PathLike, result) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
