@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..model import MX_LINEAR_PATTERNS, Flux, image_ids, patchify, text_ids
+from ..model import MX_LINEAR_PATTERNS, Flux, image_ids, init_from_checkpoint, patchify, text_ids
 from ..nn import apply_precision
 from ..nn.linear import MXFP6Linear
 from .checkpoint import (LATEST, LATEST_SHARDED, load_checkpoint, load_sharded_checkpoint, resolve_checkpoint,
@@ -78,6 +78,8 @@ class Trainer:
             self._wrap_blocks()
         # Distributed wrapping (FSDP2/DDP) is injected by the caller; see mxflux.train.distributed.
         self.train_model = wrap_model(self.model) if wrap_model else self.model
+        if cfg.model.init_from:  # after wrapping: under FSDP2 each rank reads only its shards
+            init_from_checkpoint(self.model, cfg.model.init_from)
 
         self.data_root = Path(cfg.data.root) if cfg.data.root else ensure_demo_dataset(DEMO_DATA_DIR)
         self.train_set = LatentDataset(self.data_root, "train")
@@ -453,6 +455,10 @@ class Trainer:
         batches = self._train_batches()
         next_eval = (self.samples // c.train.eval_every_samples + 1) * c.train.eval_every_samples
         bar = _progress(progress and is_main, end_step, self.step, c.name)
+        if self.step == 0 and c.model.init_from and not mll:  # the loaded weights' loss: the fine-tune's baseline
+            self.last_eval = self.evaluate()
+            if logger:
+                logger.log(step=0, samples=0, split="eval", loss=self.last_eval)
         t_last, samples_last = time.perf_counter(), self.samples
         result = {}
         try:
