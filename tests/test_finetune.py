@@ -160,3 +160,43 @@ def test_sample_from_weights_decodes_with_a_saved_autoencoder(data, weights, tmp
         main(["sample", "--weights", str(bfl), "--model", "flux-small", "--data", str(data), "--prompt", "x",
               "--device", "cpu", "--out", str(tmp_path / "no.png")])
     assert "does not fit the model config" in capsys.readouterr().err
+
+
+def header_only_checkpoint(path: Path, config) -> Path:
+    """A BFL .safetensors file of `config`'s names and shapes with no tensor data: all that
+    check-config reads, at 12B for the price of a few kilobytes."""
+    from mxflux.model import Flux
+
+    with torch.device("meta"):
+        params = Flux(config).named_parameters()
+    header, offset = {}, 0
+    for name, p in params:
+        shape = tuple(p.shape)
+        size = 2 * p.numel()
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw)
+    return path
+
+
+def test_finetune_recipe_is_the_mlperf_model_with_fine_tune_optimisation(tmp_path, capsys):
+    from mxflux.train import load_recipe
+
+    tune, mlperf = load_recipe("flux12b-mxfp6-finetune"), load_recipe("flux12b-mxfp6-mlperf")
+    assert tune.model.init_from and not tune.mlperf.enabled
+    assert tune.model.model_copy(update={"init_from": None}) == mlperf.model
+    assert (tune.precision, tune.distributed) == (mlperf.precision, mlperf.distributed)
+    assert tune.optim.lr == 1e-5 and tune.optim.warmup_steps < mlperf.optim.warmup_steps
+
+    schnell = header_only_checkpoint(tmp_path / "flux1-schnell.safetensors", flux_config("flux-12b"))
+    assert main(["check-config", "flux12b-mxfp6-finetune", "--set", f"model.init_from={schnell}"]) == 0
+    capsys.readouterr()
+    dev = header_only_checkpoint(tmp_path / "flux1-dev.safetensors", flux_config("flux-12b", guidance_embed=True))
+    with pytest.raises(SystemExit):
+        main(["check-config", "flux12b-mxfp6-finetune", "--set", f"model.init_from={dev}"])
+    err = capsys.readouterr().err
+    assert "guidance_embed=True (model: False)" in err
+    assert "--set model.name=flux-12b --set model.overrides.guidance_embed=true" in err
+    assert main(["check-config", "flux12b-mxfp6-finetune", "--set", f"model.init_from={dev}",
+                 "--set", "model.overrides.guidance_embed=true"]) == 0
