@@ -152,7 +152,7 @@ def test_sample_from_weights_decodes_with_a_saved_autoencoder(data, weights, tmp
     z = torch.randn(2, 16, 16, 16)
     reference = diffusers.AutoencoderKL.from_pretrained(vae_dir).eval()
     with torch.no_grad():
-        expected = ((reference.decode(z).sample + 1) / 2).clamp(0, 1)
+        expected = (reference.decode(z).sample + 1) / 2
     assert torch.equal(decoder.decode(z), expected)
 
     # A model whose text dims the demo encoder cannot feed is refused with the fix named.

@@ -120,9 +120,10 @@ class VaeDecoder:
 
     @torch.no_grad()
     def decode(self, z: torch.Tensor) -> torch.Tensor:
-        """Un-normalised latents [B, C, h, w] -> images [B, 3, H, W] in [0, 1]."""
+        """Un-normalised latents [B, C, h, w] -> images [B, 3, H, W], [0, 1] for in-range pixels
+        (not clamped: `save_grid` clamps what it draws)."""
         x = self.vae.decode(z.to(self.device, self.dtype)).sample.float()
-        return ((x + 1) / 2).clamp(0, 1)
+        return (x + 1) / 2
 
 
 def save_grid(images: torch.Tensor, path: str | Path, captions: list[str] | None = None, cols: int = 4) -> Path:
