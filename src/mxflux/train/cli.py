@@ -81,6 +81,7 @@ def _check_config(args) -> int:
     import yaml
 
     cfg = _load(args)
+    _check_init_from(cfg, args.parser)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
     # Precision patterns are checked against the real module names: a dry run on the meta device.
     import torch
@@ -109,6 +110,22 @@ def _recipe_paths(cfg) -> list[tuple[str, str]]:
     if isinstance(init_from, str):
         paths.append(("model.init_from", init_from))
     return [(f, p) for f, p in paths if p]
+def _check_init_from(cfg, parser) -> None:
+    """model.init_from exists and fits the model config (read from the file headers, no tensor)."""
+    if not cfg.model.init_from:
+        return
+    from ..model import FluxCheckpoint, FluxWeightsError, check_flux_weights
+
+    try:
+        check_flux_weights(FluxCheckpoint(cfg.model.init_from).shapes, cfg.model.flux_config(),
+                           source=f"model.init_from {cfg.model.init_from}")
+    except FluxWeightsError as e:
+        parser.error(str(e))
+
+
+def _with_init_from(cfg, weights: str | None):
+    """The config with model.init_from replaced (None: a run checkpoint supplies the weights)."""
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": weights})})
 
 
 def add_train_parser(sub) -> None:
@@ -242,11 +259,18 @@ def json_text(obj, **kw) -> str:
 
 
 def add_eval_parser(sub) -> None:
-    p = sub.add_parser("eval", help="validation loss of a checkpoint (fixed t = k/8, fixed noise)",
+    p = sub.add_parser("eval", help="validation loss of a checkpoint or of released Flux weights (fixed t = k/8, fixed noise)",
                        description="The validation loss of a checkpoint on its recipe's eval split, as training "
                                    "logs it: each sample at its fixed timestep t = k/8 with fixed noise, "
                                    "sum(loss)/count. Prints one JSON object; writes nothing.")
-    p.add_argument("checkpoint", help="checkpoint (latest.pt, sharded latest.dcp/) or run directory")
+    p.add_argument("checkpoint", nargs="?", help="checkpoint (latest.pt, sharded latest.dcp/) or run directory")
+    p.add_argument("--weights", metavar="PATH",
+                   help="instead of a run checkpoint: released Flux weights (BFL .safetensors, diffusers "
+                        "transformer/ or pipeline folder), evaluated under --recipe")
+    p.add_argument("--recipe", help="with --weights: the recipe giving the model config, precision, data and "
+                                    "eval settings (a built-in name or a YAML file)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --weights: override a recipe field (repeatable)")
     p.add_argument("--samples", type=positive_int, metavar="N",
                    help="evaluate on the first N eval samples (default: the recipe's train.eval_samples)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -268,7 +292,8 @@ def _trainer_from_checkpoint(args):
     # A sharded checkpoint: the config alone first, then the shards straight into the model.
     state = read_checkpoint_meta(path) if path.is_dir() else load_checkpoint(path, map_location="cpu")
     try:
-        cfg = config_from_dict(state["config"], f"of checkpoint {path}")
+        # The checkpoint holds the trained weights: the run's init_from weights are not read again.
+        cfg = _with_init_from(config_from_dict(state["config"], f"of checkpoint {path}"), None)
     except RecipeError as e:
         args.parser.error(str(e))
     trainer = Trainer(cfg, ctx=alone(device.type if device is not None else None), device=device)
@@ -279,87 +304,191 @@ def _trainer_from_checkpoint(args):
     return trainer
 
 
+def _trainer_from_weights(args):
+    """A Trainer of --recipe (with --set overrides) whose model starts from --weights."""
+    from .config import RecipeError, load_recipe
+    from .trainer import Trainer
+
+    if not args.recipe:
+        args.parser.error("--weights needs --recipe: the model config, precision, data and eval settings")
+    try:
+        cfg = _with_init_from(load_recipe(args.recipe, args.overrides), args.weights)
+    except RecipeError as e:
+        args.parser.error(str(e))
+    _check_init_from(cfg, args.parser)
+    return Trainer(cfg, device=args.device)
+
+
 def _eval(args) -> int:
-    trainer = _trainer_from_checkpoint(args)
+    if (args.checkpoint is None) == (args.weights is None):
+        args.parser.error("give a run checkpoint or --weights PATH (with --recipe), not both")
+    if args.weights is None and (args.recipe or args.overrides):
+        args.parser.error("--recipe and --set go with --weights; a run checkpoint carries its own recipe")
+    if args.weights:
+        trainer = _trainer_from_weights(args)
+    else:
+        trainer = _trainer_from_checkpoint(args)
     loss = trainer.evaluate(args.samples)
-    print(json_text({"checkpoint": args.checkpoint, "step": trainer.step, "samples": trainer.samples,
-                     "eval_loss": loss}))
+    print(json_text({"checkpoint": args.checkpoint or args.weights, "step": trainer.step,
+                     "samples": trainer.samples, "eval_loss": loss}))
     return 0
 
 
 def add_sample_parser(sub) -> None:
-    p = sub.add_parser("sample", help="generate images for prompts with a checkpoint (Euler, rectified flow)",
-                       description="Generate one image per prompt with a checkpoint (Euler steps of the "
-                                   "rectified flow, optional classifier-free guidance) and save them as a "
-                                   "captioned PNG grid. The demo dataset decodes by itself; a prepared "
-                                   "dataset needs its VAE and text encoders (--vae, --t5, --clip).")
-    p.add_argument("checkpoint", help="checkpoint (latest.pt, sharded latest.dcp/) or run directory")
+    p = sub.add_parser("sample", help="generate images for prompts with a checkpoint or released Flux weights "
+                                      "(Euler, rectified flow)",
+                       description="Generate one image per prompt (Euler steps of the rectified flow, optional "
+                                   "classifier-free guidance) and save them as a captioned PNG grid. The demo "
+                                   "dataset decodes by itself; real prompts need --vae, --t5 and --clip.")
+    p.add_argument("checkpoint", nargs="?", help="checkpoint (latest.pt, sharded latest.dcp/) or run directory")
+    p.add_argument("--weights", metavar="PATH",
+                   help="instead of a run checkpoint: Flux weights (BFL .safetensors, diffusers transformer/ "
+                        "or pipeline folder); the model config is inferred from them unless --model is given")
+    p.add_argument("--model", help="with --weights: a built-in model config the weights must fit (e.g. flux-12b)")
+    p.add_argument("--data", metavar="ROOT", help="with --weights and no --t5/--clip: the dataset whose own text "
+                                                  "encoder (and decoder, without --vae) to use (default: the demo)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     p.add_argument("--steps", type=positive_int, default=20, help="Euler steps (default: 20)")
-    p.add_argument("--guidance", type=float, help="classifier-free guidance scale, 1 = none "
-                                                  "(default: the checkpoint recipe's train.sample_guidance)")
+    p.add_argument("--guidance", type=float, help="classifier-free guidance scale, 1 = none (default: the "
+                                                  "checkpoint recipe's train.sample_guidance; 1 with --weights)")
+    p.add_argument("--distilled-guidance", type=float, default=None, metavar="G",
+                   help="the guidance input of guidance-distilled models (FLUX.1-dev; default: 3.5)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the initial noise (default: 0)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write (default: samples.png)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    for name in ("vae", "t5", "clip"):
-        p.add_argument(f"--{name}", help=f"local {name.upper()} model path (datasets made by `mxflux data prepare`)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"],
+                   help="compute dtype (default: the checkpoint recipe's; with --weights bfloat16 on CUDA, "
+                        "float32 on the CPU)")
+    p.add_argument("--vae", help="a diffusers AutoencoderKL folder (or a pipeline folder with vae/) to decode with")
+    for name in ("t5", "clip"):
+        p.add_argument(f"--{name}", help=f"local {name.upper()} model path (give --vae, --t5 and --clip together "
+                                         f"for prompts in natural language; without them the demo encoder)")
     p.add_argument("--t5-tokenizer", metavar="PATH", help="T5 tokenizer directory (default: --t5; FLUX.1: tokenizer_2/)")
     p.add_argument("--clip-tokenizer", metavar="PATH", help="CLIP tokenizer directory (default: --clip; FLUX.1: tokenizer/)")
+    p.add_argument("--t5-len", type=int, help="T5 tokens per prompt (default: the dataset's; 256 with --weights, "
+                                              "FLUX.1-schnell's; FLUX.1-dev takes 512)")
+    p.add_argument("--height", type=int, help="image height in pixels, with --vae (default: the dataset's; 512)")
+    p.add_argument("--width", type=int, help="image width in pixels, with --vae (default: the dataset's; 512)")
     p.set_defaults(handler=_sample, parser=p)
 
 
 def _sample(args) -> int:
-    trainer = _trainer_from_checkpoint(args)
-    encoders = None
-    if args.vae or args.t5 or args.clip:
-        if not (args.vae and args.t5 and args.clip):
-            args.parser.error("--vae, --t5 and --clip: give all three, or none for the demo dataset")
-        from ..data.prepare import _Encoders
+    import torch
 
-        encoders = _Encoders(vae_path=args.vae, t5_path=args.t5, clip_path=args.clip,
-                             t5_tokenizer_path=args.t5_tokenizer, clip_tokenizer_path=args.clip_tokenizer,
-                             t5_len=trainer.train_set.t5_shape[0],
-                             device=trainer.device, dtype=trainer.compute_dtype)
-    guidance = trainer.cfg.train.sample_guidance if args.guidance is None else args.guidance
+    if (args.checkpoint is None) == (args.weights is None):
+        args.parser.error("give a run checkpoint or --weights PATH, not both")
+    if (args.model or args.data) and not args.weights:
+        args.parser.error("--model and --data go with --weights; a run checkpoint carries its model and data")
+    if (args.t5 or args.clip) and not (args.vae and args.t5 and args.clip):
+        args.parser.error("--t5 and --clip: give them with --vae (all three), or none for the demo encoder")
+    if args.weights:
+        from ..data import LatentDataset, ensure_demo_dataset
+        from ..model import FluxWeightsError, flux_config, flux_from_checkpoint
+        from .distributed import alone
+        from .trainer import DEMO_DATA_DIR
+
+        device = _device(args) or alone().device
+        dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda"
+                                                                 else torch.float32)
+        try:
+            config = flux_config(args.model) if args.model else None
+            model = flux_from_checkpoint(args.weights, config, device=device, dtype=dtype)
+        except (FluxWeightsError, ValueError) as e:
+            args.parser.error(f"--weights: {e}")
+        # Without real text encoders, prompts go through a dataset's own (the demo's) encoder.
+        dataset = None if args.t5 else LatentDataset(args.data or ensure_demo_dataset(DEMO_DATA_DIR), "train")
+        default_guidance = 1.0
+    else:
+        trainer = _trainer_from_checkpoint(args)
+        model, dataset, device = trainer.model, trainer.train_set, trainer.device
+        dtype = getattr(torch, args.dtype) if args.dtype else trainer.compute_dtype
+        default_guidance = trainer.cfg.train.sample_guidance
+    guidance = default_guidance if args.guidance is None else args.guidance
     if guidance < 0:
         args.parser.error(f"--guidance: expected a scale >= 0, got {guidance}")
-    grid = _sample_to_grid(trainer.model, trainer.train_set, args.prompt, steps=args.steps, seed=args.seed,
-                           out=Path(args.out), dtype=trainer.compute_dtype, encoders=encoders, guidance=guidance)
+
+    encoders = vae = None
+    if args.t5:
+        from ..data.prepare import _Encoders
+
+        t5_len = args.t5_len or (dataset.t5_shape[0] if dataset is not None else 256)
+        encoders = _Encoders(vae_path=args.vae, t5_path=args.t5, clip_path=args.clip,
+                             t5_tokenizer_path=args.t5_tokenizer, clip_tokenizer_path=args.clip_tokenizer,
+                             t5_len=t5_len, device=device, dtype=dtype)
+    elif args.vae:
+        from .sample import VaeDecoder
+
+        vae = VaeDecoder.from_pretrained(args.vae, device=device, dtype=dtype)
+    size = None
+    if args.height or args.width:
+        if not args.vae:
+            args.parser.error("--height/--width: the image size is set with --vae (else the dataset's)")
+        size = (args.height or args.width, args.width or args.height)
+    elif args.vae and dataset is None:
+        size = (512, 512)
+    try:
+        grid = _sample_to_grid(model, dataset, args.prompt, steps=args.steps, seed=args.seed, out=Path(args.out),
+                               dtype=dtype, encoders=encoders, guidance=guidance, vae=vae, image_size=size,
+                               distilled_guidance=args.distilled_guidance)
+    except ValueError as e:
+        args.parser.error(str(e))
     if grid is None:
         args.parser.error("this dataset has no built-in decoder: pass --vae, --t5 and --clip")
     print(json_text({"samples": str(grid), "prompts": args.prompt}))
     return 0
 
 
-def _sample_to_grid(model, dataset, prompts, *, steps, seed, out, dtype, encoders=None, guidance=1.0):
-    """Encode prompts, sample latents, decode and save a grid; None if no decoder is known."""
-    import torch
+def _sample_to_grid(model, dataset, prompts, *, steps, seed, out, dtype, encoders=None, guidance=1.0, vae=None,
+                    image_size=None, distilled_guidance=None):
+    """Encode prompts, sample latents, decode and save a grid; None if no decoder is known.
 
+    Text: `encoders` (real T5 and CLIP), else the dataset's own encoder (the demo's). Decoder and
+    latent geometry: a VAE (`encoders.vae` or `vae`; `image_size` pixels, default the dataset's
+    latent size), else the dataset's built-in decoder.
+    """
     from ..data import load_empty_encodings
 
-    from .sample import generate_latents, save_grid
+    from .sample import DEFAULT_DISTILLED_GUIDANCE, VaeDecoder, generate_latents, save_grid
 
-    decoder_name = dataset.meta.source.get("decoder")
-    if encoders is None:
-        if dataset.meta.source.get("kind") != "demo" and not decoder_name:
-            return None
-        from ..data import encode_demo_prompts
-
-        t5, clip = encode_demo_prompts(prompts)
-        module, _, fn = decoder_name.rpartition(".")
-        decode = getattr(importlib.import_module(module), fn)
+    if encoders is not None:
+        encode = encoders.captions
+        vae = VaeDecoder(encoders.vae, device=encoders.device, dtype=encoders.dtype)
     else:
-        t5, clip = encoders.captions(prompts)
+        source = dataset.meta.source
+        if source.get("kind") != "demo" and not source.get("decoder"):
+            return None
+        from ..data import encode_demo_prompts as encode
 
-        def decode(z):
-            with torch.no_grad():
-                x = encoders.vae.decode(z.to(encoders.device, encoders.dtype)).sample.float()
-            return (x + 1) / 2
+    if vae is not None:
+        if image_size is None:
+            latent = dataset.latent_shape[1:]
+            image_size = (latent[0] * vae.downsample, latent[1] * vae.downsample)
+        latent_shape = vae.latent_shape(*image_size)
+        shift, scale, decode = vae.latent_shift, vae.latent_scale, vae.decode
+    else:
+        module, _, fn = dataset.meta.source["decoder"].rpartition(".")
+        latent_shape, shift, scale = dataset.latent_shape, dataset.latent_shift, dataset.latent_scale
+        decode = getattr(importlib.import_module(module), fn)
+    in_channels = model.config.in_channels
+    if 4 * latent_shape[0] != in_channels:
+        raise ValueError(f"the decoder's latents have {latent_shape[0]} channels; this model takes "
+                         f"{in_channels // 4} (in_channels {in_channels} = 4 x latent channels)")
 
-    # The guidance's empty prompt: the dataset's own empty encodings (what CFG dropout trained on).
-    empty = load_empty_encodings(dataset.root) if guidance != 1.0 else None
-    z = generate_latents(model, t5, clip, latent_shape=dataset.latent_shape, steps=steps, seed=seed,
-                         shift=dataset.latent_shift, scale=dataset.latent_scale, dtype=dtype,
-                         guidance=guidance, empty=empty)
-    images = decode(z.cpu() if encoders is None else z)
+    t5, clip = encode(prompts)
+    if (t5.shape[-1], clip.shape[-1]) != (model.config.context_in_dim, model.config.vec_in_dim):
+        raise ValueError(f"the text encodings are T5 {t5.shape[-1]} / CLIP {clip.shape[-1]} wide; this model "
+                         f"takes {model.config.context_in_dim} / {model.config.vec_in_dim}: pass --vae, --t5 and "
+                         f"--clip (FLUX.1: text_encoder_2/, text_encoder/)")
+    empty = None
+    if guidance != 1.0:  # the empty prompt: the dataset's own encodings (what CFG dropout trained on)
+        if dataset is not None:
+            empty = load_empty_encodings(dataset.root)
+        else:
+            t5_empty, clip_empty = encode([""])
+            empty = (t5_empty[0], clip_empty[0])
+    z = generate_latents(model, t5, clip, latent_shape=latent_shape, steps=steps, seed=seed, shift=shift,
+                         scale=scale, dtype=dtype, guidance=guidance, empty=empty,
+                         distilled_guidance=DEFAULT_DISTILLED_GUIDANCE if distilled_guidance is None
+                         else distilled_guidance)
+    images = decode(z if vae is not None else z.cpu())
     return save_grid(images.cpu(), out, captions=list(prompts))

@@ -33,6 +33,10 @@ class ModelSection(_Section):
     # host launches and inter-kernel bubbles; not yet measured here, see benchmarks/NOTES.md)
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     activation_checkpointing: bool = False  # recompute each block in backward
+    # Released weights to start from (mxflux.model.load_flux_weights): a BFL .safetensors file, a
+    # diffusers transformer/ folder or pipeline folder; None: the MLPerf random initialisation.
+    # `mxflux check-config` checks it against this section's FluxConfig from the file headers.
+    init_from: str | None = None
 
     def flux_config(self):
         """The FluxConfig this section describes: the named config with `overrides` applied."""

@@ -48,6 +48,12 @@ def fit(trainer, *, progress: bool = True, max_steps: int | None = None) -> dict
         try:
             for cb in callbacks:
                 cb.on_fit_start(trainer, end_step)
+            if trainer.step == 0 and c.model.init_from and final_eval:  # the loaded weights' loss: a fine-tune's baseline
+                for cb in callbacks:
+                    cb.on_eval_start(trainer)
+                trainer.last_eval = trainer.evaluate()
+                for cb in callbacks:
+                    cb.on_eval_end(trainer, trainer.last_eval)
             batches = trainer.batches()
             while trainer.step < end_step and not stop:
                 result = trainer.train_step([next(batches) for _ in range(trainer.accum)])

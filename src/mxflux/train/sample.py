@@ -9,19 +9,25 @@ import torch
 from ..model import image_ids, patchify, text_ids, unpatchify
 from .flow import euler_sample
 
-__all__ = ["generate_latents", "save_grid"]
+__all__ = ["DEFAULT_DISTILLED_GUIDANCE", "VaeDecoder", "generate_latents", "save_grid"]
+
+# FLUX.1-dev's guidance input (the embedded, distilled guidance scale), as diffusers' FluxPipeline
+# defaults it; models without a guidance embedder (schnell, MLPerf) ignore it.
+DEFAULT_DISTILLED_GUIDANCE = 3.5
 
 
 @torch.no_grad()
 def generate_latents(model, t5: torch.Tensor, clip: torch.Tensor, *, latent_shape: tuple[int, int, int],
                      steps: int, seed: int, shift: float, scale: float,
                      dtype: torch.dtype = torch.bfloat16, guidance: float = 1.0,
-                     empty: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     empty: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     distilled_guidance: float = DEFAULT_DISTILLED_GUIDANCE) -> torch.Tensor:
     """Sample VAE latents [B, C, H, W] (un-normalised: z = x/scale + shift) for encoded prompts.
 
     `guidance` > 1 is classifier-free guidance with the empty prompt's encodings `empty` =
     (t5 [L, D], clip [D]) (what CFG dropout trained the model on): v = v_empty + g·(v_prompt −
     v_empty), both halves in one batch. 1.0 is the plain conditional model.
+    `distilled_guidance` is the guidance input of models with a guidance embedder (FLUX.1-dev).
     """
     if guidance != 1.0 and empty is None:
         raise ValueError("empty: classifier-free guidance needs the empty prompt's (t5, clip) encodings")
@@ -37,12 +43,16 @@ def generate_latents(model, t5: torch.Tensor, clip: torch.Tensor, *, latent_shap
     ids_img, ids_txt = image_ids(n, h // 2, w // 2, device=device), text_ids(n, t5.shape[1], device=device)
     t5, clip = t5.to(device, dtype), clip.to(device, dtype)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    config = getattr(model, "config", None)
+    embedded = torch.full((n,), float(distilled_guidance), device=device) \
+        if config is not None and config.guidance_embed else None
 
     def velocity(x, t):
         if guidance != 1.0:
             x, t = torch.cat([x, x]), torch.cat([t, t])
         with autocast:
-            out = model(img=patchify(x).to(dtype), img_ids=ids_img, txt=t5, txt_ids=ids_txt, timesteps=t, y=clip)
+            out = model(img=patchify(x).to(dtype), img_ids=ids_img, txt=t5, txt_ids=ids_txt, timesteps=t, y=clip,
+                        guidance=embedded)
         v = unpatchify(out.float(), h, w)
         if guidance == 1.0:
             return v
@@ -56,6 +66,64 @@ def generate_latents(model, t5: torch.Tensor, clip: torch.Tensor, *, latent_shap
     finally:
         model.train(was_training)
     return x0 / scale + shift
+
+
+class VaeDecoder:
+    """A diffusers `AutoencoderKL` as the sampler needs it: latent geometry, normalisation, decoding.
+
+    `latent_shift` / `latent_scale` are the VAE's `shift_factor` / `scaling_factor`: the
+    normalisation `mxflux data prepare` stores with a dataset it encodes with this VAE.
+    """
+
+    def __init__(self, vae, *, device: torch.device | str, dtype: torch.dtype):
+        self.vae, self.device, self.dtype = vae, torch.device(device), dtype
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: torch.device | str, dtype: torch.dtype) -> "VaeDecoder":
+        """Load `path`: an AutoencoderKL folder, or a diffusers pipeline folder holding one in vae/."""
+        try:
+            from diffusers import AutoencoderKL
+        except ImportError as e:
+            raise ImportError(f"decoding with a VAE needs diffusers (pip install 'mxflux[prepare]'): {e}") from None
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--vae: {path} is not a diffusers AutoencoderKL folder")
+        if (path / "vae").is_dir() and not (path / "config.json").is_file():
+            path = path / "vae"
+        vae = AutoencoderKL.from_pretrained(path, torch_dtype=dtype).to(device).eval()
+        return cls(vae, device=device, dtype=dtype)
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.vae.config.latent_channels)
+
+    @property
+    def downsample(self) -> int:
+        """Pixels per latent, per axis (8 for FLUX.1's VAE)."""
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def latent_shift(self) -> float:
+        return float(getattr(self.vae.config, "shift_factor", None) or 0.0)
+
+    @property
+    def latent_scale(self) -> float:
+        return float(self.vae.config.scaling_factor)
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        """[C, h, w] of an image of height x width pixels; h and w even (2x2 patches)."""
+        f = 2 * self.downsample
+        if height % f or width % f:
+            raise ValueError(f"image size {height}x{width}: expected multiples of {f} (the VAE downsamples "
+                             f"{self.downsample}x, Flux patches 2x2)")
+        return self.latent_channels, height // self.downsample, width // self.downsample
+
+    @torch.no_grad()
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        """Un-normalised latents [B, C, h, w] -> images [B, 3, H, W], [0, 1] for in-range pixels
+        (not clamped: `save_grid` clamps what it draws)."""
+        x = self.vae.decode(z.to(self.device, self.dtype)).sample.float()
+        return (x + 1) / 2
 
 
 def save_grid(images: torch.Tensor, path: str | Path, captions: list[str] | None = None, cols: int = 4) -> Path:

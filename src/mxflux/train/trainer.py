@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..model import image_ids, patchify, text_ids
+from ..model import image_ids, init_from_checkpoint, patchify, text_ids
 from ..nn.linear import MXFP6Linear
 from .build import build_model
 from .callbacks import Callback
@@ -69,6 +69,8 @@ class Trainer:
 
         self.model, self.precision_report = build_model(cfg, self.device)  # fp32 master weights
         self.train_model = parallelize(self.model, cfg, self.ctx)  # the model itself or its DDP wrapper
+        if cfg.model.init_from:  # after sharding: under FSDP2 each rank reads only its own shards
+            init_from_checkpoint(self.model, cfg.model.init_from)
         self.window_counters = [m.blocks_outside_window for m in self.mx_modules()]
 
         self.data_root = Path(cfg.data.root) if cfg.data.root else ensure_demo_dataset(DEMO_DATA_DIR)
