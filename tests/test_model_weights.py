@@ -127,13 +127,12 @@ def test_wrong_config_fails_naming_the_mismatch(gen, tmp_path):
 
 
 def test_init_from_checkpoint_fills_an_mxfp6_model(gen, tmp_path):
-    from mxflux.model import MX_LINEAR_PATTERNS
     from mxflux.nn import PrecisionConfig, apply_precision
 
     config = flux_config("flux-tiny")
     root = save_pipeline(random_diffusers_flux(config, gen), tmp_path / "pipe")
     model = Flux(config)
-    report = apply_precision(model, PrecisionConfig(fp6="e2m3"), include=MX_LINEAR_PATTERNS)
+    report = apply_precision(model, PrecisionConfig(fp6="e2m3"))
     assert report.swapped  # MX modules take their weights by the same names
     init_from_checkpoint(model, root)
     state = load_flux_weights(root)

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from mxflux.model import MX_LINEAR_PATTERNS, Flux, init_from_checkpoint, load_flux_weights
+from mxflux.model import Flux, init_from_checkpoint, load_flux_weights
 from mxflux.nn import apply_precision
 from mxflux.train import load_recipe
-from mxflux.train.distributed import cleanup, init_distributed, wrap_model
+from mxflux.train.distributed import cleanup, init_distributed
+from mxflux.train.parallelize import parallelize
 from mxflux.train.trainer import Trainer
 
 
@@ -46,8 +47,7 @@ def main(data: str, weights: str) -> None:
     cfg = recipe(data, weights)
 
     # The Trainer: built, wrapped in FSDP2, then loaded shard by shard.
-    trainer = Trainer(cfg, device="cpu",
-                      wrap_model=lambda m: wrap_model(m, cfg.distributed, ctx, param_dtype=torch.float32))
+    trainer = Trainer(cfg, ctx=ctx, device="cpu")
     check_sharded(trainer.model, reference, "trainer")
     loss = trainer.evaluate()
 
@@ -55,8 +55,8 @@ def main(data: str, weights: str) -> None:
     # fills only its own shards.
     with torch.device("meta"):
         model = Flux(cfg.model.flux_config())
-    apply_precision(model, cfg.precision, include=MX_LINEAR_PATTERNS)
-    wrap_model(model, cfg.distributed, ctx, param_dtype=torch.float32)
+    apply_precision(model, cfg.precision)
+    parallelize(model, cfg, ctx)
     model.to_empty(device="cpu")
     init_from_checkpoint(model, weights)
     check_sharded(model, reference, "meta")
