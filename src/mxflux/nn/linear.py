@@ -8,7 +8,7 @@ from torch import nn
 from ..mx import FoldGranularity
 from .functional import MXConfig, mx_linear
 
-__all__ = ["MXFP6Linear", "mx_ineligibility"]
+__all__ = ["MXFP6Linear", "mx_ineligibility", "output_dtype"]
 
 
 def mx_ineligibility(in_features: int, out_features: int, mx_gemm: str = "rowwise") -> str | None:
@@ -23,6 +23,22 @@ def mx_ineligibility(in_features: int, out_features: int, mx_gemm: str = "rowwis
     bad = [f"{n}={v}" for n, v in (("in_features", in_features), ("out_features", out_features))
            if v % multiple]
     return f"{' and '.join(bad)} not a multiple of {multiple}" if bad else None
+
+
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype an MX layer returns: autocast's dtype where autocast is on, as nn.Linear does
+    under autocast, else the input's.
+
+    Returning the input's dtype under autocast would hand fp32 activations (a LayerNorm's or
+    modulation's output) to everything downstream: every elementwise op after the GEMM would move
+    twice the bytes, and the ops that save their input for backward (GELU, QK-norm, the gates)
+    would keep fp32 copies, so the MXFP6 model would hold more memory than the bf16 one
+    (docs/design.md, "Precisions as converters and the layer map").
+    """
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
 
 
 def as_2d(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -84,7 +100,7 @@ class MXFP6Linear(nn.Linear):
                 f"MXFP6Linear: input's last dimension is {x.shape[-1]}, expected {self.in_features}")
         x2, lead = as_2d(x)
         y = mx_linear(*self.compute_params(x2), self.blocks_outside_window, self.cfg)
-        return y.reshape(*lead, self.out_features).to(x.dtype)
+        return y.reshape(*lead, self.out_features).to(output_dtype(x))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mx_gemm={self.cfg.mx_gemm}, hadamard={self.cfg.hadamard}"

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .functional import fused_mx_mlp
-from .linear import MXFP6Linear, as_2d
+from .linear import MXFP6Linear, as_2d, output_dtype
 
 __all__ = ["FUSED_ACTIVATION", "FUSED_MLP_MODES", "FusedMXFP6MLP", "activation_module", "activation_name"]
 
@@ -115,7 +115,7 @@ class FusedMXFP6MLP(nn.Sequential):
         x2, w1, b1 = self.fc1.compute_params(x2)
         _, w2, b2 = self.fc2.compute_params(x2)
         y = fused_mx_mlp(x2, w1, b1, w2, b2, self.fc1.blocks_outside_window, self.fc1.cfg)
-        return y.reshape(*lead, self.fc2.out_features).to(x.dtype)
+        return y.reshape(*lead, self.fc2.out_features).to(output_dtype(x))
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, fused={self.fused}"
