@@ -168,7 +168,9 @@ def test_train_and_sample_with_the_real_encoder_path(models, images, tmp_path, m
 
     # The grid holds exactly VAE.decode(Euler samples of the trained model for the encoded prompts),
     # guided as the recipe says, against the dataset's empty encodings.
-    trainer = _trainer_from_checkpoint(str(run), "cpu", None)
+    import argparse
+
+    trainer = _trainer_from_checkpoint(argparse.Namespace(checkpoint=str(run), device="cpu", parser=None))
     guidance = trainer.cfg.train.sample_guidance
     assert guidance == 3.0
     enc = _Encoders(vae_path=models / "vae", t5_path=models / "t5", clip_path=models / "clip",
