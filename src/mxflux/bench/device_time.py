@@ -237,7 +237,7 @@ def device_breakdown(acts: list[Activity], steps: int, *, wall_s: float | None =
 # --- the CPU: ops' self time -----------------------------------------------------------------------
 
 _OP_RULES = (
-    ("mx_quant", re.compile(r"mxflux::(mx_pack|fp8_pack)")),
+    ("mx_quant", re.compile(r"mxflux::mx_operands")),
     ("gemm", re.compile(r"^(aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm|_scaled_grouped_mm|matmul|linear)"
                         r"|mxflux::scaled_gemm)$")),
     ("attention", re.compile(r"attention|sdpa|flash", re.I)),
