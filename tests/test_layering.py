@@ -65,9 +65,5 @@ def _sources_mentioning(text: str) -> list[str]:
                   and text in p.read_text())
 
 
-def test_no_source_cites_design_md():
-    assert _sources_mentioning("DESIGN.md") == []
-
-
 def test_no_environment_variable_overrides_the_fused_mlp_recipe_field():
     assert _sources_mentioning("MXFLUX_FUSED_MLP") == []

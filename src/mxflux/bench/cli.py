@@ -38,8 +38,9 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--proxy", action="store_true",
                    help=f"the flux-12b-width throughput proxy: --recipe {PROXY_RECIPE} with "
                         f"{' '.join(PROXY_OVERRIDES)} and synthetic data (256 image + 256 text tokens)")
-    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="recipe overrides for every setting, applied after the setting's own")
+    s.add_argument("overrides", nargs="*", metavar="[RECIPE] KEY=VALUE",
+                   help="the recipe (a built-in name or a YAML file, as for `mxflux train`), then recipe overrides "
+                        "for every setting, applied after the setting's own")
     s.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a recipe override, as for `mxflux train` (repeatable)")
     s.add_argument("--settings", type=_settings, default=list(DEFAULT_SETTINGS),
@@ -104,12 +105,16 @@ def _child_argv(args, setting: str, json_path: Path, memory_path: Path) -> list[
 
 
 def _step(args) -> int:
+    # The recipe is named as `mxflux train` names it (positionally); --recipe stays for scripts.
+    if args.recipe is None and args.overrides and "=" not in args.overrides[0]:
+        args.recipe, args.overrides = args.overrides[0], args.overrides[1:]
     if args.proxy:
         if args.recipe not in (None, PROXY_RECIPE):
             args.parser.error(f"--proxy benchmarks {PROXY_RECIPE}; drop --recipe {args.recipe}")
         args.recipe, args.synthetic = PROXY_RECIPE, True
     if not args.recipe:
-        args.parser.error("--recipe is required (or --proxy)")
+        args.parser.error("name a recipe: `mxflux bench step RECIPE [KEY=VALUE ...]`, --recipe RECIPE, or --proxy "
+                          "(`mxflux recipes` lists them)")
     user = [*args.overrides, *args.set_overrides]
     if len(args.settings) > 1 and any(o.split("=", 1)[0].strip() == "precision" for o in user):
         args.parser.error("a whole 'precision=...' override would make every setting the same precision; "
