@@ -35,7 +35,7 @@ def cfg_dropout(t5: torch.Tensor, clip: torch.Tensor, t5_empty: torch.Tensor, cl
     bool [B] `drop` is set, when given).
 
     The empty encodings must already live on the device in the compute dtype (moved once at
-    setup): a per-step host→device copy would break CUDA-graph capture (the seed's fix).
+    setup): a per-step host→device copy would break CUDA-graph capture.
     """
     if p <= 0:
         return t5, clip
