@@ -13,6 +13,7 @@
 # memory       `--memory` breakdown of one step at micro-batch 16 for bf16, fp8-tensorwise, mxfp6
 #              ($OUT/memory_mbs16.json, tables in $OUT/memory.log)
 # fsdp12b      flux-12b with FSDP2 over every visible GPU (`mxflux bench step` under torchrun)
+# fp8seq       benchmarks/probe_fp8_in_process.py: torchao tensorwise then rowwise in one process
 # host         benchmarks/bench_host.py: host time per MX op call (op dispatch, our Python, Triton launch)
 # sweepcomm    benchmarks/sweep_comm.py: FSDP2 blocks per unit for SWEEP_RECIPE on every visible GPU
 # Two GPUs, one call (background job + `wait`, never a pgrep on a pattern the command line contains):
@@ -59,8 +60,8 @@ for stage in "$@"; do
       timeout ${BENCH_TIMEOUT:-550} python3 -m mxflux.cli bench step --proxy --mbs ${MEMORY_MBS:-16} \
         --settings ${MEMORY_SETTINGS:-bf16,fp8-tensorwise,mxfp6} --setting-timeout ${SETTING_TIMEOUT:-170} \
         --steps 2 --warmup 2 --memory "$OUT/memory_mbs${MEMORY_MBS:-16}.json" \
-        --json "$OUT/bench_step_memory_mbs${MEMORY_MBS:-16}.json" > "$OUT/memory.log" 2>&1
-      grep -vE "W11|I11" "$OUT/memory.log" | tail -150 ;;
+        --json "$OUT/bench_step_memory_mbs${MEMORY_MBS:-16}.json" > "$OUT/memory_mbs${MEMORY_MBS:-16}.log" 2>&1
+      grep -vE "W11|I11" "$OUT/memory_mbs${MEMORY_MBS:-16}.log" | tail -150 ;;
     fsdp12b)  # the full flux-12b under FSDP2 on all visible GPUs, MXFP6 then bf16 (same recipe otherwise)
       n=$(nvidia-smi -L | wc -l)
       for prec in mxfp6 bf16; do
@@ -70,6 +71,9 @@ for stage in "$@"; do
           ${FSDP_ARGS:-model.compile=false model.activation_checkpointing=true} batch.micro_batch_size=$mbs \
           batch.global_batch_size=$((mbs * n)) data.num_workers=2 2>&1 | grep -v "^W11" | tail -22
       done ;;
+    fp8seq)  # torchao tensorwise then rowwise in ONE process, launches blocking (issue: the in-process crash)
+      CUDA_LAUNCH_BLOCKING=1 timeout ${FP8SEQ_TIMEOUT:-300} python3 benchmarks/probe_fp8_in_process.py ${FP8SEQ_ARGS:-} \
+        > "$OUT/fp8seq.log" 2>&1; echo "rc $?"; grep -vE "W11|I11" "$OUT/fp8seq.log" | tail -40 ;;
     host)  # host time per op call (benchmarks/bench_host.py)
       python3 benchmarks/bench_host.py --json "$OUT/bench_host.json" 2>&1 | grep -v "^W11" | tail -15 ;;
     sweepcomm)  # FSDP2 blocks per unit (communication granularity), SWEEP_RECIPE on all visible GPUs
