@@ -22,9 +22,13 @@ from mxflux.bench.step import bench_step, load_bench_recipe
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reset", action="store_true", help="torch._dynamo.reset() between the settings")
+    p.add_argument("--no-cudnn-sdpa", action="store_true",
+                   help="torch.backends.cuda.enable_cudnn_sdp(False): attention on another SDPA backend")
     p.add_argument("--mbs", type=int, default=16)
     p.add_argument("--settings", default="fp8-tensorwise,fp8-rowwise")
     args = p.parse_args()
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     for i, name in enumerate(args.settings.split(",")):
         if i and args.reset:
             torch._dynamo.reset()
