@@ -38,10 +38,13 @@ FLUX_LINEARS = {
 
 
 def fp8_linear(base: nn.Linear) -> nn.Module:
-    """The FP8 baseline: torchao's Float8Linear with mxflux's `fp8: hybrid` tensor-wise config."""
+    """The FP8 baseline: torchao's Float8Linear with mxflux's `fp8: hybrid` tensor-wise config,
+    compiled, as it is trained (its amax and casts are torch ops that only inductor makes fast)."""
     from torchao.float8.float8_linear import Float8Linear
 
-    return Float8Linear.from_float(base, config=float8_linear_config("tensorwise"))
+    lin = nn.Linear(base.in_features, base.out_features, device=base.weight.device, dtype=base.weight.dtype)
+    lin.load_state_dict(base.state_dict())
+    return torch.compile(Float8Linear.from_float(lin, config=float8_linear_config("tensorwise")))
 
 def bench(fn, warmup=10, rep=50) -> float:
     """Median milliseconds of fn() (CUDA events through triton's do_bench)."""
@@ -62,7 +65,7 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     return step
 
 
-def linear_rows(ms, quick: bool):
+def linear_rows(ms, quick: bool, with_peer: bool = True):
     rows = []
     shapes = dict(list(FLUX_LINEARS.items())[:2]) if quick else FLUX_LINEARS
     for m in ms:
@@ -75,19 +78,21 @@ def linear_rows(ms, quick: bool):
             for mode in ("rowwise", "blockwise", "exact"):
                 t[f"mxfp6-{mode}"] = bench(fwd_bwd(MXFP6Linear.from_linear(base, mx_gemm=mode), x, dy))
             t["fp8"] = bench(fwd_bwd(fp8_linear(base), x, dy))
-            peer_name, peer = peer_linear(base)
+            peer_name, peer = peer_linear(base) if with_peer else (None, None)
             if peer is not None:
                 t["peer"] = bench(fwd_bwd(peer, x, dy))
             row = {"layer": name, "M": m, "K": k, "N": n, "peer": peer_name, **{f"ms_{k_}": v for k_, v in t.items()},
                    "tflops_bf16": flops / t["bf16"] / 1e9, "tflops_mxfp6": flops / t["mxfp6-rowwise"] / 1e9}
             row["speedup_mxfp6_vs_bf16"] = t["bf16"] / t["mxfp6-rowwise"]
+            row["speedup_mxfp6_vs_fp8"] = t["fp8"] / t["mxfp6-rowwise"]
             if "peer" in t:
                 row["speedup_mxfp6_vs_peer"] = t["peer"] / t["mxfp6-rowwise"]
             rows.append(row)
             print(f"{name:15s} M={m:6d} bf16 {t['bf16']:7.3f} ms | mxfp6 row {t['mxfp6-rowwise']:7.3f} "
                   f"blk {t['mxfp6-blockwise']:7.3f} exact {t['mxfp6-exact']:7.3f}"
-                  + (f" | peer {t['peer']:7.3f}" if "peer" in t else "")
-                  + f" | mxfp6/bf16 {row['speedup_mxfp6_vs_bf16']:.2f}x", flush=True)
+                  + f" | fp8 {t['fp8']:7.3f}" + (f" | peer {t['peer']:7.3f}" if "peer" in t else "")
+                  + f" | mxfp6/bf16 {row['speedup_mxfp6_vs_bf16']:.2f}x"
+                  f" mxfp6/fp8 {row['speedup_mxfp6_vs_fp8']:.2f}x", flush=True)
             del base, x, dy
             torch.cuda.empty_cache()
     return rows
@@ -252,6 +257,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="two linear shapes only")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", nargs="*", default=[], choices=["linear", "mlp", "fold"])
+    ap.add_argument("--no-peer", action="store_true", help="leave out the emulated peer MX linear (slow)")
     ap.add_argument("--profile", nargs=2, metavar=("LAYER", "M"), action="append",
                     help=f"only print the kernels of one linear's fwd+bwd (LAYER in {list(FLUX_LINEARS)})")
     args = ap.parse_args(argv)
@@ -266,7 +272,7 @@ def main(argv=None):
     if "fold" not in args.skip:
         result["fold_window"] = fold_window_study()
     if "linear" not in args.skip:
-        result["linear"] = linear_rows(args.m, args.quick)
+        result["linear"] = linear_rows(args.m, args.quick, with_peer=not args.no_peer)
     if "mlp" not in args.skip:
         result["mlp"] = mlp_rows(args.m)
     path = args.json or (os.path.join(os.environ["OUT"], "bench_layers.json") if "OUT" in os.environ else None)
