@@ -35,7 +35,7 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests)
-      python3 -m pytest -q --tb=short --durations=10 ${GPU_TESTS:-tests/gpu tests/test_saved_tensors.py tests/test_mx_saved_inputs.py} -p no:cacheprovider 2>&1 | grep -v "^W11" > "$OUT/gpu_tests.log"
+      python3 -m pytest -q --tb=short --durations=10 ${GPU_TESTS:-tests/gpu tests/test_saved_tensors.py} -p no:cacheprovider 2>&1 | grep -v "^W11" > "$OUT/gpu_tests.log"
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests.log" | tail -40 ;;
     kernels)
       python3 benchmarks/bench_kernels.py --out "$OUT" 2>&1 | grep -v "^W11" | tail -120 ;;

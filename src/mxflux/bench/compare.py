@@ -38,9 +38,6 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "fp8-tensorwise": ("precision={fp8: hybrid}", "precision.fp8_scaling=tensorwise"),
     "fp8-rowwise": ("precision={fp8: hybrid}", "precision.fp8_scaling=rowwise"),
     "mxfp6": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off"}',),
-    # the same, saving bf16 inputs instead of FP8 col operands for backward (less memory when compiled)
-    "mxfp6-inputs": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
-                     'mx_saved: inputs}',),
 }
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 

@@ -7,18 +7,9 @@ GEMMs and their operands"):
     dgrad  dX = dY · W      A = dY [M,N] along N       B = Wᵀ [K,N] along N
     wgrad  dW = dYᵀ · X     A = dYᵀ [N,M] along M      B = Xᵀ [K,M] along M
 
-so every tensor is packed into both orientations ("row" = along its last axis, "col" = the
-transposed copy along its first). What forward keeps for backward is `MXConfig.saved`
-(docs/design.md, "The three GEMMs and their operands"):
-
-- "operands": X and W are packed once into both orientations and forward saves only the col
-  copies backward needs (Xᵀ, Wᵀ as E4M3, 1 byte per element), never a bf16 activation;
-- "inputs": forward packs the row orientation only and saves the bf16 X and W themselves;
-  backward packs their col copies again (bit-identical: the packer is deterministic). Under
-  torch.compile the partitioner then keeps X only if nothing cheaper rebuilds it, e.g. it
-  recomputes a LayerNorm-and-modulate output from the tensors LayerNorm keeps anyway, and the
-  bf16 weight from the fp32 parameter, so the step holds no MX-specific copy at all. Costs one
-  more read of X and W per step. The bias is added in the GEMM's fp32
+so every tensor is packed once into both orientations ("row" = along its last axis, "col" =
+the transposed copy along its first). Forward saves only the quantized col copies that
+backward needs (Xᵀ, Wᵀ), never bf16 activations. The bias is added in the GEMM's fp32
 epilogue and its gradient is the column sum the dY packer produces while it quantizes dY.
 Every packer call adds the blocks it finds outside the FP8 fold window to the module's
 `blocks_outside_window` counter (docs/design.md, "The exact FP8 fold and its window").
@@ -33,31 +24,22 @@ import torch
 from ..mx.granularity import FoldGranularity
 from ..ops.custom_ops import mx_operands, scaled_gemm
 
-__all__ = ["MXConfig", "SAVED_MODES", "fused_mx_mlp", "mx_linear"]
-
-SAVED_MODES = ("operands", "inputs")
+__all__ = ["MXConfig", "fused_mx_mlp", "mx_linear"]
 
 
 class MXConfig(NamedTuple):
     """Static settings of one MX module (hashable, so compile treats them as constants).
 
-    `mx_gemm` is the recipe's name of the fold granularity ("rowwise", "blockwise", "exact");
-    `saved` is what forward keeps for backward, one of SAVED_MODES (see the module docstring).
+    `mx_gemm` is the recipe's name of the fold granularity ("rowwise", "blockwise", "exact").
     """
 
     mx_gemm: str = "rowwise"
     hadamard: bool = True
-    saved: str = "operands"
 
     @property
     def granularity(self) -> FoldGranularity:
         """The fold granularity `mx_gemm` names (ValueError naming `mx_gemm` if it names none)."""
         return FoldGranularity.from_mx_gemm(self.mx_gemm)
-
-    @property
-    def saves_inputs(self) -> bool:
-        """True when forward saves bf16 inputs and backward re-packs their col operands."""
-        return self.saved == "inputs"
 
 
 class Operand(NamedTuple):
@@ -79,36 +61,24 @@ def _gemm(a: Operand, b: Operand, cfg: MXConfig, bias=None, out_dtype=torch.bflo
 class _MXLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig):
-        # col copies are needed for dW (Xᵀ) and dX (Wᵀ); "inputs" packs them in backward instead
-        x_col_now = weight.requires_grad and not cfg.saves_inputs
-        w_col_now = x.requires_grad and not cfg.saves_inputs
-        x_row, x_col, _ = _pack(x, cfg, blocks_outside_window, col=x_col_now)
-        w_row, w_col, _ = _pack(weight, cfg, blocks_outside_window, col=w_col_now)
+        x_row, x_col, _ = _pack(x, cfg, blocks_outside_window, col=weight.requires_grad)
+        w_row, w_col, _ = _pack(weight, cfg, blocks_outside_window, col=x.requires_grad)
         y = _gemm(x_row, w_row, cfg, bias, x.dtype)
-        if cfg.saves_inputs:
-            ctx.save_for_backward(x, weight)
-        else:
-            ctx.save_for_backward(*x_col, *w_col)
+        ctx.save_for_backward(*x_col, *w_col)
         ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
         ctx.has_bias = bias is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
+        xc_data, xc_scale, wc_data, wc_scale = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        cfg, outside = ctx.cfg, ctx.blocks_outside_window
-        if cfg.saves_inputs:
-            x, weight = ctx.saved_tensors
-            x_col = _pack(x, cfg, outside, row=False)[1] if need_w else None
-            w_col = _pack(weight, cfg, outside, row=False)[1] if need_x else None
-        else:
-            xc_data, xc_scale, wc_data, wc_scale = ctx.saved_tensors
-            x_col, w_col = Operand(xc_data, xc_scale), Operand(wc_data, wc_scale)
+        cfg = ctx.cfg
         dy = dy.contiguous()
-        dy_row, dy_col, dbias = _pack(dy, cfg, outside, row=need_x, col=need_w,
+        dy_row, dy_col, dbias = _pack(dy, cfg, ctx.blocks_outside_window, row=need_x, col=need_w,
                                       colsum=need_b and ctx.has_bias)
-        dx = _gemm(dy_row, w_col, cfg, None, dy.dtype) if need_x else None
-        dw = _gemm(dy_col, x_col, cfg, None, dy.dtype) if need_w else None
+        dx = _gemm(dy_row, Operand(wc_data, wc_scale), cfg, None, dy.dtype) if need_x else None
+        dw = _gemm(dy_col, Operand(xc_data, xc_scale), cfg, None, dy.dtype) if need_w else None
         db = dbias.to(dy.dtype) if need_b and ctx.has_bias else None
         return dx, dw, db, None, None
 
@@ -131,42 +101,29 @@ class _FusedMXMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig):
-        col = not cfg.saves_inputs
-        x_row, x_col, _ = _pack(x, cfg, blocks_outside_window, col=col)
-        w1_row, w1_col, _ = _pack(w1, cfg, blocks_outside_window, col=col)
-        w2_row, w2_col, _ = _pack(w2, cfg, blocks_outside_window, col=col)
+        x_row, x_col, _ = _pack(x, cfg, blocks_outside_window)
+        w1_row, w1_col, _ = _pack(w1, cfg, blocks_outside_window)
+        w2_row, w2_col, _ = _pack(w2, cfg, blocks_outside_window)
         h = _gemm(x_row, w1_row, cfg, b1, x.dtype)
-        act_row, act_col, _ = _pack(h, cfg, blocks_outside_window, col=col, prologue="gelu_tanh")
+        act_row, act_col, _ = _pack(h, cfg, blocks_outside_window, prologue="gelu_tanh")
         y = _gemm(act_row, w2_row, cfg, b2, x.dtype)
-        if cfg.saves_inputs:  # h is kept either way; the activation's col copy is re-packed from it
-            ctx.save_for_backward(h, x, w1, w2)
-        else:
-            ctx.save_for_backward(h, *x_col, *w1_col, *act_col, *w2_col)
+        ctx.save_for_backward(h, *x_col, *w1_col, *act_col, *w2_col)
         ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
         ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
         return y
 
     @staticmethod
     def backward(ctx, dy):
+        h, xcd, xcs, w1cd, w1cs, acd, acs, w2cd, w2cs = ctx.saved_tensors
         cfg, outside = ctx.cfg, ctx.blocks_outside_window
-        if cfg.saves_inputs:
-            h, x, w1, w2 = ctx.saved_tensors
-            x_col = _pack(x, cfg, outside, row=False)[1]
-            w1_col = _pack(w1, cfg, outside, row=False)[1]
-            act_col = _pack(h, cfg, outside, row=False, prologue="gelu_tanh")[1]
-            w2_col = _pack(w2, cfg, outside, row=False)[1]
-        else:
-            h, xcd, xcs, w1cd, w1cs, acd, acs, w2cd, w2cs = ctx.saved_tensors
-            x_col, w1_col = Operand(xcd, xcs), Operand(w1cd, w1cs)
-            act_col, w2_col = Operand(acd, acs), Operand(w2cd, w2cs)
         dy = dy.contiguous()
         dy_row, dy_col, db2 = _pack(dy, cfg, outside, colsum=ctx.has_b2)
-        dact = _gemm(dy_row, w2_col, cfg, None, dy.dtype)
-        dw2 = _gemm(dy_col, act_col, cfg, None, dy.dtype)
+        dact = _gemm(dy_row, Operand(w2cd, w2cs), cfg, None, dy.dtype)
+        dw2 = _gemm(dy_col, Operand(acd, acs), cfg, None, dy.dtype)
         dh_row, dh_col, db1 = _pack(dact, cfg, outside, prologue="gelu_tanh_grad", aux=h,
                                     colsum=ctx.has_b1)
-        dx = _gemm(dh_row, w1_col, cfg, None, dy.dtype)
-        dw1 = _gemm(dh_col, x_col, cfg, None, dy.dtype)
+        dx = _gemm(dh_row, Operand(w1cd, w1cs), cfg, None, dy.dtype)
+        dw1 = _gemm(dh_col, Operand(xcd, xcs), cfg, None, dy.dtype)
         db1 = db1.to(dy.dtype) if ctx.has_b1 else None
         db2 = db2.to(dy.dtype) if ctx.has_b2 else None
         return dx, dw1, db1, dw2, db2, None, None

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..mx import FoldGranularity
-from .functional import SAVED_MODES, MXConfig, mx_linear
+from .functional import MXConfig, mx_linear
 
 __all__ = ["MXFP6Linear", "mx_ineligibility", "output_dtype"]
 
@@ -56,21 +56,21 @@ class MXFP6Linear(nn.Linear):
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *,
-                 mx_gemm: str = "rowwise", hadamard: bool = True, saved: str = "operands"):
+                 mx_gemm: str = "rowwise", hadamard: bool = True):
         self._check_shape(in_features, out_features, mx_gemm)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._setup(mx_gemm, hadamard, saved)
+        self._setup(mx_gemm, hadamard)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, mx_gemm: str = "rowwise", hadamard: bool = True,
-                    saved: str = "operands") -> "MXFP6Linear":
+    def from_linear(cls, linear: nn.Linear, *, mx_gemm: str = "rowwise",
+                    hadamard: bool = True) -> "MXFP6Linear":
         """An MXFP6Linear sharing `linear`'s weight and bias Parameters (no copy)."""
         cls._check_shape(linear.in_features, linear.out_features, mx_gemm)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
-        new._setup(mx_gemm, hadamard, saved)
+        new._setup(mx_gemm, hadamard)
         return new
 
     @staticmethod
@@ -79,10 +79,8 @@ class MXFP6Linear(nn.Linear):
         if reason:
             raise ValueError(f"MXFP6Linear with mx_gemm={mx_gemm!r}: {reason}")
 
-    def _setup(self, mx_gemm: str, hadamard: bool, saved: str) -> None:
-        if saved not in SAVED_MODES:
-            raise ValueError(f"MXFP6Linear: saved must be one of {SAVED_MODES}, got {saved!r}")
-        self.cfg = MXConfig(mx_gemm, bool(hadamard), saved)
+    def _setup(self, mx_gemm: str, hadamard: bool) -> None:
+        self.cfg = MXConfig(mx_gemm, bool(hadamard))
         # Device-side count of blocks that fell outside the FP8 fold window; read it only when
         # reporting, so training never waits on the device for it
         # (docs/design.md, "The exact FP8 fold and its window").
@@ -105,5 +103,4 @@ class MXFP6Linear(nn.Linear):
         return y.reshape(*lead, self.out_features).to(output_dtype(x))
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, mx_gemm={self.cfg.mx_gemm}, hadamard={self.cfg.hadamard}, "
-                f"saved={self.cfg.saved}")
+        return f"{super().extra_repr()}, mx_gemm={self.cfg.mx_gemm}, hadamard={self.cfg.hadamard}"

@@ -54,23 +54,22 @@ class FusedMXFP6MLP(nn.Sequential):
 
     def __init__(self, dim: int, hidden: int, *, bias: bool = True, mode: str = "auto",
                  activation: str = FUSED_ACTIVATION, mx_gemm: str = "rowwise", hadamard: bool = True,
-                 saved: str = "operands", device=None, dtype=None):
-        kw = dict(bias=bias, device=device, dtype=dtype, mx_gemm=mx_gemm, hadamard=hadamard, saved=saved)
+                 device=None, dtype=None):
+        kw = dict(bias=bias, device=device, dtype=dtype, mx_gemm=mx_gemm, hadamard=hadamard)
         super().__init__(MXFP6Linear(dim, hidden, **kw), activation_module(activation),
                          MXFP6Linear(hidden, dim, **kw))
         self._choose_path(mode)
 
     @classmethod
     def from_linears(cls, fc1: nn.Linear, fc2: nn.Linear, *, activation: str, mode: str = "auto",
-                     mx_gemm: str = "rowwise", hadamard: bool = True,
-                     saved: str = "operands") -> "FusedMXFP6MLP":
+                     mx_gemm: str = "rowwise", hadamard: bool = True) -> "FusedMXFP6MLP":
         """Build around existing linears, keeping their Parameters (no copy)."""
         if fc1.out_features != fc2.in_features:
             raise ValueError(f"fc2: in_features {fc2.in_features} != fc1.out_features {fc1.out_features}")
         new = cls.__new__(cls)
-        mx = dict(mx_gemm=mx_gemm, hadamard=hadamard, saved=saved)
-        nn.Sequential.__init__(new, MXFP6Linear.from_linear(fc1, **mx), activation_module(activation),
-                               MXFP6Linear.from_linear(fc2, **mx))
+        nn.Sequential.__init__(new, MXFP6Linear.from_linear(fc1, mx_gemm=mx_gemm, hadamard=hadamard),
+                               activation_module(activation),
+                               MXFP6Linear.from_linear(fc2, mx_gemm=mx_gemm, hadamard=hadamard))
         new._choose_path(mode)
         return new
 

@@ -34,9 +34,6 @@ class PrecisionConfig(BaseModel):
     mx_gemm: Literal["rowwise", "blockwise", "exact"] = "rowwise"
     hadamard: bool = True
     fused_mlp: Literal["auto", "on", "off"] = "auto"
-    # What an MX layer's forward keeps for backward: its FP8 column operands, or its bf16 inputs
-    # (col operands re-packed in backward; less memory under torch.compile, one more read).
-    mx_saved: Literal["operands", "inputs"] = "operands"
 
     # FP8 on torchao.float8 (nn/precision/fp8.py)
     fp8: Literal["hybrid"] | None = None  # E4M3 activations and weights, E5M2 gradients
