@@ -14,7 +14,11 @@ addresses). `torch._dynamo.reset()` clears only dynamo's own caches, not the res
 memory access is sticky: it poisons the CUDA context, so every later setting in that process fails
 too. A fresh process per setting gives each its own CUDA context, compile caches and allocator:
 the settings cannot influence each other's numbers or memory peaks, and a crash costs only its own
-column. (The root cause of that crash was not reproduced here; the isolation holds whatever it is.)
+column. The crash itself (reproduced by benchmarks/probe_fp8_in_process.py, H200, torch 2.11) is in
+cuDNN's attention backward: `_scaled_dot_product_cudnn_attention_backward` of the second compiled
+model fails its cuDNN graph execution and then faults; with the cuDNN SDPA backend turned off the
+same two settings run one after the other in one process. PyTorch keeps cuDNN attention graphs in a
+process-wide cache, which the first model's run fills.
 """
 
 from __future__ import annotations
