@@ -17,8 +17,8 @@ the settings cannot influence each other's numbers or memory peaks, and a crash 
 column. The crash itself (reproduced by benchmarks/probe_fp8_in_process.py, H200, torch 2.11) is in
 cuDNN's attention backward: `_scaled_dot_product_cudnn_attention_backward` of the second compiled
 model fails its cuDNN graph execution and then faults; with the cuDNN SDPA backend turned off the
-same two settings run one after the other in one process. PyTorch keeps cuDNN attention graphs in a
-process-wide cache, which the first model's run fills.
+same two settings run one after the other in one process. The likely mechanism (not proven) is
+PyTorch's process-wide cache of cuDNN attention graphs, which the first model's run fills.
 """
 
 from __future__ import annotations
