@@ -26,7 +26,7 @@ import torch
 
 from .shards import DataError, DatasetWriter, check_output_dir
 
-__all__ = ["IMAGE_SUFFIXES", "find_captioned_images", "prepare_dataset"]
+__all__ = ["IMAGE_SUFFIXES", "find_captioned_images", "prepare_dataset", "vae_latent_normalisation"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,12 @@ def _load_image(path: Path, size: int) -> torch.Tensor:
     return pixels.permute(2, 0, 1).float() / 127.5 - 1
 
 
+def vae_latent_normalisation(vae) -> tuple[float, float]:
+    """(shift, scale) of a diffusers AutoencoderKL's latents: its config's `shift_factor` (0 when
+    absent, as in SD-style VAEs) and `scaling_factor`. A dataset stores (z - shift) · scale."""
+    return float(getattr(vae.config, "shift_factor", None) or 0.0), float(vae.config.scaling_factor)
+
+
 class _Encoders:
     """The three pretrained encoders, loaded once, in eval mode on `device`."""
 
@@ -88,11 +94,11 @@ class _Encoders:
 
     @property
     def latent_shift(self) -> float:
-        return float(getattr(self.vae.config, "shift_factor", None) or 0.0)
+        return vae_latent_normalisation(self.vae)[0]
 
     @property
     def latent_scale(self) -> float:
-        return float(self.vae.config.scaling_factor)
+        return vae_latent_normalisation(self.vae)[1]
 
     @torch.no_grad()
     def images(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

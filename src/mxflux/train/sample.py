@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from ..data.prepare import vae_latent_normalisation
 from ..model import image_ids, patchify, text_ids, unpatchify
 from .flow import euler_sample
 
@@ -104,11 +105,11 @@ class VaeDecoder:
 
     @property
     def latent_shift(self) -> float:
-        return float(getattr(self.vae.config, "shift_factor", None) or 0.0)
+        return vae_latent_normalisation(self.vae)[0]
 
     @property
     def latent_scale(self) -> float:
-        return float(self.vae.config.scaling_factor)
+        return vae_latent_normalisation(self.vae)[1]
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         """[C, h, w] of an image of height x width pixels; h and w even (2x2 patches)."""
