@@ -262,23 +262,18 @@ def test_compiled_launch_off_by_switch_and_under_the_interpreter(monkeypatch):
     assert triton_common.compiled_launch(object(), (), (), {}, 0) is None
 
 
-def test_the_op_hands_its_counter_to_the_cuda_packer(monkeypatch):
+def test_the_op_hands_its_counter_to_the_cuda_packer(fake, monkeypatch):
     from mxflux.ops import custom_ops
 
-    seen = {}
-
-    def packer(x, **kw):
-        seen.update(kw)
-        kw["counter"].add_(5)
-        return oc.MXOperands(x, x, None, None, None, kw["counter"])
-
     monkeypatch.setattr(custom_ops, "use_kernels", lambda t: True)
-    monkeypatch.setattr(custom_ops, "mx_operands_cuda", packer)
     counter = torch.zeros(1, dtype=torch.int64)
-    x = x_(32, 64)
-    outs = custom_ops._mx_operands(x, None, counter, True, False, "rowwise", True, "none", False)
-    assert seen["counter"] is counter and int(counter) == 5  # added once, by the packer
-    assert outs[0] is x and [t.numel() for t in outs[2:]] == [0, 0, 0]
+    x = x_(32, 128)
+    outs = custom_ops._mx_operands(x, None, counter, True, False, "blockwise", True, "none", False)
+    (grid, args, kw), = fake.calls
+    assert args[12] is counter  # the kernels count into it: nothing is added afterwards
+    assert kw["GRAN"] == 128 and kw["DO_ROW"] and not kw["DO_COL"]
+    assert outs[0].data_ptr() == args[7].data_ptr() and outs[0].dtype == torch.float8_e4m3fn
+    assert [t.numel() for t in outs[2:]] == [0, 0, 0] and len(outs) == 5
 
 
 def test_compiled_launch_calls_the_c_launcher_itself_when_no_scratch_is_needed():

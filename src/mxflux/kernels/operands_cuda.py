@@ -68,7 +68,7 @@ if HAS_TRITON:
         zip_tuple,
     )
 
-__all__ = ["cuda_kernel_available", "mx_operands_cuda", "prologue_cuda"]
+__all__ = ["cuda_kernel_available", "mx_operands_cuda", "mx_operands_cuda_counted", "prologue_cuda"]
 
 _E2M3 = get_format("e2m3")  # the one element format with kernels
 _BR = 128  # rows per tile (4 column blocks: one 1x128 group of the column orientation)
@@ -685,6 +685,17 @@ def mx_operands_cuda(
     go straight to the compiled kernel (`triton_common.CompiledLaunch`; MXFLUX_COMPILED_LAUNCH=0
     turns that off).
     """
+    return MXOperands(*_pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, _hw, _poison))
+
+
+def mx_operands_cuda_counted(x, aux, counter, row, col, granularity, hadamard, prologue, colsum) -> tuple:
+    """`mx_operands_cuda` as the custom op calls it: positional arguments, the count added into
+    `counter`, and a plain tuple (row_data, row_scale, col_data, col_scale, colsum, counter) with
+    None for what was not asked (host time per call is what a small micro-batch is bound by)."""
+    return _pack(x, aux, counter, row, col, granularity, hadamard, "e2m3", prologue, colsum, None, False)
+
+
+def _pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, _hw, _poison) -> tuple:
     hw = (not interpreting()) if _hw is None else bool(_hw)
     io_mode = _pack_io_mode()
     if not isinstance(x, torch.Tensor) or (aux is not None and not isinstance(aux, torch.Tensor)) \
@@ -742,8 +753,8 @@ def mx_operands_cuda(
         if counter is not None:
             counter.add_(outside.reshape(counter.shape))
             outside = counter
-    return MXOperands(row_data, row_scale, col_data, col_scale,
-                      ws[plan.off_sums:plan.off_sums + C].view(torch.float32) if colsum else None, outside)
+    return (row_data, row_scale, col_data, col_scale,
+            ws[plan.off_sums:plan.off_sums + C].view(torch.float32) if colsum else None, outside)
 
 
 def _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale, counter) -> None:

@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from ..kernels import cpu_kernel_available, mx_operands_cpu, mx_operands_cuda, scaled_gemm_cuda
+from ..kernels import cpu_kernel_available, mx_operands_cpu, mx_operands_cuda_counted, scaled_gemm_cuda
 from ..mx.granularity import FoldGranularity
 from ..mx.operands import mx_operands_reference, padded_rows
 from ..mx.scaled_gemm import scaled_gemm_reference
@@ -80,8 +80,7 @@ def _mx_operands(
     """
     g = FoldGranularity.from_mx_gemm(granularity)
     if use_kernels(x):  # the kernels add into the counter themselves (no launch for the add)
-        p = mx_operands_cuda(x, row=row, col=col, granularity=g, hadamard=hadamard, prologue=prologue, aux=aux,
-                             colsum=colsum, counter=blocks_outside_window)
+        p = mx_operands_cuda_counted(x, aux, blocks_outside_window, row, col, g, hadamard, prologue, colsum)
     else:
         if x.device.type == "cpu" and cpu_kernel_available() and not FORCE_REFERENCE:
             pack = mx_operands_cpu
