@@ -154,8 +154,7 @@ def test_plan_geometry_and_constexprs(fake):
     (g1, a1, k1), (g2, a2, k2) = fake.calls
     assert (k1["PASS"], k2["PASS"]) == (1, 2) and g1 == g2
     assert k2 == dict(PASS=2, DO_ROW=True, DO_COL=True, DO_COLSUM=True, GRAN=0, HADAMARD=True, PROLOGUE=0,
-                      HW=False, BR=128, NB=2, COAL=True, num_warps=8, enable_fp_fusion=False,
-                      enable_reflect_ftz=False)  # the compile options of a GPU launch
+                      HW=False, BR=128, NB=2, COAL=True, **triton_common.launch_options(8))
     assert a2[2:7] == (256, 256, 200, 256, 224) and a2[15] == 2 and g2 == (4, min(2, -(-16 // 4)))
     assert a2[0] is x and a2[12] is counter and out.blocks_outside_window is counter
     assert a2[7].data_ptr() == out.row_data.data_ptr() and a2[9].data_ptr() == out.col_data.data_ptr()
