@@ -5,19 +5,23 @@
 Every op is called in a loop on a small operand (256 x 3072 by default, so the device work per
 call is a few microseconds and the host is the limit), and the wall time per call is reported:
 
-- `mx_operands` op (packer + dispatch), `mx_operands_cuda` called directly, and `mx_operands_cuda`
-  with its Triton launches stubbed out: op dispatch, our Python, and Triton's launch, each by
-  difference;
+- `mx_operands` op (packer + dispatch), `mx_operands_cuda` called directly (launches after a
+  plan's first go straight to the compiled kernels), the same on Triton's normal launch path
+  (MXFLUX_COMPILED_LAUNCH=0), and `mx_operands_cuda` with its Triton launches stubbed out: op
+  dispatch, our Python, and the launches, each by difference;
 - `scaled_gemm` op against `torch._scaled_mm` called directly;
 - a calibration: one tiny elementwise op (the host's cost of any launch).
 
-On a machine without CUDA it measures what it can: the op dispatch around a stubbed packer.
+On a machine without CUDA it measures what it can: the op dispatch around a stubbed packer, and
+with Triton under its interpreter (TRITON_INTERPRET=1) `mx_operands_cuda`'s own Python with the
+launches stubbed, with its launch plans cached (as in training) and rebuilt on every call.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -39,10 +43,28 @@ def per_call_us(fn, calls: int, sync) -> float:
 
 
 class _NoLaunch:
-    """Stands in for a Triton JITFunction: `kernel[grid](...)` does nothing."""
+    """Stands in for the packer's Triton JITFunction: `kernel[grid](...)` launches nothing and
+    returns a compiled kernel whose launcher does nothing, so that calls after a plan's first take
+    the compiled-launch path, as on the GPU."""
+
+    def __init__(self, real):
+        self.arg_names = list(real.arg_names)
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _NoCompiled(self.arg_names, args, kwargs)
+
+
+class _NoCompiled:
+    def __init__(self, names, args, kwargs):
+        from types import SimpleNamespace
+
+        values = list(args) + [kwargs[n] for n in names[len(args):]]
+        self.src = SimpleNamespace(
+            fn=SimpleNamespace(arg_names=names), constants={(i,): values[i] for i in range(len(args), len(names))},
+            signature={n: "*i8" if isinstance(v, torch.Tensor) else "constexpr" if i >= len(args) else "i32"
+                       for i, (n, v) in enumerate(zip(names, values))})
+        self.function, self.packed_metadata = 1, (8, 1, 0)
+        self.run = lambda *a: None
 
 
 def measure(device: str, rows: int, cols: int, calls: int) -> dict[str, float]:
@@ -61,13 +83,14 @@ def measure(device: str, rows: int, cols: int, calls: int) -> dict[str, float]:
 
         out["mx_operands op"] = per_call_us(lambda: mx_operands(*op_args), calls, sync)
         out["mx_operands_cuda direct"] = per_call_us(lambda: mx_operands_cuda(x), calls, sync)
-        real = operands_module._pack_kernel
-        operands_module._pack_kernel = _NoLaunch()
+        os.environ["MXFLUX_COMPILED_LAUNCH"] = "0"
+        operands_module.clear_launch_plans()
         try:
-            out["mx_operands_cuda, launches stubbed"] = per_call_us(lambda: mx_operands_cuda(x), calls, sync)
-            out["mx_operands op, launches stubbed"] = per_call_us(lambda: mx_operands(*op_args), calls, sync)
+            out["mx_operands_cuda direct, Triton launch path"] = per_call_us(lambda: mx_operands_cuda(x), calls, sync)
         finally:
-            operands_module._pack_kernel = real
+            del os.environ["MXFLUX_COMPILED_LAUNCH"]
+            operands_module.clear_launch_plans()
+        out.update(_stubbed(operands_module, x, op_args, calls, sync))
         p = mx_operands_cuda(x, col=False)
         w = mx_operands_cuda(torch.randn(cols, cols, device=device).bfloat16(), col=False)
         out["scaled_gemm op"] = per_call_us(
@@ -85,6 +108,49 @@ def measure(device: str, rows: int, cols: int, calls: int) -> dict[str, float]:
             out["mx_operands op, packer stubbed"] = per_call_us(lambda: mx_operands(*op_args), calls, sync)
         finally:
             custom_ops.mx_operands_cpu = real
+        from mxflux.kernels import cuda_kernel_available
+
+        if cuda_kernel_available():  # Triton's interpreter: our Python around stubbed launches
+            from mxflux.kernels import operands_cuda as operands_module
+
+            out.update(_stubbed(operands_module, x, op_args, calls, sync, op=False))
+    return out
+
+
+def _stubbed(operands_module, x, op_args, calls, sync, op=True) -> dict[str, float]:
+    """`mx_operands_cuda` (and the op) with the Triton launches stubbed out. Plans built while the
+    stub is in place never get compiled launchers, and are dropped afterwards."""
+    from mxflux.kernels import mx_operands_cuda
+    from mxflux.ops.custom_ops import mx_operands
+
+    out = {}
+    from mxflux.kernels import triton_common
+
+    real = (operands_module._pack_kernel, operands_module.compiled_launch, operands_module._compiled_launch_device)
+    if torch.cuda.is_available():
+        env = dict(get_stream=triton_common.triton.runtime.driver.active.get_current_stream,
+                   hooks=triton_common.triton.knobs.runtime, current_device=torch.cuda.current_device)
+    else:  # the interpreter: pretend to be device 0
+        env = dict(get_stream=lambda dev: 0, hooks=type("Hooks", (), {"launch_enter_hook": None,
+                                                                      "launch_exit_hook": None}),
+                   current_device=lambda: 0)
+        operands_module._compiled_launch_device = lambda plan: 0
+    operands_module._pack_kernel = _NoLaunch(real[0])
+    operands_module.compiled_launch = lambda *a: triton_common.compiled_launch(*a, _env=env)
+    operands_module.clear_launch_plans()
+    try:
+        out["mx_operands_cuda, launches stubbed"] = per_call_us(lambda: mx_operands_cuda(x), calls, sync)
+
+        def uncached():
+            operands_module.clear_launch_plans()
+            mx_operands_cuda(x)
+
+        out["mx_operands_cuda, launches stubbed, no plan cache"] = per_call_us(uncached, calls, sync)
+        if op:
+            out["mx_operands op, launches stubbed"] = per_call_us(lambda: mx_operands(*op_args), calls, sync)
+    finally:
+        operands_module._pack_kernel, operands_module.compiled_launch, operands_module._compiled_launch_device = real
+        operands_module.clear_launch_plans()
     return out
 
 
@@ -99,7 +165,7 @@ def main(argv=None):
     res = measure(args.device, args.rows, args.cols, args.calls)
     print(f"host time per call, {args.device}, operand {args.rows}x{args.cols}:")
     for name, us in res.items():
-        print(f"  {name:34s} {us:8.1f} us")
+        print(f"  {name:50s} {us:8.1f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "rows": args.rows, "cols": args.cols, "us_per_call": res}, f, indent=1)

@@ -10,7 +10,7 @@ clear RuntimeError where it cannot run (check `cuda_kernel_available()` first), 
 
 from .gemm import GEMM_SHAPE_RULES, scaled_gemm_cuda
 from .operands_cpu import HAS_NUMBA, cpu_kernel_available, mx_operands_cpu
-from .operands_cuda import cuda_kernel_available, mx_operands_cuda, prologue_cuda
+from .operands_cuda import cuda_kernel_available, mx_operands_cuda, mx_operands_cuda_counted, prologue_cuda
 from .triton_common import HAS_TRITON
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "cuda_kernel_available",
     "mx_operands_cpu",
     "mx_operands_cuda",
+    "mx_operands_cuda_counted",
     "prologue_cuda",
     "scaled_gemm_cuda",
 ]

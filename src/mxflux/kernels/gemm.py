@@ -212,6 +212,45 @@ def _exact(a_data, a_scale, b_data, b_scale, bias, out_dtype):
     return _finish(out, bias, out_dtype)
 
 
+def _gemm_plan(a_data, a_scale, b_data, b_scale, granularity, bias, out_dtype):
+    """Validate a call and pick its route: (GEMM function, whether each of A, scale_a, B, scale_b
+    needs a contiguous copy). Depends only on `_gemm_key`'s parts."""
+    if not isinstance(granularity, FoldGranularity):
+        raise ValueError(f"granularity: expected a FoldGranularity, got {granularity!r}")
+    _check(a_data, a_scale, b_data, b_scale, bias, out_dtype)
+    _check_scales(a_data, a_scale, b_data, b_scale, granularity)
+    k, n = a_data.shape[1], b_data.shape[0]
+    if granularity is not FoldGranularity.EXACT and (k % FP8_GEMM_ALIGN or n % FP8_GEMM_ALIGN):
+        raise ValueError(f"a_data, b_data: cuBLAS FP8 GEMMs need K and N multiples of {FP8_GEMM_ALIGN}, got "
+                         f"K={k}, N={n} (use the 'exact' mode or pad)")
+    one_group = granularity is FoldGranularity.BLOCKWISE and a_scale.shape[1] == 1
+    if granularity is FoldGranularity.ROWWISE or one_group:
+        # BLOCKWISE at K = 128 has one group per row: torch reads [M, 1] scales as row-wise.
+        fn = _rowwise
+    elif granularity is FoldGranularity.BLOCKWISE:
+        fn = _blockwise
+    else:
+        fn = _exact
+    copies = tuple(not t.is_contiguous() for t in (a_data, a_scale, b_data, b_scale))
+    return fn, copies if any(copies) else None
+
+
+def _tensor_key(t) -> tuple:
+    if not isinstance(t, torch.Tensor):
+        return (type(t),)
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+_GEMM_PLANS: dict[tuple, tuple] = {}
+
+
+def _gemm_key(a_data, a_scale, b_data, b_scale, granularity, bias, out_dtype) -> tuple:
+    """What validation and the route depend on: each tensor's shape, strides, dtype and device
+    (the bias's too), the granularity and the output dtype."""
+    return (_tensor_key(a_data), _tensor_key(a_scale), _tensor_key(b_data), _tensor_key(b_scale),
+            None if bias is None else _tensor_key(bias), granularity, type(granularity), out_dtype)
+
+
 def scaled_gemm_cuda(
     a_data: torch.Tensor,
     a_scale: torch.Tensor,
@@ -221,23 +260,19 @@ def scaled_gemm_cuda(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """out[M, N] = (A ⊙ scale_a)(B ⊙ scale_b)ᵀ + bias on cuBLAS, for operands folded at `granularity`."""
-    if not isinstance(granularity, FoldGranularity):
-        raise ValueError(f"granularity: expected a FoldGranularity, got {granularity!r}")
-    _check(a_data, a_scale, b_data, b_scale, bias, out_dtype)
-    _check_scales(a_data, a_scale, b_data, b_scale, granularity)
-    a_data = a_data.contiguous()
-    b_data = b_data.contiguous()
-    a_scale = a_scale.contiguous()
-    b_scale = b_scale.contiguous()
-    k, n = a_data.shape[1], b_data.shape[0]
-    if granularity is not FoldGranularity.EXACT and (k % FP8_GEMM_ALIGN or n % FP8_GEMM_ALIGN):
-        raise ValueError(f"a_data, b_data: cuBLAS FP8 GEMMs need K and N multiples of {FP8_GEMM_ALIGN}, got "
-                         f"K={k}, N={n} (use the 'exact' mode or pad)")
-    one_group = granularity is FoldGranularity.BLOCKWISE and a_scale.shape[1] == 1
-    if granularity is FoldGranularity.ROWWISE or one_group:
-        # BLOCKWISE at K = 128 has one group per row: torch reads [M, 1] scales as row-wise.
-        return _rowwise(a_data, a_scale, b_data, b_scale, bias, out_dtype)
-    if granularity is FoldGranularity.BLOCKWISE:
-        return _blockwise(a_data, a_scale, b_data, b_scale, bias, out_dtype)
-    return _exact(a_data, a_scale, b_data, b_scale, bias, out_dtype)
+    """out[M, N] = (A ⊙ scale_a)(B ⊙ scale_b)ᵀ + bias on cuBLAS, for operands folded at `granularity`.
+
+    Validation and the choice of GEMM are made once per key (`_gemm_key`: shapes, strides, dtypes,
+    devices, granularity, output dtype) and cached: host time per call bounds small micro-batches."""
+    key = _gemm_key(a_data, a_scale, b_data, b_scale, granularity, bias, out_dtype)
+    plan = _GEMM_PLANS.get(key)
+    if plan is None:
+        plan = _gemm_plan(a_data, a_scale, b_data, b_scale, granularity, bias, out_dtype)
+        if len(_GEMM_PLANS) >= 4096:
+            _GEMM_PLANS.clear()
+        _GEMM_PLANS[key] = plan
+    fn, copies = plan
+    if copies is not None:
+        a_data, a_scale, b_data, b_scale = (t.contiguous() if c else t
+                                            for t, c in zip((a_data, a_scale, b_data, b_scale), copies))
+    return fn(a_data, a_scale, b_data, b_scale, bias, out_dtype)

@@ -47,7 +47,7 @@ from ..mx.formats import get_format
 from ..mx.granularity import FoldGranularity
 from ..mx.hadamard import HADAMARD_SCALE
 from ..mx.operands import PROLOGUES, MXOperands, padded_rows
-from .triton_common import HAS_TRITON, PROLOGUE_IDS, interpreting, launch_options, num_sms
+from .triton_common import HAS_TRITON, PROLOGUE_IDS, compiled_launch, interpreting, launch_options, num_sms
 
 if MX_BLOCK != 32:
     raise ImportError(f"operands_cuda: the kernels' register layout is written for MX_BLOCK = 32, got {MX_BLOCK}")
@@ -68,7 +68,7 @@ if HAS_TRITON:
         zip_tuple,
     )
 
-__all__ = ["cuda_kernel_available", "mx_operands_cuda", "prologue_cuda"]
+__all__ = ["cuda_kernel_available", "mx_operands_cuda", "mx_operands_cuda_counted", "prologue_cuda"]
 
 _E2M3 = get_format("e2m3")  # the one element format with kernels
 _BR = 128  # rows per tile (4 column blocks: one 1x128 group of the column orientation)
@@ -487,35 +487,173 @@ def _grid(n_col_tiles: int, n_row_tiles: int, device: torch.device, warps: int) 
     return (n_col_tiles, p)
 
 
-def coalesced_loads(prologue: str) -> bool:
+def coalesced_loads(prologue: str, mode: str | None = None) -> bool:
     """How tiles are read. "coalesced": [128, 64] bf16 tile loads, re-laid out once through
     shared memory into whole-blocks-per-thread (8-12 % faster measured without a prologue);
     "blocks": each thread loads its own blocks' 16-byte quarters (faster with a prologue, whose
     col-orientation rebuild adds layout conversions to the coalesced variant). MXFLUX_PACK_IO
-    (auto | coalesced | blocks) overrides the choice for A/B runs; both are tested."""
-    mode = os.environ.get("MXFLUX_PACK_IO", "auto")
+    (auto | coalesced | blocks) overrides the choice for A/B runs; both are tested. `mode`: that
+    setting as already read."""
+    mode = _pack_io_mode() if mode is None else mode
     if mode not in ("auto", "coalesced", "blocks"):
         raise ValueError(f"MXFLUX_PACK_IO: expected auto, coalesced or blocks, got {mode!r}")
     return mode == "coalesced" or (mode == "auto" and prologue == "none")
 
 
-def kernel_constexprs(granularity: FoldGranularity, prologue: str) -> dict:
+def _pack_io_mode() -> str:
+    """MXFLUX_PACK_IO as `coalesced_loads` reads it, per call but without `os.environ.get`'s key
+    encoding (a measurable part of a call's host time): the environment mapping's own store."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    if data is None or type(env) is not _ENV_TYPE:
+        return env.get("MXFLUX_PACK_IO", "auto")
+    v = data.get(_PACK_IO_KEY)
+    return "auto" if v is None else env.decodevalue(v)
+
+
+_ENV_TYPE = type(os.environ)
+try:
+    _PACK_IO_KEY = os.environ.encodekey("MXFLUX_PACK_IO")
+except AttributeError:  # not CPython's os._Environ: the plain lookup above
+    _ENV_TYPE = None
+
+
+def kernel_constexprs(granularity: FoldGranularity, prologue: str, io_mode: str | None = None) -> dict:
     """The compile-time constants a launch for this granularity and prologue uses (besides the
     per-call flags): what the ahead-of-time compile tests build."""
     nb, _ = _TILE[granularity]
     return dict(GRAN=granularity.kernel_id, PROLOGUE=PROLOGUE_IDS[prologue], BR=_BR, NB=nb,
-                COAL=coalesced_loads(prologue))
+                COAL=coalesced_loads(prologue, io_mode))
 
 
 def kernel_num_warps(granularity: FoldGranularity) -> int:
     return _TILE[granularity][1]
 
 
-def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """The kernels read 16-byte pieces of rows: contiguous along C, rows 16-byte aligned."""
-    if t.stride(1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
-        t = t.contiguous()
-    return t
+# The runtime parameters of _pack_kernel, in order (the constexprs follow them).
+_RUNTIME_ARGS = ("x_ptr", "aux_ptr", "stride_x", "stride_aux", "R", "C", "Rp", "row_data_ptr", "row_scale_ptr",
+                 "col_data_ptr", "col_scale_ptr", "colsum_ptr", "outside_ptr", "row_eref_ptr", "col_eref_ptr",
+                 "n_row_tiles", "n_prog_r")
+
+
+class _LaunchPlan:
+    """Everything about a packer call that depends only on its key (`_plan_key`): validated once,
+    geometry, output shapes, the zero-filled workspace's layout, grid and constexprs computed once.
+    A training step repeats the same few hundred calls, and host time per call is what bounds a
+    large model at small micro-batches (benchmarks/NOTES.md, "The host path").
+
+    The workspace (int32 words, zero-filled only when some part is there) holds, each part on a
+    16-byte boundary: the outside-window count (int64; only without a caller's counter), the column
+    sums (fp32 [C]; only with colsum), and for ROWWISE the per-row and per-column e_ref (int32
+    [R] and [C]; e + 128 for a live block, 0 where none was seen).
+
+    `launches` holds, per kernel pass, the `CompiledLaunch` built after that pass's first normal
+    launch under this plan (None until then, or for good where unavailable)."""
+
+    __slots__ = ("R", "C", "Rp", "row", "col", "colsum", "hw", "rowwise", "direct_counter", "row_scale_shape",
+                 "col_scale_shape", "ws_len", "ws_zero", "off_outside", "off_sums", "off_row_eref", "off_col_eref",
+                 "copy_x", "copy_aux", "launch", "grid", "n_rt", "passes", "meta", "options", "device", "launches",
+                 "fast")
+
+    def __init__(self, x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode):
+        if not HAS_TRITON:
+            raise RuntimeError("mx_operands_cuda: Triton is not installed; use mx_operands_reference on this machine")
+        if not (torch.cuda.is_available() or interpreting()):
+            raise RuntimeError("mx_operands_cuda: no CUDA device; use mx_operands_reference on this machine")
+        _check_input(x, "x")
+        if fmt != "e2m3":
+            raise ValueError(f"fmt: mx_operands_cuda has kernels for 'e2m3' only, got {fmt!r}")
+        if not isinstance(granularity, FoldGranularity):
+            raise ValueError(f"granularity: expected a FoldGranularity, got {granularity!r}")
+        if prologue not in PROLOGUES:
+            raise ValueError(f"prologue: expected one of {PROLOGUES}, got {prologue!r}")
+        if prologue == "gelu_tanh_grad":
+            if aux is None:
+                raise ValueError(f"aux: the gelu_tanh_grad prologue needs the pre-activation, shape {tuple(x.shape)}")
+            _check_input(aux, "aux")
+            if aux.shape != x.shape or aux.device != x.device:
+                raise ValueError(f"aux: expected shape {tuple(x.shape)} on {x.device}, got {tuple(aux.shape)} on "
+                                 f"{aux.device}")
+        for name, flag in (("row", row), ("col", col), ("hadamard", hadamard), ("colsum", colsum)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}: expected a bool, got {flag!r}")
+        R, C = x.shape
+        if C % MX_BLOCK:
+            raise ValueError(f"x: {C} columns is not a multiple of the block size {MX_BLOCK}")
+        if row and C % granularity.row_multiple:
+            raise ValueError(f"granularity: {granularity.value} needs the row length to be a multiple of "
+                             f"{granularity.row_multiple}, got C={C}")
+        dev = x.device
+        # the kernels add into the caller's counter when it is one int64 element on x's device
+        # (one launch less per call than adding this call's count afterwards)
+        self.direct_counter = (counter is not None and counter.dtype == torch.int64 and counter.numel() == 1
+                               and counter.device == dev)
+        self.R, self.C, self.row, self.col, self.colsum, self.hw = R, C, row, col, colsum, hw
+        self.Rp = Rp = padded_rows(R, granularity)  # whole blocks, and whole 1x128 groups for BLOCKWISE
+        self.rowwise = rowwise = granularity is FoldGranularity.ROWWISE
+        self.row_scale_shape = (R, granularity.groups(C))
+        self.col_scale_shape = (C, granularity.groups(Rp))
+        self.launch = R > 0 and (row or col or colsum)
+        words = 0
+        self.off_outside = self.off_sums = self.off_row_eref = self.off_col_eref = None
+        if not self.direct_counter:
+            self.off_outside, words = words, words + 4
+        if colsum:
+            self.off_sums, words = words, words + C  # C is a multiple of 32: the next part stays aligned
+        if rowwise and row:
+            self.off_row_eref, words = words, words + -(-R // 4) * 4
+        if rowwise and col:
+            self.off_col_eref, words = words, words + C
+        self.ws_zero = words > 0  # every part present is read before it is written (or returned)
+        self.ws_len = max(words, 4)
+        # The kernels read 16-byte pieces of rows: contiguous along C, rows 16-byte aligned. Else
+        # they read a contiguous copy (x's address is part of the key; a fresh copy is aligned).
+        self.copy_x = x.stride(1) != 1 or x.stride(0) % 8 != 0
+        self.copy_aux = prologue == "gelu_tanh_grad" and (aux.stride(1) != 1 or aux.stride(0) % 8 != 0)
+        nb, warps = _TILE[granularity]
+        self.n_rt = -(-Rp // _BR)
+        self.grid = _grid(-(-C // (nb * MX_BLOCK)), self.n_rt, dev, warps)
+        self.passes = (1, 2) if rowwise and (row or col) else (2,)
+        self.meta = dict(DO_ROW=row, DO_COL=col, DO_COLSUM=colsum, HADAMARD=hadamard, HW=hw,
+                         **kernel_constexprs(granularity, prologue, io_mode))
+        self.options = launch_options(warps)
+        self.device = dev
+        self.launches = dict.fromkeys(self.passes)
+        self.fast = None  # the CompiledLaunch of every pass once built; False where none could be
+
+
+_PLANS: dict[tuple, _LaunchPlan] = {}
+_MAX_PLANS = 4096  # far more than the distinct calls of a training step; cleared whole when reached
+
+
+def clear_launch_plans() -> None:
+    """Forget every launch plan (tests; benchmarks that stub the kernels)."""
+    _PLANS.clear()
+
+
+def _tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What a plan depends on in a tensor argument: shape, strides, dtype, device and whether its
+    address is 16-byte aligned (the kernels' pointer specialisation, and the contiguous-copy rule)."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
+
+
+def _plan_key(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode) -> tuple:
+    # the flags by value and by type (True == 1 must not reuse a plan that validated a bool)
+    return (_tensor_key(x), _tensor_key(aux) if prologue == "gelu_tanh_grad" else None, _tensor_key(counter),
+            row, col, colsum, hadamard, type(row), type(col), type(colsum), type(hadamard),
+            granularity, type(granularity), fmt, prologue, hw, io_mode)
+
+
+def _launch_plan(key: tuple, *args) -> _LaunchPlan:
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _LaunchPlan(*args)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 def mx_operands_cuda(
@@ -529,6 +667,7 @@ def mx_operands_cuda(
     prologue: str = "none",
     aux: torch.Tensor | None = None,
     colsum: bool = False,
+    counter: torch.Tensor | None = None,
     _hw: bool | None = None,
     _poison: bool = False,
 ) -> MXOperands:
@@ -537,91 +676,119 @@ def mx_operands_cuda(
 
     x is a CUDA bfloat16 [R, C] matrix (C a multiple of MX_BLOCK, R any). Only fmt "e2m3" has
     kernels. colsum equals the reference up to fp32 summation order; blocks_outside_window is a
-    0-d int64 CUDA tensor (no host synchronisation).
+    0-d int64 CUDA tensor (no host synchronisation). With `counter` (a tensor of one element) the
+    count is added into it instead, in place, and `blocks_outside_window` is `counter`: when it is
+    int64 on x's device the kernels add into it directly (the custom op's path, one launch less).
+
+    Validation, geometry and constexprs come from a launch plan cached per (shapes, strides,
+    dtypes, devices, alignment, flags); on a GPU with a known Triton, launches after a plan's first
+    go straight to the compiled kernel (`triton_common.CompiledLaunch`; MXFLUX_COMPILED_LAUNCH=0
+    turns that off).
     """
-    if not HAS_TRITON:
-        raise RuntimeError("mx_operands_cuda: Triton is not installed; use mx_operands_reference on this machine")
-    if not (torch.cuda.is_available() or interpreting()):
-        raise RuntimeError("mx_operands_cuda: no CUDA device; use mx_operands_reference on this machine")
-    _check_input(x, "x")
-    if fmt != "e2m3":
-        raise ValueError(f"fmt: mx_operands_cuda has kernels for 'e2m3' only, got {fmt!r}")
-    if not isinstance(granularity, FoldGranularity):
-        raise ValueError(f"granularity: expected a FoldGranularity, got {granularity!r}")
-    if prologue not in PROLOGUES:
-        raise ValueError(f"prologue: expected one of {PROLOGUES}, got {prologue!r}")
-    if prologue == "gelu_tanh_grad":
-        if aux is None:
-            raise ValueError(f"aux: the gelu_tanh_grad prologue needs the pre-activation, shape {tuple(x.shape)}")
-        _check_input(aux, "aux")
-        if aux.shape != x.shape or aux.device != x.device:
-            raise ValueError(f"aux: expected shape {tuple(x.shape)} on {x.device}, got {tuple(aux.shape)} on {aux.device}")
-    for name, flag in (("row", row), ("col", col), ("hadamard", hadamard), ("colsum", colsum)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name}: expected a bool, got {flag!r}")
-    R, C = x.shape
-    if C % MX_BLOCK:
-        raise ValueError(f"x: {C} columns is not a multiple of the block size {MX_BLOCK}")
-    if row and C % granularity.row_multiple:
-        raise ValueError(f"granularity: {granularity.value} needs the row length to be a multiple of "
-                         f"{granularity.row_multiple}, got C={C}")
-    Rp = padded_rows(R, granularity)  # whole blocks, and whole 1x128 groups for BLOCKWISE
-    dev = x.device
+    return MXOperands(*_pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, _hw, _poison))
 
-    ngroups_row = granularity.groups(C)
-    ngroups_col = granularity.groups(Rp)
-    row_data = torch.empty((R, C), dtype=torch.uint8, device=dev) if row else None
-    row_scale = torch.empty((R, ngroups_row), dtype=torch.float32, device=dev) if row else None
-    col_data = torch.empty((C, Rp), dtype=torch.uint8, device=dev) if col else None
-    col_scale = torch.empty((C, ngroups_col), dtype=torch.float32, device=dev) if col else None
 
+def mx_operands_cuda_counted(x, aux, counter, row, col, granularity, hadamard, prologue, colsum) -> tuple:
+    """`mx_operands_cuda` as the custom op calls it: positional arguments, the count added into
+    `counter`, and a plain tuple (row_data, row_scale, col_data, col_scale, colsum, counter) with
+    None for what was not asked (host time per call is what a small micro-batch is bound by)."""
+    return _pack(x, aux, counter, row, col, granularity, hadamard, "e2m3", prologue, colsum, None, False)
+
+
+def _pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, _hw, _poison) -> tuple:
+    hw = (not interpreting()) if _hw is None else bool(_hw)
+    io_mode = _pack_io_mode()
+    if not isinstance(x, torch.Tensor) or (aux is not None and not isinstance(aux, torch.Tensor)) \
+            or (counter is not None and not isinstance(counter, torch.Tensor)):
+        if counter is not None and not isinstance(counter, torch.Tensor):
+            raise ValueError(f"counter: expected a torch.Tensor or None, got {type(counter).__name__}")
+        _LaunchPlan(x, aux, None, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode)  # raises
+    key = _plan_key(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode)
+    plan = _launch_plan(key, x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode)
+
+    dev = plan.device
+    R, C = plan.R, plan.C
+    f8 = torch.float8_e4m3fn
+    row_data = torch.empty((R, C), dtype=f8, device=dev) if row else None
+    row_scale = torch.empty(plan.row_scale_shape, dtype=torch.float32, device=dev) if row else None
+    col_data = torch.empty((C, plan.Rp), dtype=f8, device=dev) if col else None
+    col_scale = torch.empty(plan.col_scale_shape, dtype=torch.float32, device=dev) if col else None
     if _poison:  # tests: 0xFF bytes are NaN in fp32 and E4M3, so an unwritten element shows
         for t in (row_data, row_scale, col_data, col_scale):
             if t is not None:
                 t.view(torch.uint8).fill_(0xFF)
+    ws = torch.zeros(plan.ws_len, dtype=torch.int32, device=dev) if plan.ws_zero else None
 
-    # One zero-filled workspace (one launch): outside-window count int64 | colsum fp32 [C] |
-    # e_ref int32 [R + C] (each part starts on a 16-byte boundary, so pointer alignment never
-    # changes the compiled kernel; the e_ref parts hold e + 128 for a live block, 0 where none was seen)
-    rowwise = granularity is FoldGranularity.ROWWISE
-    r4 = -(-R // 4) * 4
-    ws = torch.zeros(4 + C + (r4 + C if rowwise else 0), dtype=torch.int32, device=dev)
-    outside = ws[:2].view(torch.int64)
-    sums = ws[4:4 + C].view(torch.float32)
-    row_eref = ws[4 + C:4 + C + r4] if rowwise else ws
-    col_eref = ws[4 + C + r4:] if rowwise else ws
+    if plan.launch:
+        xw = x.clone(memory_format=torch.contiguous_format) if plan.copy_x or not key[0][4] else x
+        if key[1] is None:
+            aw = xw
+        else:
+            aw = aux.clone(memory_format=torch.contiguous_format) if plan.copy_aux or not key[1][4] else aux
+        fast = plan.fast
+        if fast and fast[0].usable():
+            xp = xw.data_ptr()
+            wp = xp if ws is None else ws.data_ptr()  # any device address where nothing is read
+            args = (
+                xp, aw.data_ptr(), xw.stride(0), aw.stride(0), R, C, plan.Rp,
+                row_data.data_ptr() if row else wp, row_scale.data_ptr() if row else wp,
+                col_data.data_ptr() if col else wp, col_scale.data_ptr() if col else wp,
+                wp + 4 * plan.off_sums if colsum else wp,
+                counter.data_ptr() if plan.direct_counter else wp + 4 * plan.off_outside,
+                wp + 4 * plan.off_row_eref if plan.off_row_eref is not None else wp,
+                wp + 4 * plan.off_col_eref if plan.off_col_eref is not None else wp,
+                plan.n_rt, plan.grid[1],
+            )
+            for launch in fast:
+                launch(plan.grid, args)
+        else:
+            if ws is None:
+                ws = torch.empty(plan.ws_len, dtype=torch.int32, device=dev)  # stands in for unused pointers
+            _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale, counter)
 
-    hw = (not interpreting()) if _hw is None else bool(_hw)
-    if R > 0 and (row or col or colsum):
-        dummy = ws
-        xw = _rows_contiguous(x)
-        aw = _rows_contiguous(aux) if prologue == "gelu_tanh_grad" else xw
-        nb, warps = _TILE[granularity]
-        n_rt = -(-Rp // _BR)
-        grid = _grid(-(-C // (nb * MX_BLOCK)), n_rt, dev, warps)
-        args = (
-            xw, aw, xw.stride(0), aw.stride(0), R, C, Rp,
-            row_data if row else dummy, row_scale if row else dummy,
-            col_data if col else dummy, col_scale if col else dummy,
-            sums, outside, row_eref, col_eref, n_rt, grid[1],
-        )
-        meta = dict(
-            DO_ROW=row, DO_COL=col, DO_COLSUM=colsum, HADAMARD=hadamard, HW=hw,
-            **kernel_constexprs(granularity, prologue), **launch_options(warps),
-        )
-        if rowwise and (row or col):
-            _pack_kernel[grid](*args, PASS=1, **meta)
-        _pack_kernel[grid](*args, PASS=2, **meta)
+    if plan.direct_counter:
+        outside = counter
+    else:
+        outside = ws[plan.off_outside:plan.off_outside + 2].view(torch.int64).view(())
+        if counter is not None:
+            counter.add_(outside.reshape(counter.shape))
+            outside = counter
+    return (row_data, row_scale, col_data, col_scale,
+            ws[plan.off_sums:plan.off_sums + C].view(torch.float32) if colsum else None, outside)
 
-    f8 = torch.float8_e4m3fn
-    return MXOperands(
-        row_data.view(f8) if row else None,
-        row_scale,
-        col_data.view(f8) if col else None,
-        col_scale,
-        sums if colsum else None,
-        outside.view(()),
+
+def _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale, counter) -> None:
+    """Triton's normal launch path (`kernel[grid](...)`), with tensor arguments. After a pass's
+    first launch under a plan, builds its `CompiledLaunch` where this Triton allows one."""
+
+    def part(off, n):
+        return ws if off is None else ws[off:off + n]
+
+    R, C = plan.R, plan.C
+    u8 = torch.uint8
+    args = (
+        xw, aw, xw.stride(0), aw.stride(0), R, C, plan.Rp,
+        row_data.view(u8) if plan.row else ws, row_scale if plan.row else ws,
+        col_data.view(u8) if plan.col else ws, col_scale if plan.col else ws,
+        ws[plan.off_sums:plan.off_sums + C].view(torch.float32) if plan.colsum else ws,
+        counter if plan.direct_counter else ws[plan.off_outside:plan.off_outside + 2].view(torch.int64),
+        part(plan.off_row_eref, R), part(plan.off_col_eref, C), plan.n_rt, plan.grid[1],
     )
+    device = _compiled_launch_device(plan) if plan.fast is None else None
+    for p in plan.passes:
+        compiled = _pack_kernel[plan.grid](*args, PASS=p, **plan.meta, **plan.options)
+        if device is not None:
+            plan.launches[p] = compiled_launch(compiled, _RUNTIME_ARGS, args, dict(PASS=p, **plan.meta), device)
+    if device is not None:  # built once per plan: every pass's launcher, or False (normal launches for good)
+        launches = tuple(plan.launches[p] for p in plan.passes)
+        plan.fast = launches if all(launches) else False
+
+
+def _compiled_launch_device(plan) -> int | None:
+    """The device index a plan's compiled launchers may be built for: x's CUDA device when it is
+    the current one (the device Triton just loaded the kernel on); None otherwise."""
+    dev = plan.device
+    return dev.index if dev.type == "cuda" and dev.index == torch.cuda.current_device() else None
 
 
 def prologue_cuda(x: torch.Tensor, prologue: str, aux: torch.Tensor | None = None, *, _hw: bool | None = None):

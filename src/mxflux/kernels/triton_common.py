@@ -28,7 +28,8 @@ except Exception:  # ImportError, or a Triton that cannot initialise on this mac
     triton = tl = libdevice = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "PROLOGUE_IDS", "interpreting", "launch_options", "num_sms"]
+__all__ = ["HAS_TRITON", "PROLOGUE_IDS", "CompiledLaunch", "compiled_launch", "interpreting", "launch_options",
+           "num_sms"]
 
 # The prologue constexpr of the kernels, by the name `mxflux.mx.operands.PROLOGUES` uses.
 PROLOGUE_IDS = {"none": 0, "gelu_tanh": 1, "gelu_tanh_grad": 2}
@@ -58,6 +59,116 @@ def launch_options(num_warps: int) -> dict:
     # No FMA contraction (the FMAs of the prologues are written out) and IEEE subnormals in
     # libdevice, as nvcc builds torch's kernels.
     return {"num_warps": num_warps, "enable_fp_fusion": False, "enable_reflect_ftz": False}
+
+
+# ------------------------------------------------------------------ launching compiled kernels
+# Triton versions whose compiled-kernel launch convention `CompiledLaunch` is written against (read
+# from triton/runtime/jit.py `JITFunction.run` and the CUDA launcher of that version): the launcher
+# takes (grid x, y, z, stream, function, packed metadata, launch metadata, enter hook, exit hook,
+# every kernel parameter in order, constexprs included). Any other version uses the normal launch.
+_COMPILED_LAUNCH_VERSIONS = ((3, 6),)
+
+
+@functools.cache
+def _triton_version() -> tuple[int, int]:
+    try:
+        major, minor = triton.__version__.split(".")[:2]
+        return int(major), int(minor)
+    except (AttributeError, ValueError):
+        return (0, 0)
+
+
+def compiled_launch_supported() -> bool:
+    """Whether `compiled_launch` may build launchers here: a Triton whose launch convention it
+    knows, compiling for a GPU (not the interpreter), and MXFLUX_COMPILED_LAUNCH not 0 (the
+    switch that puts every launch back on Triton's normal path, for A/B runs and as a way out)."""
+    return (HAS_TRITON and not interpreting() and os.environ.get("MXFLUX_COMPILED_LAUNCH", "1") != "0"
+            and _triton_version() in _COMPILED_LAUNCH_VERSIONS and hasattr(triton, "knobs"))
+
+
+class CompiledLaunch:
+    """Launches one compiled Triton kernel again, skipping `JITFunction.run`'s per-call work
+    (argument binding and specialisation, the cache-key computation, the launch-metadata dict):
+    what is left is the C launcher itself.
+
+    Only valid for calls whose non-pointer arguments equal those of the call the kernel was
+    compiled for and whose pointers keep its 16-byte alignment: the caller's launch plan is keyed
+    on exactly that (shapes, strides, flags). Pointer arguments are passed as integer addresses
+    (the launcher takes ints as raw device pointers and skips its per-pointer driver query)."""
+
+    __slots__ = ("_fn", "_pre", "_function", "_tail", "device", "_stream", "_hooks", "_current_device")
+
+    def __init__(self, compiled, device: int, tail: tuple, *, get_stream, hooks, current_device):
+        run = compiled.run  # the launcher object (initialised by the first launch)
+        self._function = compiled.function
+        # (grid x, y, z, stream, function, *_pre, *kernel arguments) is the call of `_fn`
+        self._fn, self._pre = run, (compiled.packed_metadata, None, None, None)
+        if (getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0
+                and callable(getattr(run, "launch", None)) and hasattr(run, "launch_cooperative_grid")
+                and hasattr(run, "launch_pdl")):
+            # the C function the launcher object calls, with the no-scratch arguments it would pass
+            self._fn = run.launch
+            self._pre = (run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
+                         None, None, None)
+        self._tail = tail  # the constexpr parameters, after the runtime ones
+        self.device = device
+        self._stream = get_stream  # device index -> the current raw stream (Triton's own getter)
+        self._hooks = hooks  # the object holding launch_enter_hook / launch_exit_hook
+        self._current_device = current_device
+
+    def usable(self) -> bool:
+        """False when the normal path must launch instead: another current device than the one the
+        kernel was loaded on, or a launch hook installed (a profiler wants Triton's metadata)."""
+        hooks = self._hooks
+        for hook in (hooks.launch_enter_hook, hooks.launch_exit_hook):
+            if hook is not None and getattr(hook, "calls", True):  # 3.6: an empty HookChain is idle
+                return False
+        return self._current_device() == self.device
+
+    def __call__(self, grid: tuple[int, int], args: tuple) -> None:
+        self._fn(grid[0], grid[1], 1, self._stream(self.device), self._function, *self._pre, *args, *self._tail)
+
+
+def compiled_launch(compiled, runtime_names: tuple, runtime_args: tuple, constexprs: dict, device: int, *,
+                    _env: dict | None = None):
+    """A `CompiledLaunch` for what `kernel[grid](*runtime_args, **constexprs, **options)` just
+    returned (`runtime_names`: the kernel's runtime parameters, in order), or None where this is
+    not a Triton whose launch convention is known, or its compiled kernel is not the form this
+    was written against: then the caller keeps launching the normal way. Checks that the kernel's
+    parameters are the runtime ones then the constexprs, that every value the compiler baked in
+    equals what will be passed, and that exactly the tensor arguments are pointer parameters.
+    `_env` (tests) replaces Triton's stream getter, hook holder and current-device getter, and
+    skips the version check."""
+    if _env is None:
+        if not compiled_launch_supported():
+            return None
+        # torch.cuda.current_device without its lazy-init check (CUDA is initialised: a kernel ran)
+        _env = dict(get_stream=triton.runtime.driver.active.get_current_stream, hooks=triton.knobs.runtime,
+                    current_device=getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device))
+    try:
+        if hasattr(compiled, "result"):  # an asynchronous compile: leave it to Triton
+            return None
+        src = compiled.src
+        names = tuple(src.fn.arg_names)
+        n = len(runtime_args)
+        if names[:n] != tuple(runtime_names) or len(names) != n + len(constexprs) or set(names[n:]) != set(constexprs):
+            return None
+        tail = tuple(constexprs[k] for k in names[n:])
+        values = tuple(runtime_args) + tail
+        for path, value in src.constants.items():
+            i = path[0] if isinstance(path, tuple) and len(path) == 1 else None
+            if (i is None or isinstance(values[i], torch.Tensor) or type(values[i]) is not type(value)
+                    or values[i] != value):
+                return None
+        for i, name in enumerate(names):
+            ty = src.signature[name]
+            pointer = isinstance(ty, str) and ty.startswith("*")
+            if isinstance(values[i], torch.Tensor) != pointer or (i >= n and ty != "constexpr"):
+                return None
+        launch = CompiledLaunch(compiled, device, tail, **_env)
+    except (AttributeError, KeyError, TypeError, IndexError):
+        return None
+    return launch if callable(launch._fn) and launch._function is not None else None
 
 
 if HAS_TRITON:

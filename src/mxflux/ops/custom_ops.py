@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from ..kernels import cpu_kernel_available, mx_operands_cpu, mx_operands_cuda, scaled_gemm_cuda
+from ..kernels import cpu_kernel_available, mx_operands_cpu, mx_operands_cuda_counted, scaled_gemm_cuda
 from ..mx.granularity import FoldGranularity
 from ..mx.operands import mx_operands_reference, padded_rows
 from ..mx.scaled_gemm import scaled_gemm_reference
@@ -79,16 +79,21 @@ def _mx_operands(
     element) on the device: no host sync. Unrequested outputs are empty.
     """
     g = FoldGranularity.from_mx_gemm(granularity)
-    if use_kernels(x):
-        pack = mx_operands_cuda
-    elif x.device.type == "cpu" and cpu_kernel_available() and not FORCE_REFERENCE:
-        pack = mx_operands_cpu
+    if use_kernels(x):  # the kernels add into the counter themselves (no launch for the add)
+        p = mx_operands_cuda_counted(x, aux, blocks_outside_window, row, col, g, hadamard, prologue, colsum)
     else:
-        pack = mx_operands_reference
-    p = pack(x, row=row, col=col, granularity=g, hadamard=hadamard, prologue=prologue, aux=aux, colsum=colsum)
-    blocks_outside_window.add_(p.blocks_outside_window.reshape(blocks_outside_window.shape))
-    outs = (p.row_data, p.row_scale, p.col_data, p.col_scale, p.colsum)
-    return tuple(_empty(x.device) if t is None else t for t in outs)
+        if x.device.type == "cpu" and cpu_kernel_available() and not FORCE_REFERENCE:
+            pack = mx_operands_cpu
+        else:
+            pack = mx_operands_reference
+        p = pack(x, row=row, col=col, granularity=g, hadamard=hadamard, prologue=prologue, aux=aux, colsum=colsum)
+        blocks_outside_window.add_(p.blocks_outside_window.reshape(blocks_outside_window.shape))
+    rd, rs, cd, cs, sums = p[:5]
+    if rd is not None and cd is not None and sums is not None:
+        return rd, rs, cd, cs, sums
+    dev = x.device
+    return (_empty(dev) if rd is None else rd, _empty(dev) if rs is None else rs, _empty(dev) if cd is None else cd,
+            _empty(dev) if cs is None else cs, _empty(dev) if sums is None else sums)
 
 
 def _mx_operands_fake(x, aux, blocks_outside_window, row, col, granularity, hadamard, prologue, colsum):
