@@ -135,3 +135,18 @@ def test_a_failing_setting_is_reported_and_the_others_still_run(tmp_path):
     assert [r["label"] for r in results] == ["mxfp6", "bf16"] and memory == {}
     assert "exit status 2" in results[0]["failed"] and "no-such-recipe" in results[0]["failed"]
     assert results[1]["precision"] == "bf16" and results[1]["images_per_s"] > 0
+
+
+def test_release_frees_a_finished_runs_state_even_while_the_module_is_still_held():
+    from mxflux.bench.step import _release
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    holder = [model]  # e.g. compiled code that traced it
+    assert sum(p.numel() for p in model.parameters()) > 0 and opt.state
+    _release(model, opt)
+    assert holder[0] is model
+    assert all(p.numel() == 0 and p.grad is None for p in model.parameters())
+    assert not opt.state
