@@ -167,19 +167,19 @@ def test_train_and_sample_with_the_real_encoder_path(models, images, tmp_path, m
         assert im.width > 100 and im.height > 100
 
     # The grid holds exactly VAE.decode(Euler samples of the trained model for the encoded prompts),
-    # guided as the recipe says, against the dataset's empty encodings.
+    # guided and time-shifted as the recipe says, against the dataset's empty encodings.
     import argparse
 
     trainer = _trainer_from_checkpoint(argparse.Namespace(checkpoint=str(run), device="cpu", parser=None))
-    guidance = trainer.cfg.train.sample_guidance
-    assert guidance == 3.0
+    guidance, time_shift = trainer.cfg.train.sample_guidance, trainer.cfg.train.sampler_shift
+    assert (guidance, time_shift) == (2.0, 3.0)
     enc = _Encoders(vae_path=models / "vae", t5_path=models / "t5", clip_path=models / "clip",
                     t5_tokenizer_path=models / "tokenizer", clip_tokenizer_path=models / "tokenizer",
                     t5_len=12, device="cpu", dtype=trainer.compute_dtype)
     t5, clip = enc.captions(prompts)
     z = sample_module.generate_latents(trainer.model, t5, clip, latent_shape=(16, 4, 4), steps=3, seed=5,
                                        shift=0.1159, scale=0.3611, dtype=trainer.compute_dtype,
-                                       guidance=guidance, empty=load_empty_encodings(data))
+                                       guidance=guidance, empty=load_empty_encodings(data), time_shift=time_shift)
     with torch.no_grad():
         want = (enc.vae.decode(z.to(enc.dtype)).sample.float() + 1) / 2
     assert len(grids) == 1 and grids[0].shape == (2, 3, 32, 32)

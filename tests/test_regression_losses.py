@@ -2,10 +2,14 @@
 
 The values in `data/first20_losses.json` were recorded (float.hex) from the code before the
 layering/precision/trainer redesign; any refactor that claims "behaviour unchanged" must keep
-them. A change that is meant to alter numerics must re-record them and say why in its commit.
+them. A change that is meant to alter numerics must re-record them and say why in its commit:
+`PYTHONPATH=src python tests/test_regression_losses.py --record` runs `first_20_losses` (the
+function the test runs) for every recipe in the file and rewrites it.
 """
 
 import json
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,14 +17,28 @@ import pytest
 from mxflux.train.config import load_recipe
 from mxflux.train.trainer import Trainer
 
-PINNED = json.loads((Path(__file__).parent / "data" / "first20_losses.json").read_text())
+PINNED_FILE = Path(__file__).parent / "data" / "first20_losses.json"
+PINNED = json.loads(PINNED_FILE.read_text())
+
+
+def first_20_losses(recipe: str, out_dir) -> list[float]:
+    cfg = load_recipe(recipe, [f"train.out_dir={out_dir}"])
+    tr = Trainer(cfg, device="cpu")
+    batches = tr.batches()
+    return [tr.train_step([next(batches) for _ in range(tr.accum)]).read()["loss"] for _ in range(20)]
 
 
 @pytest.mark.parametrize("recipe", sorted(PINNED))
 def test_first_20_losses_bit_exact(recipe, tmp_path):
-    cfg = load_recipe(recipe, [f"train.out_dir={tmp_path}"])
-    tr = Trainer(cfg, device="cpu")
-    batches = tr.batches()
-    got = [tr.train_step([next(batches) for _ in range(tr.accum)]).read()["loss"] for _ in range(20)]
+    got = first_20_losses(recipe, tmp_path)
     want = [float.fromhex(h) for h in PINNED[recipe]]
     assert got == want, f"{recipe}: first differing step {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
+    recorded = {}
+    for name in PINNED:
+        with tempfile.TemporaryDirectory() as tmp:
+            recorded[name] = [v.hex() for v in first_20_losses(name, tmp)]
+    PINNED_FILE.write_text(json.dumps(recorded, indent=1) + "\n")
+    print(f"recorded {PINNED_FILE}: {sorted(recorded)}")

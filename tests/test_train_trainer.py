@@ -11,8 +11,8 @@ import torch
 from mxflux.data import build_demo_dataset
 from mxflux.train import load_recipe
 from mxflux.train.checkpoint import save_checkpoint
-from mxflux.train.flow import cfg_dropout, euler_sample, noised, per_sample_mse
-from mxflux.train.trainer import Trainer
+from mxflux.train.flow import cfg_dropout, euler_sample, noised, per_sample_mse, shift_time
+from mxflux.train.trainer import Trainer, lr_factor
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,29 @@ def test_flow_pieces(gen):
     assert torch.allclose(per_sample_mse(xt, xt + 2.0), torch.full((4,), 4.0))
 
 
+def test_time_shift_moves_training_and_sampling_times_towards_the_noise(demo_root, tmp_path):
+    t = torch.tensor([0.0, 0.25, 0.5, 1.0])
+    assert torch.equal(shift_time(t, 1.0), t)
+    assert torch.allclose(shift_time(t, 3.0), torch.tensor([0.0, 0.5, 0.75, 1.0]))
+    # The sampler visits the shifted grid: record the times it asks for.
+    seen = []
+    x = torch.zeros(1, 4)
+    euler_sample(lambda x_, t_: seen.append(float(t_[0])) or torch.zeros_like(x_), x, steps=4, shift=3.0)
+    assert seen == pytest.approx(shift_time(torch.tensor([1.0, 0.75, 0.5, 0.25]), 3.0).tolist())
+    # Training: the model sees shift_time of the uniform draw, for the same draws as unshifted.
+    times = {}
+    for shift in (1.0, 3.0):
+        tr = make_trainer(demo_root, tmp_path, f"train.timestep_shift={shift}")
+        def forward(*args, _shift=shift, **kw):
+            times[_shift] = kw["timesteps"]
+            return torch.zeros_like(kw["img"], dtype=torch.float32)
+
+        tr.model.forward = forward
+        batch = next(tr.batches())
+        tr.training_loss(tr._to_device(batch))
+    assert torch.allclose(times[3.0], shift_time(times[1.0], 3.0)) and not torch.equal(times[3.0], times[1.0])
+
+
 def test_cfg_dropout_uses_the_empty_encodings(gen):
     t5, clip = torch.randn(64, 3, 5, generator=gen), torch.randn(64, 7, generator=gen)
     e5, ec = torch.zeros(3, 5), torch.zeros(7)
@@ -62,10 +85,40 @@ def test_setup_places_empty_encodings_once_and_swaps_mx_linears(demo_root, tmp_p
 
 
 def test_lr_warms_up_linearly_then_stays_constant(demo_root, tmp_path):
-    tr = make_trainer(demo_root, tmp_path, "optim.lr=1e-3", "optim.warmup_steps=4")
+    tr = make_trainer(demo_root, tmp_path, "optim.lr=1e-3", "optim.warmup_steps=4", "optim.decay=none")
     batches = tr.batches()
     lrs = [tr.train_step([next(batches) for _ in range(2)]).lr for _ in range(7)]
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3, 1e-3])
+
+
+def test_lr_factor_decays_after_the_warm_up():
+    # constant: the MLPerf schedule, whatever the run length
+    assert [lr_factor(4, "none", None, 0.0, 10, s) for s in range(6)] == pytest.approx([.25, .5, .75, 1, 1, 1])
+    # cosine over all 8 steps after a 2-step warm-up of a 10-step run: 1 at step 2, never 0
+    got = [lr_factor(2, "cosine", None, 0.0, 10, s) for s in range(10)]
+    want = [.5, 1] + [0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(8)]
+    assert got == pytest.approx(want) and got[-1] > 0
+    # linear over the last 4 steps towards 0.1
+    got = [lr_factor(0, "linear", 4, 0.1, 10, s) for s in range(10)]
+    assert got == pytest.approx([1] * 6 + [1, 0.775, 0.55, 0.325])
+    # a decay longer than the run after the warm-up overlaps the warm-up: the factors multiply
+    assert lr_factor(4, "linear", 10, 0.0, 10, 1) == pytest.approx(0.5 * 0.9)
+
+
+def test_lr_decays_to_the_end_of_the_run_and_resumes_on_schedule(demo_root, tmp_path):
+    extra = ("optim.lr=1e-3", "optim.warmup_steps=2", "optim.decay=cosine", "train.train_samples=48")
+    tr = make_trainer(demo_root, tmp_path, *extra)
+    assert tr.total_steps == 6
+    batches = tr.batches()
+    lrs = [tr.train_step([next(batches) for _ in range(2)]).lr for _ in range(3)]
+    path = tr.save(tmp_path / "mid.pt")
+    lrs += [tr.train_step([next(batches) for _ in range(2)]).lr for _ in range(3)]
+    assert lrs == pytest.approx([1e-3 * lr_factor(2, "cosine", None, 0.0, 6, s) for s in range(6)])
+    assert lrs[1] == lrs[2] == pytest.approx(1e-3) and lrs[2] > lrs[3] > lrs[4] > lrs[5] > 0
+    again = make_trainer(demo_root, tmp_path, *extra)
+    again.resume(path)
+    batches = again.batches()
+    assert [again.train_step([next(batches) for _ in range(2)]).lr for _ in range(3)] == pytest.approx(lrs[3:])
 
 
 def test_reported_losses_are_not_rescaled_by_micro_batching(demo_root, tmp_path):

@@ -220,7 +220,7 @@ def _train(args) -> int:
                 grid = _sample_to_grid(trainer.model, trainer.train_set, list(cfg.train.sample_prompts),
                                        steps=cfg.train.sample_steps, seed=cfg.train.seed,
                                        out=trainer.out_dir / "samples.png", dtype=trainer.compute_dtype,
-                                       guidance=cfg.train.sample_guidance)
+                                       guidance=cfg.train.sample_guidance, time_shift=cfg.train.sampler_shift)
                 if grid:
                     result["samples_png"] = str(grid)
             result["checkpoint"] = str(trainer.last_checkpoint)
@@ -349,6 +349,9 @@ def add_sample_parser(sub) -> None:
                                                   "encoder (and decoder, without --vae) to use (default: the demo)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     p.add_argument("--steps", type=positive_int, default=20, help="Euler steps (default: 20)")
+    p.add_argument("--shift", type=float, metavar="S",
+                   help="time shift of the Euler steps towards the noise, 1 = evenly spaced (default: the "
+                        "checkpoint recipe's train.sample_shift, else its train.timestep_shift; 1 with --weights)")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale, 1 = none (default: the "
                                                   "checkpoint recipe's train.sample_guidance; 1 with --weights)")
     p.add_argument("--distilled-guidance", type=float, default=None, metavar="G",
@@ -397,15 +400,18 @@ def _sample(args) -> int:
             args.parser.error(f"--weights: {e}")
         # Without real text encoders, prompts go through a dataset's own (the demo's) encoder.
         dataset = None if args.t5 else LatentDataset(args.data or ensure_demo_dataset(DEMO_DATA_DIR), "train")
-        default_guidance = 1.0
+        default_guidance, default_shift = 1.0, 1.0
     else:
         trainer = _trainer_from_checkpoint(args)
         model, dataset, device = trainer.model, trainer.train_set, trainer.device
         dtype = getattr(torch, args.dtype) if args.dtype else trainer.compute_dtype
-        default_guidance = trainer.cfg.train.sample_guidance
+        default_guidance, default_shift = trainer.cfg.train.sample_guidance, trainer.cfg.train.sampler_shift
     guidance = default_guidance if args.guidance is None else args.guidance
     if guidance < 0:
         args.parser.error(f"--guidance: expected a scale >= 0, got {guidance}")
+    time_shift = default_shift if args.shift is None else args.shift
+    if time_shift <= 0:
+        args.parser.error(f"--shift: expected a shift > 0, got {time_shift}")
 
     encoders = vae = None
     if args.t5:
@@ -429,7 +435,7 @@ def _sample(args) -> int:
     try:
         grid = _sample_to_grid(model, dataset, args.prompt, steps=args.steps, seed=args.seed, out=Path(args.out),
                                dtype=dtype, encoders=encoders, guidance=guidance, vae=vae, image_size=size,
-                               distilled_guidance=args.distilled_guidance)
+                               distilled_guidance=args.distilled_guidance, time_shift=time_shift)
     except ValueError as e:
         args.parser.error(str(e))
     if grid is None:
@@ -439,7 +445,7 @@ def _sample(args) -> int:
 
 
 def _sample_to_grid(model, dataset, prompts, *, steps, seed, out, dtype, encoders=None, guidance=1.0, vae=None,
-                    image_size=None, distilled_guidance=None):
+                    image_size=None, distilled_guidance=None, time_shift=1.0):
     """Encode prompts, sample latents, decode and save a grid; None if no decoder is known.
 
     Text: `encoders` (real T5 and CLIP), else the dataset's own encoder (the demo's). Decoder and
@@ -489,6 +495,6 @@ def _sample_to_grid(model, dataset, prompts, *, steps, seed, out, dtype, encoder
     z = generate_latents(model, t5, clip, latent_shape=latent_shape, steps=steps, seed=seed, shift=shift,
                          scale=scale, dtype=dtype, guidance=guidance, empty=empty,
                          distilled_guidance=DEFAULT_DISTILLED_GUIDANCE if distilled_guidance is None
-                         else distilled_guidance)
+                         else distilled_guidance, time_shift=time_shift)
     images = decode(z if vae is not None else z.cpu())
     return save_grid(images.cpu(), out, captions=list(prompts))

@@ -73,6 +73,12 @@ class OptimSection(_Section):
     name: Literal["adamw"] = "adamw"
     lr: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(0, ge=0)  # linear warm-up, then constant (MLPerf reference)
+    # After the warm-up: "none" keeps the LR constant (MLPerf reference); "cosine" / "linear" decay
+    # it over the run's last `decay_steps` steps (None: every step after the warm-up) towards
+    # lr·min_lr_ratio, reached where the run ends (the last step takes a little more).
+    decay: Literal["none", "cosine", "linear"] = "none"
+    decay_steps: int | None = Field(None, ge=1)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -120,6 +126,14 @@ class TrainSection(_Section):
     sample_prompts: tuple[str, ...] = ()
     sample_steps: int = Field(20, ge=1)
     sample_guidance: float = Field(1.0, ge=0.0)  # classifier-free guidance scale for samples (1 = none)
+    # Training times t ~ U(0, 1) moved towards the noise: s·t / (1 + (s − 1)·t) (1 = none; SD3, Flux)
+    timestep_shift: float = Field(1.0, gt=0.0)
+    # The sampler's time grid, shifted the same way; None: timestep_shift
+    sample_shift: float | None = Field(None, gt=0.0)
+
+    @property
+    def sampler_shift(self) -> float:
+        return self.timestep_shift if self.sample_shift is None else self.sample_shift
 
 
 class DistributedSection(_Section):

@@ -1,6 +1,6 @@
 """Rectified flow as in the MLPerf reference (torchtitan Flux), and its Euler sampler.
 
-x_t = (1 − t)·x0 + t·ε with t ~ U(0, 1); the model predicts the velocity ε − x0, and the loss
+x_t = (1 − t)·x0 + t·ε with t ~ U(0, 1) (optionally shifted: `shift_time`); the model predicts the velocity ε − x0, and the loss
 is its fp32 MSE. x0 is resampled every step from the stored VAE posterior (mean, logvar) and
 normalised as (z − shift)·scale. Evaluation uses fixed timesteps t = k/8 per sample and fixed
 noise, so the validation loss is a deterministic function of the weights.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sample_latents", "noised", "cfg_dropout", "per_sample_mse", "euler_sample", "eval_noise"]
+__all__ = ["sample_latents", "noised", "cfg_dropout", "per_sample_mse", "euler_sample", "eval_noise", "shift_time"]
 
 
 def sample_latents(mean: torch.Tensor, logvar: torch.Tensor, shift: float, scale: float,
@@ -20,6 +20,17 @@ def sample_latents(mean: torch.Tensor, logvar: torch.Tensor, shift: float, scale
     if eps is None:
         eps = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=torch.float32)
     return (mean + std * eps - shift) * scale
+
+
+def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """Times moved towards the noise end: s·t / (1 + (s − 1)·t) (SD3's and Flux's timestep shift).
+
+    1 is the identity; s > 1 spends more of training, or of the sampler's steps, at high noise,
+    where a picture's layout is decided (t = 1/2 maps to s/(1 + s)). 0 and 1 stay fixed.
+    """
+    if shift == 1.0:
+        return t
+    return shift * t / (1 + (shift - 1) * t)
 
 
 def noised(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,13 +72,14 @@ def eval_noise(indices: torch.Tensor, shape: tuple[int, ...], seed: int, device)
 
 
 @torch.no_grad()
-def euler_sample(velocity, noise: torch.Tensor, steps: int) -> torch.Tensor:
-    """Integrate dx/dt = v(x, t) from t = 1 (noise) to t = 0 (data) with `steps` Euler steps.
+def euler_sample(velocity, noise: torch.Tensor, steps: int, shift: float = 1.0) -> torch.Tensor:
+    """Integrate dx/dt = v(x, t) from t = 1 (noise) to t = 0 (data) with `steps` Euler steps,
+    at times `shift_time` of an even grid (shift 1: evenly spaced).
 
     `velocity(x, t)` returns the model's prediction of ε − x0 for a batch at times t [B].
     """
     x = noise.float()
-    ts = torch.linspace(1.0, 0.0, steps + 1, device=x.device)
+    ts = shift_time(torch.linspace(1.0, 0.0, steps + 1, device=x.device), shift)
     for t_cur, t_next in zip(ts[:-1], ts[1:]):
         t = torch.full((x.shape[0],), float(t_cur), device=x.device)
         x = x + (t_next - t_cur) * velocity(x, t).float()

@@ -22,13 +22,15 @@ def generate_latents(model, t5: torch.Tensor, clip: torch.Tensor, *, latent_shap
                      steps: int, seed: int, shift: float, scale: float,
                      dtype: torch.dtype = torch.bfloat16, guidance: float = 1.0,
                      empty: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     distilled_guidance: float = DEFAULT_DISTILLED_GUIDANCE) -> torch.Tensor:
+                     distilled_guidance: float = DEFAULT_DISTILLED_GUIDANCE,
+                     time_shift: float = 1.0) -> torch.Tensor:
     """Sample VAE latents [B, C, H, W] (un-normalised: z = x/scale + shift) for encoded prompts.
 
     `guidance` > 1 is classifier-free guidance with the empty prompt's encodings `empty` =
     (t5 [L, D], clip [D]) (what CFG dropout trained the model on): v = v_empty + g·(v_prompt −
     v_empty), both halves in one batch. 1.0 is the plain conditional model.
     `distilled_guidance` is the guidance input of models with a guidance embedder (FLUX.1-dev).
+    `time_shift` shifts the Euler steps' times towards the noise (`mxflux.train.flow.shift_time`).
     """
     if guidance != 1.0 and empty is None:
         raise ValueError("empty: classifier-free guidance needs the empty prompt's (t5, clip) encodings")
@@ -63,7 +65,7 @@ def generate_latents(model, t5: torch.Tensor, clip: torch.Tensor, *, latent_shap
     was_training = model.training
     model.eval()
     try:
-        x0 = euler_sample(velocity, noise, steps)
+        x0 = euler_sample(velocity, noise, steps, time_shift)
     finally:
         model.train(was_training)
     return x0 / scale + shift

@@ -1,9 +1,9 @@
 """The training loop: rectified-flow Flux training with fp32 master weights and bf16 compute.
 
 One `Trainer` owns the model (fp32 parameters; MX/FP8 modules and autocast compute in bf16),
-the AdamW optimizer with the MLPerf constants, the warm-up-then-constant LR and the data
-position, so that a checkpoint captures everything and a resumed run's next loss equals the
-uninterrupted run's. The training noise holds no state: every draw of a sample is a function
+the AdamW optimizer with the MLPerf constants, the LR schedule (warm-up, then constant or
+decaying: `lr_factor`) and the data position, so that a checkpoint captures everything and a
+resumed run's next loss equals the uninterrupted run's. The training noise holds no state: every draw of a sample is a function
 of (train seed, optimizer step, dataset index) (`mxflux.train.noise`), and each global batch is
 the same set of samples on any number of ranks, so a run's losses do not depend on its world
 size (up to floating-point reduction order) and a checkpoint resumes onto any world size
@@ -36,12 +36,12 @@ from .checkpoint import (LATEST, LATEST_SHARDED, load_checkpoint, load_model_opt
                          save_sharded_checkpoint, set_rng_state)
 from .config import RunConfig
 from .distributed import DistContext, init_distributed
-from .flow import cfg_dropout, eval_noise, noised, per_sample_mse, sample_latents
+from .flow import cfg_dropout, eval_noise, noised, per_sample_mse, sample_latents, shift_time
 from .noise import training_draws
 from .parallelize import parallelize
 from .results import StepResult
 
-__all__ = ["Trainer", "StepResult", "total_steps"]
+__all__ = ["Trainer", "StepResult", "lr_factor", "total_steps"]
 
 DEMO_DATA_DIR = Path("runs/demo-data")
 CHECKPOINT_FORMAT = 2  # tensors keyed by parameter name, the data position in global samples
@@ -90,7 +90,8 @@ class Trainer:
         # A partial, not a bound method: no Trainer <-> scheduler reference cycle, so a dropped
         # Trainer frees its (GPU) memory at once instead of at the next garbage collection.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, functools.partial(_warmup_then_constant, o.warmup_steps))
+            self.optimizer, functools.partial(lr_factor, o.warmup_steps, o.decay, o.decay_steps, o.min_lr_ratio,
+                                              self.total_steps))
         self.step = 0  # optimizer steps taken
         self.samples = 0  # training samples consumed (global)
         self.epoch = 0
@@ -132,11 +133,12 @@ class Trainer:
         mean = batch["vae_mean"]
         d = training_draws(batch["index"], self.step, self.cfg.train.seed, tuple(mean.shape[1:]), mean.device)
         x0 = sample_latents(mean, batch["vae_logvar"], self.latent_shift, self.latent_scale, eps=d.latent_eps)
-        x_t, target = noised(x0, d.noise, d.t)
+        t = shift_time(d.t, self.cfg.train.timestep_shift)
+        x_t, target = noised(x0, d.noise, t)
         p = self.cfg.data.cfg_dropout
         t5, clip = cfg_dropout(batch["t5"], batch["clip"], self.t5_empty, self.clip_empty, p, drop=d.drop_u < p)
         with self._autocast():
-            pred = self.train_model(timesteps=d.t, **self._model_inputs(x_t, t5, clip))
+            pred = self.train_model(timesteps=t, **self._model_inputs(x_t, t5, clip))
         return per_sample_mse(pred, patchify(target)).mean()
 
     # --- training -----------------------------------------------------------------------------
@@ -334,6 +336,21 @@ def _check_format(state: dict) -> None:
                          f"(tensors keyed by parameter name)")
 
 
-def _warmup_then_constant(warmup_steps: int, step: int) -> float:
-    """The LR factor at `step`: linear warm-up over `warmup_steps`, then 1 (MLPerf reference)."""
-    return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+def lr_factor(warmup_steps: int, decay: str, decay_steps: int | None, min_ratio: float, total: int,
+              step: int) -> float:
+    """The LR factor of optimizer step `step` (0-based) of a `total`-step run.
+
+    A linear warm-up over `warmup_steps` (factor (step + 1) / warmup_steps), then 1: with
+    `decay` "none" that is all (MLPerf reference). With "cosine" or "linear" the factor falls over
+    the last `decay_steps` steps (None: all steps after the warm-up), from 1 at their first step
+    towards `min_ratio` at step `total` (the one after the last), so no step takes a zero LR;
+    it multiplies the warm-up factor where the two overlap.
+    """
+    warm = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    if decay == "none":
+        return warm
+    span = decay_steps if decay_steps is not None else max(total - warmup_steps, 1)
+    start = total - span
+    progress = min(max((step - start) / span, 0.0), 1.0)
+    fall = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
+    return warm * (min_ratio + (1 - min_ratio) * fall)
