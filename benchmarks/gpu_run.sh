@@ -11,7 +11,7 @@
 #              BENCH_ARGS to change); JSON $OUT/bench_step_mbs16.json
 # bench64      the same at micro-batch 64 ($OUT/bench_step_mbs64.json)
 # memory       `--memory` breakdown of one step at micro-batch 16 for bf16, fp8-tensorwise, mxfp6
-#              ($OUT/memory_mbs16.json, tables in $OUT/memory.log)
+#              ($OUT/memory_mbs16.json, tables in $OUT/memory_mbs16.log; MEMORY_MBS, MEMORY_SETTINGS to change)
 # fsdp12b      flux-12b with FSDP2 over every visible GPU (`mxflux bench step` under torchrun)
 # fp8seq       benchmarks/probe_fp8_in_process.py: torchao tensorwise then rowwise in one process
 # host         benchmarks/bench_host.py: host time per MX op call (op dispatch, our Python, Triton launch)
