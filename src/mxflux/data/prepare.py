@@ -92,14 +92,6 @@ class _Encoders:
         self.clip_tok = AutoTokenizer.from_pretrained(clip_tokenizer_path or clip_path)
         self.clip = CLIPTextModel.from_pretrained(clip_path, torch_dtype=dtype).to(self.device).eval()
 
-    @property
-    def latent_shift(self) -> float:
-        return vae_latent_normalisation(self.vae)[0]
-
-    @property
-    def latent_scale(self) -> float:
-        return vae_latent_normalisation(self.vae)[1]
-
     @torch.no_grad()
     def images(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dist = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist
@@ -150,13 +142,14 @@ def prepare_dataset(image_dir: str | os.PathLike, out: str | os.PathLike, *, vae
     mean, _ = enc.images(_load_image(train[0][0], image_size)[None])
     t5_empty, clip_empty = enc.captions([""])
     c, h, w = mean.shape[1:]
+    latent_shift, latent_scale = vae_latent_normalisation(enc.vae)
     if h != w:
         raise DataError(f"the VAE gave a non-square latent {list(mean.shape[1:])} for square images")
     source = {"kind": "prepared", "image_dir": str(image_dir), "eval_dir": None if eval_dir is None else str(eval_dir),
               "vae": str(vae_path), "t5": str(t5_path), "clip": str(clip_path), "image_size": image_size,
               "t5_len": t5_len, "encoder_dtype": str(dtype).removeprefix("torch.")}
     with DatasetWriter(out, l_txt=t5_len, d_t5=t5_empty.shape[-1], d_clip=clip_empty.shape[-1], latent_channels=c,
-                       latent_hw=h, latent_shift=enc.latent_shift, latent_scale=enc.latent_scale,
+                       latent_hw=h, latent_shift=latent_shift, latent_scale=latent_scale,
                        samples_per_shard=samples_per_shard, source=source) as writer:
         writer.write_empty_encodings(t5_empty[0], clip_empty[0])
         for split, pairs in (("train", train), ("eval", evals)):
