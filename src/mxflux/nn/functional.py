@@ -11,6 +11,12 @@ so every tensor is packed once into both orientations ("row" = along its last ax
 the transposed copy along its first). Forward saves only the quantized col copies that
 backward needs (Xᵀ, Wᵀ), never bf16 activations. The bias is added in the GEMM's fp32
 epilogue and its gradient is the column sum the dY packer produces while it quantizes dY.
+
+Weights and biases come in their own dtype (fp32 master parameters, or bf16 under FSDP's
+mixed precision) and are cast to the compute dtype inside forward, so their gradients leave in
+that dtype straight from the wgrad GEMM's fp32 accumulator and the dY packer's fp32 column
+sums: no bf16 rounding of the gradient and no separate cast kernel
+(docs/design.md, "The three GEMMs and their operands").
 Every packer call adds the blocks it finds outside the FP8 fold window to the module's
 `blocks_outside_window` counter (docs/design.md, "The exact FP8 fold and its window").
 """
@@ -58,15 +64,22 @@ def _gemm(a: Operand, b: Operand, cfg: MXConfig, bias=None, out_dtype=torch.bflo
     return scaled_gemm(a.data, a.scale, b.data, b.scale, cfg.granularity.value, bias, out_dtype)
 
 
+def _compute(param, dtype):
+    """A weight or bias in the compute dtype. The cast happens inside forward, out of autograd's
+    view: the Function returns the parameter's gradient in the parameter's own dtype."""
+    return None if param is None else param.to(dtype)
+
+
 class _MXLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig):
         x_row, x_col, _ = _pack(x, cfg, blocks_outside_window, col=weight.requires_grad)
-        w_row, w_col, _ = _pack(weight, cfg, blocks_outside_window, col=x.requires_grad)
-        y = _gemm(x_row, w_row, cfg, bias, x.dtype)
+        w_row, w_col, _ = _pack(_compute(weight, x.dtype), cfg, blocks_outside_window, col=x.requires_grad)
+        y = _gemm(x_row, w_row, cfg, _compute(bias, x.dtype), x.dtype)
         ctx.save_for_backward(*x_col, *w_col)
         ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
         ctx.has_bias = bias is not None
+        ctx.w_dtype, ctx.b_dtype = weight.dtype, None if bias is None else bias.dtype
         return y
 
     @staticmethod
@@ -78,8 +91,8 @@ class _MXLinear(torch.autograd.Function):
         dy_row, dy_col, dbias = _pack(dy, cfg, ctx.blocks_outside_window, row=need_x, col=need_w,
                                       colsum=need_b and ctx.has_bias)
         dx = _gemm(dy_row, Operand(wc_data, wc_scale), cfg, None, dy.dtype) if need_x else None
-        dw = _gemm(dy_col, Operand(xc_data, xc_scale), cfg, None, dy.dtype) if need_w else None
-        db = dbias.to(dy.dtype) if need_b and ctx.has_bias else None
+        dw = _gemm(dy_col, Operand(xc_data, xc_scale), cfg, None, ctx.w_dtype) if need_w else None
+        db = dbias.to(ctx.b_dtype) if need_b and ctx.has_bias else None
         return dx, dw, db, None, None
 
 
@@ -102,30 +115,31 @@ class _FusedMXMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig):
         x_row, x_col, _ = _pack(x, cfg, blocks_outside_window)
-        w1_row, w1_col, _ = _pack(w1, cfg, blocks_outside_window)
-        w2_row, w2_col, _ = _pack(w2, cfg, blocks_outside_window)
-        h = _gemm(x_row, w1_row, cfg, b1, x.dtype)
+        w1_row, w1_col, _ = _pack(_compute(w1, x.dtype), cfg, blocks_outside_window)
+        w2_row, w2_col, _ = _pack(_compute(w2, x.dtype), cfg, blocks_outside_window)
+        h = _gemm(x_row, w1_row, cfg, _compute(b1, x.dtype), x.dtype)
         act_row, act_col, _ = _pack(h, cfg, blocks_outside_window, prologue="gelu_tanh")
-        y = _gemm(act_row, w2_row, cfg, b2, x.dtype)
+        y = _gemm(act_row, w2_row, cfg, _compute(b2, x.dtype), x.dtype)
         ctx.save_for_backward(h, *x_col, *w1_col, *act_col, *w2_col)
         ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
-        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        ctx.dtypes = tuple(None if p is None else p.dtype for p in (w1, b1, w2, b2))
         return y
 
     @staticmethod
     def backward(ctx, dy):
         h, xcd, xcs, w1cd, w1cs, acd, acs, w2cd, w2cs = ctx.saved_tensors
         cfg, outside = ctx.cfg, ctx.blocks_outside_window
+        w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
         dy = dy.contiguous()
-        dy_row, dy_col, db2 = _pack(dy, cfg, outside, colsum=ctx.has_b2)
+        dy_row, dy_col, db2 = _pack(dy, cfg, outside, colsum=b2_dtype is not None)
         dact = _gemm(dy_row, Operand(w2cd, w2cs), cfg, None, dy.dtype)
-        dw2 = _gemm(dy_col, Operand(acd, acs), cfg, None, dy.dtype)
+        dw2 = _gemm(dy_col, Operand(acd, acs), cfg, None, w2_dtype)
         dh_row, dh_col, db1 = _pack(dact, cfg, outside, prologue="gelu_tanh_grad", aux=h,
-                                    colsum=ctx.has_b1)
+                                    colsum=b1_dtype is not None)
         dx = _gemm(dh_row, Operand(w1cd, w1cs), cfg, None, dy.dtype)
-        dw1 = _gemm(dh_col, Operand(xcd, xcs), cfg, None, dy.dtype)
-        db1 = db1.to(dy.dtype) if ctx.has_b1 else None
-        db2 = db2.to(dy.dtype) if ctx.has_b2 else None
+        dw1 = _gemm(dh_col, Operand(xcd, xcs), cfg, None, w1_dtype)
+        db1 = db1.to(b1_dtype) if b1_dtype is not None else None
+        db2 = db2.to(b2_dtype) if b2_dtype is not None else None
         return dx, dw1, db1, dw2, db2, None, None
 
 

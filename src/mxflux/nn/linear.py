@@ -51,7 +51,8 @@ class MXFP6Linear(nn.Linear):
 
     Y = X·Wᵀ + b with X, W and, in backward, dY quantized along each GEMM's contraction axis and
     multiplied as exact FP8 row-wise GEMMs (docs/design.md, "The exact FP8 fold and its window").
-    Compute is bf16: fp32 master weights are cast on the way in, differentiably. Cost per call:
+    Compute is bf16: fp32 master weights are cast inside the MX Function, and their gradients come
+    back in fp32 straight from the GEMM's accumulator. Cost per call:
     three quantize-and-fold passes over X, W and dY (memory-bound) plus three FP8 GEMMs.
     """
 
@@ -89,10 +90,9 @@ class MXFP6Linear(nn.Linear):
                              persistent=False)
 
     def compute_params(self, x: torch.Tensor):
-        """(x, weight, bias) in bf16, the dtype every MX GEMM takes its inputs in."""
-        w = self.weight.to(torch.bfloat16)
-        b = None if self.bias is None else self.bias.to(torch.bfloat16)
-        return x.to(torch.bfloat16), w, b
+        """(x in bf16, the dtype every MX GEMM takes its inputs in; weight; bias). The parameters
+        go in their own dtype: the Function casts them and returns their gradients in it."""
+        return x.to(torch.bfloat16), self.weight, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
