@@ -14,7 +14,8 @@ from mxflux.kernels import operands_cuda as oc
 from mxflux.kernels import triton_common
 from mxflux.mx import FoldGranularity as G
 
-CONSTEXPRS = ("PASS", "DO_ROW", "DO_COL", "DO_COLSUM", "GRAN", "HADAMARD", "PROLOGUE", "HW", "BR", "NB", "COAL")
+CONSTEXPRS = ("PASS", "DO_ROW", "DO_COL", "DO_COLSUM", "GRAN", "HADAMARD", "PROLOGUE", "HW", "BR", "NB", "COAL",
+              "X_F32")
 
 
 class FakeCompiled:
@@ -86,7 +87,8 @@ def test_same_key_reuses_the_plan(fake):
     assert a[0] == b[0] and a[2] == b[2] and a[1][2:7] == b[1][2:7] and a[1][15:] == b[1][15:]
 
 
-@pytest.mark.parametrize("change", ["rows", "cols", "stride", "row_stride", "dtype_raises", "row", "col", "colsum", "hadamard",
+@pytest.mark.parametrize("change", ["rows", "cols", "stride", "row_stride", "dtype", "dtype_raises", "row", "col",
+                                    "colsum", "hadamard",
                                     "granularity", "prologue", "hw", "io", "counter", "counter_dtype", "misaligned"])
 def test_a_different_key_gets_its_own_plan(fake, change, monkeypatch):
     x = x_(200, 256)
@@ -102,9 +104,13 @@ def test_a_different_key_gets_its_own_plan(fake, change, monkeypatch):
         y = x_(256, 200).t()  # same shape, column-major: read through a contiguous copy
     elif change == "row_stride":
         y = x_(200, 512)[:, :256]  # same shape, row stride 512: read in place
+    elif change == "dtype":
+        y = x.float()  # fp32 master weights: the kernel variant that rounds to bf16 as it reads
     elif change == "dtype_raises":
-        with pytest.raises(ValueError, match="reads bfloat16"):
-            oc.mx_operands_cuda(x.float(), **kw)
+        with pytest.raises(ValueError, match="x: mx_operands_cuda reads torch.bfloat16 or torch.float32, got torch.float16"):
+            oc.mx_operands_cuda(x.half(), **kw)
+        with pytest.raises(ValueError, match="x: mx_operands_cuda reads torch.bfloat16, got torch.float32"):
+            oc.mx_operands_cuda(x.float(), **dict(kw, prologue="gelu_tanh"))
         assert len(oc._PLANS) == 1
         return
     elif change in ("row", "col", "colsum", "hadamard"):
@@ -131,6 +137,7 @@ def test_a_different_key_gets_its_own_plan(fake, change, monkeypatch):
     grid, args, _ = fake.calls[-1]
     if change == "row_stride":
         assert not plan1.copy_x and args[0] is y and args[2] == 512
+    assert plan1.meta["X_F32"] == (change == "dtype")
     if change in ("stride", "misaligned"):
         assert plan1.copy_x == (change == "stride")
         assert args[0] is not y and args[0].is_contiguous() and args[0].data_ptr() % 16 == 0
@@ -154,7 +161,7 @@ def test_plan_geometry_and_constexprs(fake):
     (g1, a1, k1), (g2, a2, k2) = fake.calls
     assert (k1["PASS"], k2["PASS"]) == (1, 2) and g1 == g2
     assert k2 == dict(PASS=2, DO_ROW=True, DO_COL=True, DO_COLSUM=True, GRAN=0, HADAMARD=True, PROLOGUE=0,
-                      HW=False, BR=128, NB=2, COAL=True, **triton_common.launch_options(8))
+                      HW=False, BR=128, NB=2, COAL=True, X_F32=False, **triton_common.launch_options(8))
     assert a2[2:7] == (256, 256, 200, 256, 224) and a2[15] == 2 and g2 == (4, min(2, -(-16 // 4)))
     assert a2[0] is x and a2[12] is counter and out.blocks_outside_window is counter
     assert a2[7].data_ptr() == out.row_data.data_ptr() and a2[9].data_ptr() == out.col_data.data_ptr()
@@ -230,7 +237,7 @@ def test_compiled_launch_refuses_a_kernel_it_does_not_understand(fake):
     env = dict(get_stream=lambda dev: 0, hooks=Hooks(), current_device=lambda: 0)
     x = x_(64, 128)
     args = (x, x, 128, 128, 64, 128, 64) + (x,) * 8 + (1, 1)
-    kw = dict(zip(CONSTEXPRS, (2, True, True, False, 32, True, 0, True, 128, 2, True)))
+    kw = dict(zip(CONSTEXPRS, (2, True, True, False, 32, True, 0, True, 128, 2, True, False)))
 
     def launch(compiled, a=args, k=kw):
         return triton_common.compiled_launch(compiled, oc._RUNTIME_ARGS, a, k, 0, _env=env)

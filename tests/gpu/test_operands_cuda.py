@@ -123,6 +123,23 @@ GELU_MISMATCH_BOUND = 1e-3  # measured fraction is recorded in benchmarks/RESULT
 @gpu
 @needs_cuda
 @needs_triton
+@pytest.mark.parametrize("shape", [(3072, 9216), (12288, 3072), (1000, 3104)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_pack_fp32_master_weights(shape, gen):
+    """fp32 weights are packed as their bf16 rounding, bit for bit, at Flux weight shapes."""
+    g = dev_gen(gen, "cuda")
+    w = torch.randn(shape, generator=g, device="cuda") * 0.02
+    w[::7] *= 2.0**-20  # rows far below the others: the fold window is exercised
+    w.view(torch.int32)[:, 1::5] |= 0x8000  # bf16 ties and above-half low bits
+    got = mx_operands_cuda(w, colsum=True, _poison=True)
+    want = mx_operands_reference(w.to(torch.bfloat16), colsum=True)
+    for name in ("row_data", "row_scale", "col_data", "col_scale"):
+        assert_bits_equal(name, getattr(got, name), getattr(want, name))
+    assert int(got.blocks_outside_window) == int(want.blocks_outside_window)
+
+
+@gpu
+@needs_cuda
+@needs_triton
 @pytest.mark.parametrize("prologue", ["gelu_tanh", "gelu_tanh_grad"])
 @pytest.mark.parametrize("granularity", list(G))
 def test_pack_prologues(prologue, granularity, gen):

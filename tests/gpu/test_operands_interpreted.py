@@ -50,6 +50,36 @@ def test_packer_single_orientation_and_rotation(hadamard, gen):
     check(x, row=False, col=True, hadamard=hadamard, granularity=G.EXACT)
 
 
+def fp32_weights(r, c, gen, device):
+    """fp32 values whose bf16 rounding is the adversarial packer input, plus what only fp32 has:
+    low mantissa bits (ties to even included), values that round up to bf16's Inf, fp32-only
+    subnormals, NaN and -0."""
+    g = dev_gen(gen, device)
+    x = DISTS["adversarial"](r, c, gen, device).float()
+    low = torch.randint(0, 1 << 16, x.shape, generator=g, device=device, dtype=torch.int32)
+    low = torch.where(torch.rand(x.shape, generator=g, device=device) < 0.1, torch.full_like(low, 0x8000), low)
+    x = (x.view(torch.int32) | low).view(torch.float32)  # NaN/Inf stay NaN/Inf-or-NaN
+    x[0, :8] = torch.tensor([3.4e38, -3.4e38, 1e-41, -1e-41, -0.0, float("nan"), float("inf"), 2.0**-133])
+    return x
+
+
+@pytest.mark.parametrize("granularity", list(G), ids=lambda g: g.value)
+@pytest.mark.parametrize("io", ["coalesced", "blocks"])
+def test_packer_reads_fp32_as_its_bf16_rounding(granularity, io, gen, monkeypatch):
+    """fp32 master weights go into the packer directly: the operands equal packing
+    x.to(torch.bfloat16), bit for bit, on either tile-reading variant."""
+    monkeypatch.setenv("MXFLUX_PACK_IO", io)
+    x = fp32_weights(96, 256, gen, DEVICE)
+    got = mx_operands_cuda(x, granularity=granularity, colsum=True, _poison=True)
+    want = mx_operands_reference(x.to(torch.bfloat16), granularity=granularity, colsum=True)
+    for name in FIELDS:
+        assert_bits_equal(name, getattr(got, name), getattr(want, name))
+    assert int(got.blocks_outside_window) == int(want.blocks_outside_window)
+    assert_colsum_close(got.colsum, want.colsum, x.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="x: mx_operands_cuda reads torch.bfloat16, got torch.float32"):
+        mx_operands_cuda(x, prologue="gelu_tanh")
+
+
 @pytest.mark.parametrize("prologue", ["gelu_tanh", "gelu_tanh_grad"])
 def test_packer_prologue_equals_packing_the_kernels_activation(prologue, gen):
     g = dev_gen(gen, DEVICE)

@@ -43,13 +43,19 @@ _PACK_SIG = {"x_ptr": "*bf16", "aux_ptr": "*bf16", "stride_x": "i32", "stride_au
 @pytest.mark.parametrize("granularity, prologue, colsum, pass_, hw", [
     (G.ROWWISE, "none", False, 1, True), (G.ROWWISE, "none", False, 2, True), (G.EXACT, "gelu_tanh", False, 2, True),
     (G.BLOCKWISE, "gelu_tanh_grad", True, 2, True), (G.ROWWISE, "none", True, 2, False),
+    (G.ROWWISE, "none", False, 1, "fp32"), (G.ROWWISE, "none", False, 2, "fp32"),
 ], ids=lambda v: getattr(v, "value", str(v)))
 def test_mx_operands_kernel_compiles_for_sm90(granularity, prologue, colsum, pass_, hw):
     """The MX packer with the constexprs `mx_operands_cuda` launches it with; hw=False is the
-    integer emulation of the FP8 conversions, which the interpreter tests run."""
+    integer emulation of the FP8 conversions, which the interpreter tests run; "fp32" the
+    hardware kernel reading fp32 master weights (rounded to bf16 by cvt.rn as read)."""
+    x_f32 = hw == "fp32"
+    hw = bool(hw)
     consts = {"PASS": pass_, "DO_ROW": True, "DO_COL": True, "DO_COLSUM": colsum, "HADAMARD": True, "HW": hw,
-              **operands_cuda.kernel_constexprs(granularity, prologue)}
-    ptx = _ptx(operands_cuda._pack_kernel, _PACK_SIG, consts, num_warps=operands_cuda.kernel_num_warps(granularity))
+              **operands_cuda.kernel_constexprs(granularity, prologue, x_f32=x_f32)}
+    sig = dict(_PACK_SIG, x_ptr="*fp32") if x_f32 else _PACK_SIG
+    ptx = _ptx(operands_cuda._pack_kernel, sig, consts, num_warps=operands_cuda.kernel_num_warps(granularity))
+    assert ("cvt.rn.bf16" in ptx) == x_f32
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == (hw and pass_ == 2)
     # no flush-to-zero arithmetic, except the approximate exp2 / reciprocal inside libdevice's
     # tanhf (the GELU prologue), which torch's own CUDA GELU runs too (bit-exact on the H200)

@@ -59,6 +59,7 @@ if HAS_TRITON:
     from .triton_common import (
         bf16_to_f32,
         f16_pow2_bits,
+        f32_rounded_to_bf16,
         f32_to_bf16,
         f32_to_e4m3,
         pow2_f32,
@@ -278,6 +279,7 @@ if HAS_TRITON:
         HADAMARD: tl.constexpr, PROLOGUE: tl.constexpr, HW: tl.constexpr,
         BR: tl.constexpr, NB: tl.constexpr,
         COAL: tl.constexpr,  # coalesced [BR, BC] tile loads, re-laid out once through shared memory
+        X_F32: tl.constexpr = False,  # x is fp32 (master weights): rounded to bf16 as loaded
     ):
         RB: tl.constexpr = BR // _BLOCK
         BC: tl.constexpr = NB * _BLOCK
@@ -322,7 +324,10 @@ if HAS_TRITON:
             row0 = rt * BR
             nxt = row0 + n_prog_r * BR
             if COAL:
-                t_in = tn
+                if X_F32:
+                    t_in = f32_rounded_to_bf16(tn, HW)
+                else:
+                    t_in = tn
                 pv = _blocks_of_rows(t_in, BR, NB, HW)
                 if PROLOGUE == 2:
                     pa = _blocks_of_rows(an, BR, NB, HW)
@@ -330,10 +335,16 @@ if HAS_TRITON:
                 if PROLOGUE == 2:
                     an = _load_rows(aux_ptr, nxt, stride_aux, R, C, col0, r2, c2)
             else:
-                q0 = v0
-                q1 = v1
-                q2 = v2
-                q3 = v3
+                if X_F32:
+                    q0 = f32_rounded_to_bf16(v0, HW)
+                    q1 = f32_rounded_to_bf16(v1, HW)
+                    q2 = f32_rounded_to_bf16(v2, HW)
+                    q3 = f32_rounded_to_bf16(v3, HW)
+                else:
+                    q0 = v0
+                    q1 = v1
+                    q2 = v2
+                    q3 = v3
                 pv = _quarters(q0, q1, q2, q3, BR, NB, HW)
                 if PROLOGUE == 2:
                     pa = _quarters(a0, a1, a2, a3, BR, NB, HW)
@@ -466,13 +477,13 @@ if HAS_TRITON:
 
 
 # -------------------------------------------------------------------- host side
-def _check_input(x: torch.Tensor, name: str) -> None:
+def _check_input(x: torch.Tensor, name: str, dtypes=(torch.bfloat16,)) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"{name}: expected a 2-D [rows, cols] tensor, got shape {tuple(x.shape)}")
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"{name}: mx_operands_cuda reads bfloat16, got {x.dtype}")
+    if x.dtype not in dtypes:
+        raise ValueError(f"{name}: mx_operands_cuda reads {' or '.join(map(str, dtypes))}, got {x.dtype}")
     if not (x.is_cuda or interpreting()):
         raise ValueError(f"{name}: mx_operands_cuda needs a CUDA tensor, got device {x.device}")
 
@@ -518,12 +529,13 @@ except AttributeError:  # not CPython's os._Environ: the plain lookup above
     _ENV_TYPE = None
 
 
-def kernel_constexprs(granularity: FoldGranularity, prologue: str, io_mode: str | None = None) -> dict:
-    """The compile-time constants a launch for this granularity and prologue uses (besides the
-    per-call flags): what the ahead-of-time compile tests build."""
+def kernel_constexprs(granularity: FoldGranularity, prologue: str, io_mode: str | None = None,
+                      x_f32: bool = False) -> dict:
+    """The compile-time constants a launch for this granularity, prologue and input dtype uses
+    (besides the per-call flags): what the ahead-of-time compile tests build."""
     nb, _ = _TILE[granularity]
     return dict(GRAN=granularity.kernel_id, PROLOGUE=PROLOGUE_IDS[prologue], BR=_BR, NB=nb,
-                COAL=coalesced_loads(prologue, io_mode))
+                COAL=coalesced_loads(prologue, io_mode), X_F32=x_f32)
 
 
 def kernel_num_warps(granularity: FoldGranularity) -> int:
@@ -560,7 +572,9 @@ class _LaunchPlan:
             raise RuntimeError("mx_operands_cuda: Triton is not installed; use mx_operands_reference on this machine")
         if not (torch.cuda.is_available() or interpreting()):
             raise RuntimeError("mx_operands_cuda: no CUDA device; use mx_operands_reference on this machine")
-        _check_input(x, "x")
+        # fp32 x (master weights) is rounded to bf16 in the kernel as it is read: the same operands
+        # as packing x.to(torch.bfloat16), without a cast kernel and a bf16 copy of the weights
+        _check_input(x, "x", (torch.bfloat16, torch.float32) if prologue == "none" else (torch.bfloat16,))
         if fmt != "e2m3":
             raise ValueError(f"fmt: mx_operands_cuda has kernels for 'e2m3' only, got {fmt!r}")
         if not isinstance(granularity, FoldGranularity):
@@ -608,14 +622,14 @@ class _LaunchPlan:
         self.ws_len = max(words, 4)
         # The kernels read 16-byte pieces of rows: contiguous along C, rows 16-byte aligned. Else
         # they read a contiguous copy (x's address is part of the key; a fresh copy is aligned).
-        self.copy_x = x.stride(1) != 1 or x.stride(0) % 8 != 0
+        self.copy_x = x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 != 0
         self.copy_aux = prologue == "gelu_tanh_grad" and (aux.stride(1) != 1 or aux.stride(0) % 8 != 0)
         nb, warps = _TILE[granularity]
         self.n_rt = -(-Rp // _BR)
         self.grid = _grid(-(-C // (nb * MX_BLOCK)), self.n_rt, dev, warps)
         self.passes = (1, 2) if rowwise and (row or col) else (2,)
         self.meta = dict(DO_ROW=row, DO_COL=col, DO_COLSUM=colsum, HADAMARD=hadamard, HW=hw,
-                         **kernel_constexprs(granularity, prologue, io_mode))
+                         **kernel_constexprs(granularity, prologue, io_mode, x.dtype == torch.float32))
         self.options = launch_options(warps)
         self.device = dev
         self.launches = dict.fromkeys(self.passes)
@@ -674,7 +688,8 @@ def mx_operands_cuda(
     """Triton twin of `mxflux.mx.operands.mx_operands_reference` (same signature and outputs,
     bit for bit).
 
-    x is a CUDA bfloat16 [R, C] matrix (C a multiple of MX_BLOCK, R any). Only fmt "e2m3" has
+    x is a CUDA bfloat16 [R, C] matrix (C a multiple of MX_BLOCK, R any), or float32 without a
+    prologue, packed as x.to(torch.bfloat16) would be (rounded as read). Only fmt "e2m3" has
     kernels. colsum equals the reference up to fp32 summation order; blocks_outside_window is a
     0-d int64 CUDA tensor (no host synchronisation). With `counter` (a tensor of one element) the
     count is added into it instead, in place, and `blocks_outside_window` is `counter`: when it is

@@ -309,6 +309,15 @@ if HAS_TRITON:
 
 
     @triton.jit
+    def f32_rounded_to_bf16(x, HW: tl.constexpr):
+        """fp32 -> bf16 rounded to nearest even, as torch's `.to(torch.bfloat16)`: a NaN becomes
+        bf16 NaN (the packers treat every NaN alike)."""
+        if HW:
+            return x.to(tl.bfloat16)
+        else:
+            return f32_to_bf16(round_to_bf16(x, HW), HW)
+
+    @triton.jit
     def f32_to_bf16(x, HW: tl.constexpr):
         """fp32 holding a bf16 value -> that bf16 (exact)."""
         if HW:

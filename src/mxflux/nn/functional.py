@@ -13,10 +13,11 @@ backward needs (Xᵀ, Wᵀ), never bf16 activations. The bias is added in the GE
 epilogue and its gradient is the column sum the dY packer produces while it quantizes dY.
 
 Weights and biases come in their own dtype (fp32 master parameters, or bf16 under FSDP's
-mixed precision) and are cast to the compute dtype inside forward, so their gradients leave in
-that dtype straight from the wgrad GEMM's fp32 accumulator and the dY packer's fp32 column
-sums: no bf16 rounding of the gradient and no separate cast kernel
-(docs/design.md, "The three GEMMs and their operands").
+mixed precision). The packer reads an fp32 weight directly and rounds it to bf16 as it loads it
+(no cast kernel, no bf16 copy of the weights), and the gradients leave in the parameters' dtype
+straight from the wgrad GEMM's fp32 accumulator and the dY packer's fp32 column sums: no bf16
+rounding of the gradient and no cast kernel either (docs/design.md, "The three GEMMs and their
+operands").
 Every packer call adds the blocks it finds outside the FP8 fold window to the module's
 `blocks_outside_window` counter (docs/design.md, "The exact FP8 fold and its window").
 """
@@ -65,8 +66,8 @@ def _gemm(a: Operand, b: Operand, cfg: MXConfig, bias=None, out_dtype=torch.bflo
 
 
 def _compute(param, dtype):
-    """A weight or bias in the compute dtype. The cast happens inside forward, out of autograd's
-    view: the Function returns the parameter's gradient in the parameter's own dtype."""
+    """A bias in the compute dtype for the GEMM's epilogue. The cast happens inside forward, out
+    of autograd's view: the Function returns the gradient in the parameter's own dtype."""
     return None if param is None else param.to(dtype)
 
 
@@ -74,7 +75,7 @@ class _MXLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig):
         x_row, x_col, _ = _pack(x, cfg, blocks_outside_window, col=weight.requires_grad)
-        w_row, w_col, _ = _pack(_compute(weight, x.dtype), cfg, blocks_outside_window, col=x.requires_grad)
+        w_row, w_col, _ = _pack(weight, cfg, blocks_outside_window, col=x.requires_grad)
         y = _gemm(x_row, w_row, cfg, _compute(bias, x.dtype), x.dtype)
         ctx.save_for_backward(*x_col, *w_col)
         ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
@@ -115,8 +116,8 @@ class _FusedMXMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig):
         x_row, x_col, _ = _pack(x, cfg, blocks_outside_window)
-        w1_row, w1_col, _ = _pack(_compute(w1, x.dtype), cfg, blocks_outside_window)
-        w2_row, w2_col, _ = _pack(_compute(w2, x.dtype), cfg, blocks_outside_window)
+        w1_row, w1_col, _ = _pack(w1, cfg, blocks_outside_window)
+        w2_row, w2_col, _ = _pack(w2, cfg, blocks_outside_window)
         h = _gemm(x_row, w1_row, cfg, _compute(b1, x.dtype), x.dtype)
         act_row, act_col, _ = _pack(h, cfg, blocks_outside_window, prologue="gelu_tanh")
         y = _gemm(act_row, w2_row, cfg, _compute(b2, x.dtype), x.dtype)

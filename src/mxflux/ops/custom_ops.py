@@ -74,14 +74,18 @@ def _mx_operands(
     colsum: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotate, quantize to E2M3 and fold a 2-D tensor into FP8 GEMM operands
-    (`mxflux.mx.operands`). `granularity` is a `FoldGranularity` value ("rowwise", "blockwise",
-    "exact"). Blocks outside the fold window are added to `blocks_outside_window` (int64, one
-    element) on the device: no host sync. Unrequested outputs are empty.
+    (`mxflux.mx.operands`). x is bf16, or fp32 (master weights), which is packed as its bf16
+    rounding, x.to(torch.bfloat16), without that cast as a separate pass. `granularity` is a
+    `FoldGranularity` value ("rowwise", "blockwise", "exact"). Blocks outside the fold window are
+    added to `blocks_outside_window` (int64, one element) on the device: no host sync. Unrequested
+    outputs are empty.
     """
     g = FoldGranularity.from_mx_gemm(granularity)
     if use_kernels(x):  # the kernels add into the counter themselves (no launch for the add)
         p = mx_operands_cuda_counted(x, aux, blocks_outside_window, row, col, g, hadamard, prologue, colsum)
     else:
+        if x.dtype == torch.float32:  # the CUDA kernels round fp32 to bf16 as they read it
+            x = x.to(torch.bfloat16)
         if x.device.type == "cpu" and cpu_kernel_available() and not FORCE_REFERENCE:
             pack = mx_operands_cpu
         else:
