@@ -258,8 +258,10 @@ def test_pack_errors_name_the_argument():
         mx_operands_cuda(x, fmt="e3m2")
     with pytest.raises(ValueError, match="granularity"):
         mx_operands_cuda(x, granularity=128)
-    with pytest.raises(ValueError, match="x"):
-        mx_operands_cuda(x.float())
+    with pytest.raises(ValueError, match="x: mx_operands_cuda reads torch.bfloat16 or torch.float32, got torch.float16"):
+        mx_operands_cuda(x.half())
+    with pytest.raises(ValueError, match="x: mx_operands_cuda reads torch.bfloat16, got torch.float32"):
+        mx_operands_cuda(x.float(), prologue="gelu_tanh")
     with pytest.raises(ValueError, match="x"):
         mx_operands_cuda(torch.zeros(64, 48, dtype=torch.bfloat16, device="cuda"))
     with pytest.raises(ValueError, match="aux"):
