@@ -14,6 +14,7 @@ buffers larger than L2 together. Prints a short table and writes JSON to $OUT (o
     PYTHONPATH=src python3 benchmarks/bench_kernels.py            # full run (H200: ~1-2 min)
     PYTHONPATH=src python3 benchmarks/bench_kernels.py --quick    # one shape, for a smoke test
     PYTHONPATH=src python3 benchmarks/bench_kernels.py --precompile  # fill Triton's cache in parallel
+    PYTHONPATH=src python3 benchmarks/bench_kernels.py --compact  # saved-operand compact / expand only
 """
 
 from __future__ import annotations
@@ -114,6 +115,54 @@ def bench_gemms(m, k, n):
     return out
 
 
+def bench_compact(c, rp, copy_gbs):
+    """compact / expand of one col operand [c, rp] (the packer's rowwise output of a normal input)
+    against a device copy of the same bytes: compact moves 1 + 25/32 B per element, expand the
+    same, the copy 2 x 1 B (its own GB/s, and the kernels' as % of the 1 GiB copy's)."""
+    from mxflux.kernels import compact_operand_cuda, expand_operand_cuda, mx_operands_cuda
+
+    bufs = 4  # rotate over inputs larger than L2 together
+    data = [mx_operands_cuda(torch.randn(rp, c, device="cuda").bfloat16(), row=False).col_data for _ in range(bufs)]
+    comp = [compact_operand_cuda(d) for d in data]
+    dst = torch.empty_like(data[0])
+    i = [0]
+
+    def nxt():
+        i[0] = (i[0] + 1) % bufs
+        return i[0]
+
+    n = c * rp
+    moved = n + n * 25 // 32
+    out = {"C": c, "Rp": rp}
+    for name, fn, nbytes in (
+        ("copy", lambda: dst.copy_(data[nxt()]), 2 * n),
+        ("compact", lambda: compact_operand_cuda(data[nxt()]), moved),
+        ("expand", lambda: expand_operand_cuda(*comp[nxt()]), moved),
+    ):
+        ms = _bench(fn)
+        gbs = nbytes / (ms * 1e-3) / 1e9
+        out[name] = {"us": ms * 1e3, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs}
+    return out
+
+
+def run_compact(res, copy, quick):
+    """`--compact`: the saved operands of the Flux-12B linears at micro-batch 16 and 64 (512 tokens
+    a sample): Xᵀ [K, M] and Wᵀ [K, N]."""
+    res["compact"] = []
+    shapes = sorted({(k, m) for _, k, _ in LINEARS for m in (8192, 32768)} | {(k, n) for _, k, n in LINEARS})
+    if quick:
+        shapes = [(3072, 8192), (3072, 32768)]
+    print(f"{'operand [C x Rp]':22s} {'copy us':>8s} {'compact us':>10s} {'GB/s':>6s} {'%copy':>6s} "
+          f"{'expand us':>9s} {'GB/s':>6s} {'%copy':>6s}", flush=True)
+    for c, rp in shapes:
+        r = bench_compact(c, rp, copy)
+        res["compact"].append(r)
+        print(f"[{c} x {rp}]".ljust(22) + f" {r['copy']['us']:8.1f} {r['compact']['us']:10.1f} "
+              f"{r['compact']['GBps']:6.0f} {r['compact']['pct_copy']:6.1f} {r['expand']['us']:9.1f} "
+              f"{r['expand']['GBps']:6.0f} {r['expand']['pct_copy']:6.1f}", flush=True)
+        torch.cuda.empty_cache()
+
+
 def probe_shapes():
     """Which M/N/K cuBLAS accepts per mode (tiny operands; records errors rather than raising)."""
     from mxflux.kernels import scaled_gemm_cuda
@@ -201,6 +250,8 @@ def main():
     ap.add_argument("--profile-one", metavar="GRAN", help="run mx_operands_cuda on X [16384, 3072] a few times "
                     "(for `ncu -k regex:_pack_kernel`), granularity GRAN (rowwise, blockwise or exact)")
     ap.add_argument("--ab", action="store_true", help="time both packer I/O variants at two shapes")
+    ap.add_argument("--compact", action="store_true", help="only the saved-operand compact / expand kernels "
+                    "against a device copy (bench_kernels_compact.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels: needs a CUDA device")
@@ -238,6 +289,13 @@ def main():
     _warm_up()
     res["copy_GBps"] = copy = copy_bandwidth()
     print(f"{props.name}  torch {torch.__version__}  triton {triton.__version__}  copy {copy:.0f} GB/s", flush=True)
+    if args.compact:
+        run_compact(res, copy, args.quick)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "bench_kernels_compact.json"), "w") as f:
+                json.dump(res, f, indent=1, default=str)
+        return
     res["shape_probe"] = probe_shapes()
     linears = LINEARS[:1] if args.quick else LINEARS
     ms_list = MS[:1] if args.quick else MS

@@ -80,3 +80,36 @@ def test_compiled_blocks_outside_window_equals_eager(gen):
     layer.blocks_outside_window.zero_()
     torch.compile(layer, fullgraph=True)(x).backward(dy)
     assert int(layer.blocks_outside_window) == eager
+
+
+def test_six_bit_saved_operands_compile_fullgraph_and_equal_e4m3(gen):
+    """saved_operands="e2m3": the compact / expand ops trace with no graph break, and the compiled
+    step equals the eager e4m3 one bit for bit."""
+    x = torch.randn(2, 48, 128, generator=gen).bfloat16().requires_grad_()
+    dy = torch.randn(2, 48, 128, generator=gen).bfloat16()
+    results = {}
+    for saved in ("e4m3", "e2m3"):
+        torch.manual_seed(0)
+        model = nn.Sequential(MXFP6Linear(128, 256, saved_operands=saved),
+                              FusedMXFP6MLP(256, 512, mode="on", saved_operands=saved),
+                              MXFP6Linear(256, 128, saved_operands=saved)).bfloat16()
+        if saved == "e2m3":
+            model = torch.compile(model, fullgraph=True)
+        x.grad = None
+        y = model(x)
+        y.backward(dy)
+        results[saved] = [y.detach(), x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    for a, b in zip(results["e4m3"], results["e2m3"]):
+        assert torch.equal(a, b)
+
+
+def test_compaction_ops_pass_opcheck(gen):
+    from mxflux.ops import compact_operand, expand_operand
+
+    x = torch.randn(40, 64, generator=gen).bfloat16()
+    _, _, cd, _, _ = mx_operands(x, None, torch.zeros(1, dtype=torch.int64), False, True, "rowwise", True,
+                                 "none", False)
+    torch.library.opcheck(compact_operand, (cd,), test_utils=("test_faketensor",))
+    packed, shifts = compact_operand(cd)
+    torch.library.opcheck(expand_operand, (packed, shifts), test_utils=("test_schema", "test_faketensor"))

@@ -32,6 +32,7 @@ DESIGN_HEADINGS = (
     "Fold granularity",
     "The three GEMMs and their operands",
     "Kernels, backends and the reference",
+    "Saved operands in six bits",
     "Fusions",
     "Precisions as converters and the layer map",
     "The trainer",

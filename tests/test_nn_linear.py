@@ -156,3 +156,27 @@ def test_shape_errors_name_the_field():
         layer(torch.randn(4, 48))
     with pytest.raises(ValueError, match="mx_gemm: expected one of"):
         MXFP6Linear(64, 32, mx_gemm="tensorwise")
+
+
+@pytest.mark.parametrize("mx_gemm", ["rowwise", "blockwise", "exact"])
+def test_six_bit_saved_operands_give_bit_identical_outputs_and_gradients(mx_gemm, gen):
+    """saved_operands="e2m3" only changes how Xᵀ and Wᵀ wait for backward: y, dX, dW and db equal
+    the e4m3 ones bit for bit (fp32 master weights, a token count that is not a multiple of 32, rows
+    2^±12 apart so that the row-wise wgrad operand has blocks outside the fold window)."""
+    x = (torch.randn(200, 256, generator=gen) * torch.exp2(torch.randint(-12, 12, (200, 1), generator=gen))).bfloat16()
+    dy = torch.randn(200, 128, generator=gen).bfloat16()
+    out = {}
+    for saved in ("e4m3", "e2m3"):
+        torch.manual_seed(0)
+        layer = MXFP6Linear(256, 128, mx_gemm=mx_gemm, saved_operands=saved)
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.backward(dy)
+        out[saved] = [y, xi.grad, layer.weight.grad, layer.bias.grad]
+    for name, a, b in zip(("y", "dX", "dW", "db"), out["e4m3"], out["e2m3"]):
+        assert torch.equal(a, b), name
+
+
+def test_saved_operands_rejects_other_values():
+    with pytest.raises(ValueError, match="saved_operands"):
+        MXFP6Linear(64, 32, saved_operands="e3m2")

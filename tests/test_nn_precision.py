@@ -25,6 +25,7 @@ def test_two_precisions_are_rejected_naming_both_fields(other, value):
     ({"fp6": "e2m3"}, "fp8_scaling", "rowwise", "fp8"),
     ({"fp8": "hybrid"}, "mx_gemm", "exact", "mxfp6"),
     ({}, "fused_mlp", "off", "mxfp6"),
+    ({"fp8": "hybrid"}, "saved_operands", "e2m3", "mxfp6"),
     ({}, "fp8_scaling", "rowwise", "fp8"),
 ])
 def test_an_option_of_an_unselected_precision_is_an_error(selector, option, value, owner):
@@ -155,7 +156,8 @@ def test_the_report_text_groups_layers_and_reasons():
     report = apply_precision(model, PrecisionConfig(fp6="e2m3", exclude=("single_blocks.1.*",)))
     text = report.format()
     lines = text.splitlines()
-    assert lines[0] == "precision mxfp6 (mx_gemm=rowwise, hadamard=True, fused_mlp=auto): 18 of 34 linears converted"
+    assert lines[0] == ("precision mxfp6 (mx_gemm=rowwise, hadamard=True, fused_mlp=auto, saved_operands=e4m3): "
+                        "18 of 34 linears converted")
     assert "  mxfp6-fused      8  double_blocks.*.img_mlp.0 ×2, double_blocks.*.img_mlp.2 ×2," in text
     assert "single_blocks.*.linear1, single_blocks.*.linear2" in text  # one single block left: no ×
     assert "    matched by precision.exclude 'single_blocks.1.*' (2): single_blocks.*.linear1, " in text

@@ -21,11 +21,11 @@ PINNED_FILE = Path(__file__).parent / "data" / "first20_losses.json"
 PINNED = json.loads(PINNED_FILE.read_text())
 
 
-def first_20_losses(recipe: str, out_dir) -> list[float]:
-    cfg = load_recipe(recipe, [f"train.out_dir={out_dir}"])
+def first_20_losses(recipe: str, out_dir, overrides=(), steps: int = 20) -> list[float]:
+    cfg = load_recipe(recipe, [f"train.out_dir={out_dir}", *overrides])
     tr = Trainer(cfg, device="cpu")
     batches = tr.batches()
-    return [tr.train_step([next(batches) for _ in range(tr.accum)]).read()["loss"] for _ in range(20)]
+    return [tr.train_step([next(batches) for _ in range(tr.accum)]).read()["loss"] for _ in range(steps)]
 
 
 @pytest.mark.parametrize("recipe", sorted(PINNED))
@@ -33,6 +33,14 @@ def test_first_20_losses_bit_exact(recipe, tmp_path):
     got = first_20_losses(recipe, tmp_path)
     want = [float.fromhex(h) for h in PINNED[recipe]]
     assert got == want, f"{recipe}: first differing step {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+
+
+def test_six_bit_saved_operands_give_the_pinned_mxfp6_losses(tmp_path):
+    """precision.saved_operands=e2m3 keeps the col operands as 6-bit codes and expands them back to
+    the same FP8 bytes, so the losses are the e4m3 ones bit for bit (docs/design.md, "Saved
+    operands in six bits")."""
+    got = first_20_losses("tiny-mxfp6", tmp_path, ["precision.saved_operands=e2m3"], steps=4)
+    assert got == [float.fromhex(h) for h in PINNED["tiny-mxfp6"][:4]]
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--record"]:

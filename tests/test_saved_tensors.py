@@ -59,6 +59,31 @@ def test_mx_linear_saves_only_packed_column_operands(device, bias):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_six_bit_saved_operands_keep_25_32_byte_per_element(device, bias):
+    """saved_operands="e2m3": per col operand 6-bit codes (3/4 B per element) and one shift byte
+    per 32-element block (1/32 B), plus the same fp32 scales; backward gives the e4m3 gradients."""
+    m_rows, k, n = 96, 256, 160
+    grads = {}
+    for saved_operands in ("e4m3", "e2m3"):
+        torch.manual_seed(0)
+        layer = MXFP6Linear(k, n, bias=bias, device=device, saved_operands=saved_operands)
+        x = torch.randn(m_rows, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+        y, saved = _record_saved(lambda: layer(x))
+        if saved_operands == "e2m3":
+            assert len(saved) == 6, [(t.dtype, tuple(t.shape)) for t in saved]
+            assert not any(t.dtype == torch.float8_e4m3fn for t in saved)
+            codes = [t for t in saved if t.dtype == torch.uint8 and t.shape[1] % 24 == 0 and t.shape[1] > 8]
+            assert sorted(tuple(t.shape) for t in codes) == sorted([(k, 96 * 3 // 4), (k, 160 * 3 // 4)])
+            nbytes = sum(t.numel() * t.element_size() for t in saved)
+            assert nbytes == k * (m_rows + n) * 25 // 32 + 2 * k * 4
+        y.float().sum().backward()
+        grads[saved_operands] = [x.grad] + [p.grad for p in layer.parameters()]
+    for a, b in zip(grads["e4m3"], grads["e2m3"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_kind", ["double", "single"])
 def test_flux_block_saves_no_high_precision_copy_of_an_mx_gemm_input(device, block_kind):
     """Eager, no activation checkpointing: no saved tensor is (a view of) the input of an MX GEMM."""

@@ -61,3 +61,43 @@ def test_mx_operands_kernel_compiles_for_sm90(granularity, prologue, colsum, pas
     # tanhf (the GELU prologue), which torch's own CUDA GELU runs too (bit-exact on the H200)
     assert set(re.findall(r"[a-z0-9]+(?:\.[a-z0-9]+)*\.ftz\.f32", ptx)) <= {"ex2.approx.ftz.f32", "rcp.approx.ftz.f32"}
     assert ("ex2.approx" in ptx) == (prologue != "none")
+
+
+def _ptx_aligned(fn, sig, consts, num_warps):
+    """As `_ptx`, with every pointer 16-byte aligned (what Triton specialises on at a launch with
+    torch.empty outputs), so that the vector loads and stores show."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values()) if ty.startswith("*")}
+    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts, attrs=attrs)
+    opts = {"num_warps": num_warps, "enable_fp_fusion": False, "enable_reflect_ftz": False}
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+    except RuntimeError as e:
+        if "ptxas" in str(e).lower():
+            pytest.skip(f"Triton cannot compile for sm_90 here: {e}")
+        raise
+
+
+@pytest.mark.parametrize("hw", [True, False])
+@pytest.mark.parametrize("which", ["compact", "expand"])
+def test_compact_kernels_compile_for_sm90(which, hw):
+    """The saved-operand kernels: the hardware form converts E4M3 pairs to f16x2 and back (and
+    takes the block maxima with sm_90's max.u16x2); both forms move whole words with vector loads
+    and stores (16 bytes where a block's 32 E4M3 bytes are read or written)."""
+    from mxflux.kernels import compact_cuda
+
+    if which == "compact":
+        fn = compact_cuda._compact_kernel
+        sig = {"data_ptr": "*i32", "nib_ptr": "*i16", "crumb_ptr": "*u8", "shift_ptr": "*u8", "n_blocks": "i32"}
+    else:
+        fn = compact_cuda._expand_kernel
+        sig = {"nib_ptr": "*i16", "crumb_ptr": "*u8", "shift_ptr": "*u8", "out_ptr": "*i32", "n_blocks": "i32"}
+    ptx = _ptx_aligned(fn, sig, {"BB": compact_cuda._BB, "HW": hw}, compact_cuda._WARPS)
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == hw
+    assert ("cvt.rn.satfinite.e4m3x2.f16x2" in ptx) == hw
+    assert ("max.u16x2" in ptx) == (hw and which == "compact")
+    assert ("ld.global.v4.b32" if which == "compact" else "st.global.v4.b32") in ptx
+    assert ("st.global.v2.b32" if which == "compact" else "ld.global.v2.b32") in ptx
+    assert not re.findall(r"\.ftz\.", ptx)

@@ -1,5 +1,5 @@
 """Fast paths of the MX numerics (docs/design.md, "Kernels, backends and the reference"): the
-Triton MX operand packers and cuBLAS FP8 GEMMs for Hopper, and the compiled CPU packer (numba)
+Triton MX operand packers, the saved-operand compaction kernels and cuBLAS FP8 GEMMs for Hopper, and the compiled CPU packer (numba)
 that the CPU training path uses. Each one is a bit-exact twin of a reference in `mxflux.mx`.
 
 This package imports only `mxflux.mx` (plus torch, triton, numba); `mxflux.ops` picks between
@@ -8,6 +8,7 @@ clear RuntimeError where it cannot run (check `cuda_kernel_available()` first), 
 `scaled_gemm_cuda` needs a CUDA device for cuBLAS.
 """
 
+from .compact_cuda import compact_operand_cuda, expand_operand_cuda
 from .gemm import GEMM_SHAPE_RULES, scaled_gemm_cuda
 from .operands_cpu import HAS_NUMBA, cpu_kernel_available, mx_operands_cpu
 from .operands_cuda import cuda_kernel_available, mx_operands_cuda, mx_operands_cuda_counted, prologue_cuda
@@ -17,8 +18,10 @@ __all__ = [
     "GEMM_SHAPE_RULES",
     "HAS_NUMBA",
     "HAS_TRITON",
+    "compact_operand_cuda",
     "cpu_kernel_available",
     "cuda_kernel_available",
+    "expand_operand_cuda",
     "mx_operands_cpu",
     "mx_operands_cuda",
     "mx_operands_cuda_counted",

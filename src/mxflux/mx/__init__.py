@@ -6,6 +6,7 @@ mxflux: `kernels` and `ops` build on it, never the reverse.
 """
 
 from .bitpack import pack_bits6, unpack_bits6
+from .compact import SHIFT_NAN, compact_operand, compactable_blocks, expand_operand
 from .constants import BLOCKWISE_GROUP, E4M3_MAX, E8M0_BIAS, E8M0_NAN, FP8_GEMM_ALIGN, MX_BLOCK
 from .fold import fold_to_e4m3
 from .formats import FORMATS, ElementFormat, get_format
@@ -26,13 +27,17 @@ __all__ = [
     "FP8_GEMM_ALIGN",
     "MX_BLOCK",
     "PROLOGUES",
+    "SHIFT_NAN",
     "ElementFormat",
     "FoldGranularity",
     "MXOperands",
     "MXTensor",
     "apply_prologue",
+    "compact_operand",
+    "compactable_blocks",
     "dequantize",
     "dequantize_operand",
+    "expand_operand",
     "fold_to_e4m3",
     "get_format",
     "hadamard32",

@@ -9,7 +9,8 @@ GEMMs and their operands"):
 
 so every tensor is packed once into both orientations ("row" = along its last axis, "col" =
 the transposed copy along its first). Forward saves only the quantized col copies that
-backward needs (Xᵀ, Wᵀ), never bf16 activations. The bias is added in the GEMM's fp32
+backward needs (Xᵀ, Wᵀ), never bf16 activations; with `saved_operands="e2m3"` as 6-bit codes
+that backward expands back to the same FP8 bytes. The bias is added in the GEMM's fp32
 epilogue and its gradient is the column sum the dY packer produces while it quantizes dY.
 
 Weights and biases come in their own dtype (fp32 master parameters, or bf16 under FSDP's
@@ -29,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from ..mx.granularity import FoldGranularity
-from ..ops.custom_ops import mx_operands, scaled_gemm
+from ..ops.custom_ops import compact_operand, expand_operand, mx_operands, scaled_gemm
 
 __all__ = ["MXConfig", "fused_mx_mlp", "mx_linear"]
 
@@ -38,10 +39,14 @@ class MXConfig(NamedTuple):
     """Static settings of one MX module (hashable, so compile treats them as constants).
 
     `mx_gemm` is the recipe's name of the fold granularity ("rowwise", "blockwise", "exact").
+    `saved_operands` is how forward keeps the col operands for backward: "e4m3" (the FP8 bytes,
+    1 B per element) or "e2m3" (6-bit codes plus a shift byte per block, 25/32 B per element,
+    expanded back to the same bytes in backward; docs/design.md, "Saved operands in six bits").
     """
 
     mx_gemm: str = "rowwise"
     hadamard: bool = True
+    saved_operands: str = "e4m3"
 
     @property
     def granularity(self) -> FoldGranularity:
@@ -65,6 +70,22 @@ def _gemm(a: Operand, b: Operand, cfg: MXConfig, bias=None, out_dtype=torch.bflo
     return scaled_gemm(a.data, a.scale, b.data, b.scale, cfg.granularity.value, bias, out_dtype)
 
 
+def _stash(op: Operand, cfg: MXConfig) -> tuple:
+    """What forward saves of a col operand: always three entries (data or packed codes, shifts or
+    None, scale), so backward unpacks one layout. An operand that was not packed (empty) stays."""
+    if cfg.saved_operands == "e2m3" and op.data.numel():
+        packed, shifts = compact_operand(op.data)
+        return packed, shifts, op.scale
+    if cfg.saved_operands not in ("e4m3", "e2m3"):
+        raise ValueError(f"saved_operands: expected 'e4m3' or 'e2m3', got {cfg.saved_operands!r}")
+    return op.data, None, op.scale
+
+
+def _unstash(data, shifts, scale) -> Operand:
+    """The col operand `_stash` saved, as the GEMM takes it: expanded back byte for byte."""
+    return Operand(data if shifts is None else expand_operand(data, shifts), scale)
+
+
 def _compute(param, dtype):
     """A bias in the compute dtype for the GEMM's epilogue. The cast happens inside forward, out
     of autograd's view: the Function returns the gradient in the parameter's own dtype."""
@@ -77,7 +98,7 @@ class _MXLinear(torch.autograd.Function):
         x_row, x_col, _ = _pack(x, cfg, blocks_outside_window, col=weight.requires_grad)
         w_row, w_col, _ = _pack(weight, cfg, blocks_outside_window, col=x.requires_grad)
         y = _gemm(x_row, w_row, cfg, _compute(bias, x.dtype), x.dtype)
-        ctx.save_for_backward(*x_col, *w_col)
+        ctx.save_for_backward(*_stash(x_col, cfg), *_stash(w_col, cfg))
         ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
         ctx.has_bias = bias is not None
         ctx.w_dtype, ctx.b_dtype = weight.dtype, None if bias is None else bias.dtype
@@ -85,14 +106,15 @@ class _MXLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        xc_data, xc_scale, wc_data, wc_scale = ctx.saved_tensors
+        saved = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         cfg = ctx.cfg
         dy = dy.contiguous()
         dy_row, dy_col, dbias = _pack(dy, cfg, ctx.blocks_outside_window, row=need_x, col=need_w,
                                       colsum=need_b and ctx.has_bias)
-        dx = _gemm(dy_row, Operand(wc_data, wc_scale), cfg, None, dy.dtype) if need_x else None
-        dw = _gemm(dy_col, Operand(xc_data, xc_scale), cfg, None, ctx.w_dtype) if need_w else None
+        # each saved operand is expanded right before the GEMM that reads it (one at a time alive)
+        dx = _gemm(dy_row, _unstash(*saved[3:6]), cfg, None, dy.dtype) if need_x else None
+        dw = _gemm(dy_col, _unstash(*saved[0:3]), cfg, None, ctx.w_dtype) if need_w else None
         db = dbias.to(ctx.b_dtype) if need_b and ctx.has_bias else None
         return dx, dw, db, None, None
 
@@ -121,24 +143,26 @@ class _FusedMXMLP(torch.autograd.Function):
         h = _gemm(x_row, w1_row, cfg, _compute(b1, x.dtype), x.dtype)
         act_row, act_col, _ = _pack(h, cfg, blocks_outside_window, prologue="gelu_tanh")
         y = _gemm(act_row, w2_row, cfg, _compute(b2, x.dtype), x.dtype)
-        ctx.save_for_backward(h, *x_col, *w1_col, *act_col, *w2_col)
+        ctx.save_for_backward(h, *_stash(x_col, cfg), *_stash(w1_col, cfg), *_stash(act_col, cfg),
+                              *_stash(w2_col, cfg))
         ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
         ctx.dtypes = tuple(None if p is None else p.dtype for p in (w1, b1, w2, b2))
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        h, xcd, xcs, w1cd, w1cs, acd, acs, w2cd, w2cs = ctx.saved_tensors
+        h, *saved = ctx.saved_tensors
+        x_col, w1_col, act_col, w2_col = (saved[i:i + 3] for i in range(0, 12, 3))
         cfg, outside = ctx.cfg, ctx.blocks_outside_window
         w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
         dy = dy.contiguous()
         dy_row, dy_col, db2 = _pack(dy, cfg, outside, colsum=b2_dtype is not None)
-        dact = _gemm(dy_row, Operand(w2cd, w2cs), cfg, None, dy.dtype)
-        dw2 = _gemm(dy_col, Operand(acd, acs), cfg, None, w2_dtype)
+        dact = _gemm(dy_row, _unstash(*w2_col), cfg, None, dy.dtype)
+        dw2 = _gemm(dy_col, _unstash(*act_col), cfg, None, w2_dtype)
         dh_row, dh_col, db1 = _pack(dact, cfg, outside, prologue="gelu_tanh_grad", aux=h,
                                     colsum=b1_dtype is not None)
-        dx = _gemm(dh_row, Operand(w1cd, w1cs), cfg, None, dy.dtype)
-        dw1 = _gemm(dh_col, Operand(xcd, xcs), cfg, None, w1_dtype)
+        dx = _gemm(dh_row, _unstash(*w1_col), cfg, None, dy.dtype)
+        dw1 = _gemm(dh_col, _unstash(*x_col), cfg, None, w1_dtype)
         db1 = db1.to(b1_dtype) if b1_dtype is not None else None
         db2 = db2.to(b2_dtype) if b2_dtype is not None else None
         return dx, dw1, db1, dw2, db2, None, None

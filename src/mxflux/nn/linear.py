@@ -8,7 +8,10 @@ from torch import nn
 from ..mx import FoldGranularity
 from .functional import MXConfig, mx_linear
 
-__all__ = ["MXFP6Linear", "mx_ineligibility", "output_dtype"]
+__all__ = ["SAVED_OPERANDS", "MXFP6Linear", "mx_ineligibility", "output_dtype"]
+
+# How forward keeps the col operands for backward (docs/design.md, "Saved operands in six bits").
+SAVED_OPERANDS = ("e4m3", "e2m3")
 
 
 def mx_ineligibility(in_features: int, out_features: int, mx_gemm: str = "rowwise") -> str | None:
@@ -57,21 +60,21 @@ class MXFP6Linear(nn.Linear):
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *,
-                 mx_gemm: str = "rowwise", hadamard: bool = True):
+                 mx_gemm: str = "rowwise", hadamard: bool = True, saved_operands: str = "e4m3"):
         self._check_shape(in_features, out_features, mx_gemm)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._setup(mx_gemm, hadamard)
+        self._setup(mx_gemm, hadamard, saved_operands)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, mx_gemm: str = "rowwise",
-                    hadamard: bool = True) -> "MXFP6Linear":
+    def from_linear(cls, linear: nn.Linear, *, mx_gemm: str = "rowwise", hadamard: bool = True,
+                    saved_operands: str = "e4m3") -> "MXFP6Linear":
         """An MXFP6Linear sharing `linear`'s weight and bias Parameters (no copy)."""
         cls._check_shape(linear.in_features, linear.out_features, mx_gemm)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
-        new._setup(mx_gemm, hadamard)
+        new._setup(mx_gemm, hadamard, saved_operands)
         return new
 
     @staticmethod
@@ -80,8 +83,10 @@ class MXFP6Linear(nn.Linear):
         if reason:
             raise ValueError(f"MXFP6Linear with mx_gemm={mx_gemm!r}: {reason}")
 
-    def _setup(self, mx_gemm: str, hadamard: bool) -> None:
-        self.cfg = MXConfig(mx_gemm, bool(hadamard))
+    def _setup(self, mx_gemm: str, hadamard: bool, saved_operands: str) -> None:
+        if saved_operands not in SAVED_OPERANDS:
+            raise ValueError(f"saved_operands: expected one of {SAVED_OPERANDS}, got {saved_operands!r}")
+        self.cfg = MXConfig(mx_gemm, bool(hadamard), saved_operands)
         # Device-side count of blocks that fell outside the FP8 fold window; read it only when
         # reporting, so training never waits on the device for it
         # (docs/design.md, "The exact FP8 fold and its window").
@@ -103,4 +108,5 @@ class MXFP6Linear(nn.Linear):
         return y.reshape(*lead, self.out_features).to(output_dtype(x))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, mx_gemm={self.cfg.mx_gemm}, hadamard={self.cfg.hadamard}"
+        saved = "" if self.cfg.saved_operands == "e4m3" else f", saved_operands={self.cfg.saved_operands}"
+        return f"{super().extra_repr()}, mx_gemm={self.cfg.mx_gemm}, hadamard={self.cfg.hadamard}{saved}"

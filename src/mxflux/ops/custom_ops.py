@@ -11,8 +11,10 @@ of `mxflux.nn.functional`, so they need no autograd formula of their own.
 
 Backends, chosen per call from the input's device:
 
-- CUDA: the Triton packer `mx_operands_cuda` and the cuBLAS GEMMs `scaled_gemm_cuda`;
-- CPU: the compiled packer `mx_operands_cpu` (numba; bit-identical) and the reference GEMM;
+- CUDA: the Triton packer `mx_operands_cuda`, the cuBLAS GEMMs `scaled_gemm_cuda` and the
+  saved-operand compaction kernels `compact_operand_cuda` / `expand_operand_cuda`;
+- CPU: the compiled packer `mx_operands_cpu` (numba; bit-identical), the reference GEMM and the
+  reference compaction (a few torch ops per tensor: no CPU kernel is needed);
 - anything else, or numba missing: the pure-PyTorch references of `mxflux.mx`, which are also
   the definitions the kernels are tested against.
 
@@ -26,12 +28,16 @@ import os
 
 import torch
 
-from ..kernels import cpu_kernel_available, mx_operands_cpu, mx_operands_cuda_counted, scaled_gemm_cuda
+from ..kernels import (compact_operand_cuda, cpu_kernel_available, expand_operand_cuda, mx_operands_cpu,
+                       mx_operands_cuda_counted, scaled_gemm_cuda)
+from ..mx.compact import compact_operand as compact_operand_reference
+from ..mx.compact import compacted_shapes
+from ..mx.compact import expand_operand as expand_operand_reference
 from ..mx.granularity import FoldGranularity
 from ..mx.operands import mx_operands_reference, padded_rows
 from ..mx.scaled_gemm import scaled_gemm_reference
 
-__all__ = ["FORCE_REFERENCE", "mx_operands", "scaled_gemm", "use_kernels"]
+__all__ = ["FORCE_REFERENCE", "compact_operand", "expand_operand", "mx_operands", "scaled_gemm", "use_kernels"]
 
 FORCE_REFERENCE = os.environ.get("MXFLUX_REFERENCE", "0") == "1"
 
@@ -53,6 +59,8 @@ _LIB.define("mx_operands(Tensor x, Tensor? aux, Tensor(a!) blocks_outside_window
             "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 _LIB.define("scaled_gemm(Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, str granularity, "
             "Tensor? bias, ScalarType out_dtype) -> Tensor")
+_LIB.define("compact_operand(Tensor data) -> (Tensor, Tensor)")
+_LIB.define("expand_operand(Tensor packed, Tensor shifts) -> Tensor")
 
 
 def _register(name: str, kernel, fake):
@@ -140,3 +148,33 @@ def _scaled_gemm_fake(a_data, a_scale, b_data, b_scale, granularity, bias, out_d
 
 
 scaled_gemm = _register("scaled_gemm", _scaled_gemm, _scaled_gemm_fake)
+
+
+def _compact_operand(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A folded E4M3 col operand [C, Rp] as 6-bit E2M3 codes [C, 3Rp/4] plus one shift byte per block
+    [C, Rp/32] (`mxflux.mx.compact`; docs/design.md, "Saved operands in six bits")."""
+    if use_kernels(data):
+        return compact_operand_cuda(data)
+    return compact_operand_reference(data)
+
+
+def _compact_operand_fake(data):
+    pshape, sshape = compacted_shapes(*data.shape)
+    return data.new_empty(pshape, dtype=torch.uint8), data.new_empty(sshape, dtype=torch.uint8)
+
+
+compact_operand = _register("compact_operand", _compact_operand, _compact_operand_fake)
+
+
+def _expand_operand(packed: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """Inverse of `compact_operand`: the E4M3 operand [C, Rp] again, byte for byte."""
+    if use_kernels(packed):
+        return expand_operand_cuda(packed, shifts)
+    return expand_operand_reference(packed, shifts)
+
+
+def _expand_operand_fake(packed, shifts):
+    return packed.new_empty(shifts.shape[0], 32 * shifts.shape[1], dtype=torch.float8_e4m3fn)
+
+
+expand_operand = _register("expand_operand", _expand_operand, _expand_operand_fake)

@@ -34,6 +34,10 @@ class PrecisionConfig(BaseModel):
     mx_gemm: Literal["rowwise", "blockwise", "exact"] = "rowwise"
     hadamard: bool = True
     fused_mlp: Literal["auto", "on", "off"] = "auto"
+    # How forward keeps Xᵀ and Wᵀ for backward: the FP8 GEMM bytes (1 B/element) or 6-bit E2M3
+    # codes plus a shift per block (25/32 B/element, expanded in backward to the same bytes, so
+    # losses and gradients are bit-identical; docs/design.md, "Saved operands in six bits").
+    saved_operands: Literal["e4m3", "e2m3"] = "e4m3"
 
     # FP8 on torchao.float8 (nn/precision/fp8.py)
     fp8: Literal["hybrid"] | None = None  # E4M3 activations and weights, E5M2 gradients
