@@ -21,6 +21,8 @@ NAMES = {  # one real-looking kernel name per category, the kind it must land in
     "_pack_kernel": "mx_quant",
     "_prologue_kernel": "mx_quant",
     "_dequant_kernel": "mx_quant",
+    "_compact_kernel": "mx_quant",
+    "_expand_kernel": "mx_quant",
     "triton_red_fused_abs_amax_0": "mx_quant",
     "triton_poi_fused__to_copy_clamp_mul_reciprocal_1": "mx_quant",
     "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0": "attention",

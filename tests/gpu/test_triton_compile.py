@@ -55,7 +55,8 @@ def test_mx_operands_kernel_compiles_for_sm90(granularity, prologue, colsum, pas
               **operands_cuda.kernel_constexprs(granularity, prologue, x_f32=x_f32)}
     sig = dict(_PACK_SIG, x_ptr="*fp32") if x_f32 else _PACK_SIG
     ptx = _ptx(operands_cuda._pack_kernel, sig, consts, num_warps=operands_cuda.kernel_num_warps(granularity))
-    assert ("cvt.rn.bf16" in ptx) == x_f32
+    if prologue == "none":  # (the GELU prologues round their result to bf16 with the same instruction)
+        assert ("cvt.rn.bf16" in ptx) == x_f32
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == (hw and pass_ == 2)
     # no flush-to-zero arithmetic, except the approximate exp2 / reciprocal inside libdevice's
     # tanhf (the GELU prologue), which torch's own CUDA GELU runs too (bit-exact on the H200)

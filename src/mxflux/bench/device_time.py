@@ -23,7 +23,8 @@ Categories, first matching rule wins (by activity kind, then by kernel name):
   memcpy_memset  every memcpy and memset activity
   communication  NCCL kernels
   attention      flash / fused-attention / SDPA kernels (cuDNN's contain "wgmma", hence before gemm)
-  mx_quant       MX quantization: our packers (MX_QUANT_KERNELS) and, best effort, the amax and
+  mx_quant       MX quantization: our packers and the 6-bit compaction of saved operands
+                 (MX_QUANT_KERNELS) and, best effort, the amax and
                  cast kernels of FP8 recipes (FP8_CAST_KERNELS): torchao's float8 casts are
                  inductor-generated Triton kernels whose names list the fused aten ops, and an
                  amax reduction or a clamp (saturation to the FP8 range) among them marks a cast;
@@ -50,7 +51,8 @@ CATEGORIES = ("gemm", "mx_quant", "attention", "communication", "other", "memcpy
 
 # Our MX quantization kernels by their Triton function names (mxflux.kernels); the one place to
 # rename them.
-MX_QUANT_KERNELS = r"_pack_kernel|_prologue_kernel|_dequant_kernel|_fp8_amax_kernel|_fp8_cast_kernel"
+MX_QUANT_KERNELS = (r"_pack_kernel|_prologue_kernel|_dequant_kernel|_fp8_amax_kernel|_fp8_cast_kernel"
+                    r"|_compact_kernel|_expand_kernel")
 # Inductor-generated kernels of FP8 amax/cast work (see the module docstring: a name heuristic).
 FP8_CAST_KERNELS = r"^triton_(poi|red|per)_\w*(amax|to_float8|clamp)"
 
@@ -237,7 +239,7 @@ def device_breakdown(acts: list[Activity], steps: int, *, wall_s: float | None =
 # --- the CPU: ops' self time -----------------------------------------------------------------------
 
 _OP_RULES = (
-    ("mx_quant", re.compile(r"mxflux::mx_operands")),
+    ("mx_quant", re.compile(r"mxflux::(mx_operands|compact_operand|expand_operand)")),
     ("gemm", re.compile(r"^(aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm|_scaled_grouped_mm|matmul|linear)"
                         r"|mxflux::scaled_gemm)$")),
     ("attention", re.compile(r"attention|sdpa|flash", re.I)),
