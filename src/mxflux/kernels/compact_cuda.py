@@ -94,11 +94,20 @@ if HAS_TRITON:
             return tl.maximum(tl.maximum(m & 0xFF, (m >> 8) & 0xFF), tl.maximum((m >> 16) & 0xFF, m >> 24))
 
     @triton.jit
+    def _block_offsets(n_blocks, BB: tl.constexpr):
+        """This program's BB blocks, which exist, the 8 words of a block, and where each block's
+        codes live: block i owns bytes [24i, 24i + 24) of the packed buffer, 16 of nibbles
+        (offsets in int16 units) then 8 of crumbs (in bytes)."""
+        blk = tl.program_id(0) * BB + tl.arange(0, BB)
+        g = tl.arange(0, 8)
+        o_nib = (blk * 12)[:, None] + g[None, :]
+        o_crumb = (blk * 24 + 16)[:, None] + g[None, :]
+        return blk, blk < n_blocks, g, o_nib, o_crumb
+
+    @triton.jit
     def _compact_kernel(data_ptr, nib_ptr, crumb_ptr, shift_ptr, n_blocks,
                         BB: tl.constexpr, HW: tl.constexpr):
-        blk = tl.program_id(0) * BB + tl.arange(0, BB)
-        live = blk < n_blocks
-        g = tl.arange(0, 8)
+        blk, live, g, o_nib, o_crumb = _block_offsets(n_blocks, BB)
         w = tl.load(data_ptr + blk[:, None] * 8 + g[None, :], mask=live[:, None], other=0)  # [BB, 8] int32
         # E4M3 magnitudes order like their bytes, NaN (0x7F) on top
         top = tl.max(_top_magnitude(w, HW), axis=1)
@@ -117,9 +126,6 @@ if HAS_TRITON:
         h = (c >> 4) & 0x03030303
         h = h | (h >> 6)  # bits 0-3: hi0 | hi1 << 2; bits 16-19: hi2 | hi3 << 2
         crumb = (h & 0xF) | ((h >> 12) & 0xF0)
-        # block i owns bytes [24i, 24i + 24) of the packed buffer: 16 of nibbles, then 8 of crumbs
-        o_nib = (blk * 12)[:, None] + g[None, :]  # in int16 units
-        o_crumb = (blk * 24 + 16)[:, None] + g[None, :]
         tl.store(nib_ptr + o_nib, nib.to(tl.int16), mask=live[:, None])
         tl.store(crumb_ptr + o_crumb, crumb.to(tl.uint8), mask=live[:, None])
         tl.store(shift_ptr + blk, tl.where(keep, s, _SNAN).to(tl.uint8), mask=live)
@@ -127,11 +133,7 @@ if HAS_TRITON:
     @triton.jit
     def _expand_kernel(nib_ptr, crumb_ptr, shift_ptr, out_ptr, n_blocks,
                        BB: tl.constexpr, HW: tl.constexpr):
-        blk = tl.program_id(0) * BB + tl.arange(0, BB)
-        live = blk < n_blocks
-        g = tl.arange(0, 8)
-        o_nib = (blk * 12)[:, None] + g[None, :]
-        o_crumb = (blk * 24 + 16)[:, None] + g[None, :]
+        blk, live, g, o_nib, o_crumb = _block_offsets(n_blocks, BB)
         n = tl.load(nib_ptr + o_nib, mask=live[:, None], other=0).to(tl.int32) & 0xFFFF
         h = tl.load(crumb_ptr + o_crumb, mask=live[:, None], other=0).to(tl.int32)
         s = tl.load(shift_ptr + blk, mask=live, other=0).to(tl.int32)
