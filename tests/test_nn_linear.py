@@ -117,6 +117,34 @@ def test_drop_in_for_nn_linear(gen):
     assert lin.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_parameter_gradients_leave_in_the_parameters_dtype(dtype, gen):
+    """fp32 (master) or fp16 parameters: the operands are those of their bf16 rounding, and dW / db
+    come back in the parameters' dtype from the GEMM's fp32 accumulator and the packer's fp32
+    column sums, rounded once; bf16 parameters (FSDP's mixed precision) see the same values
+    rounded to bf16."""
+    lin = MXFP6Linear(96, 64)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(64, 96, generator=gen) * 0.1)
+        lin.bias.copy_(torch.randn(64, generator=gen))
+    wide = lin.to(dtype)
+    narrow = MXFP6Linear(96, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        narrow.weight.copy_(wide.weight)  # the bf16 rounding of the same parameters
+        narrow.bias.copy_(wide.bias)
+    x = torch.randn(80, 96, generator=gen).bfloat16()
+    dy = torch.randn(80, 64, generator=gen).bfloat16()
+    y_w, dx_w, dw_w, db_w = run(wide, x, dy)
+    y_n, dx_n, dw_n, db_n = run(narrow, x, dy)
+    assert dw_w.dtype == db_w.dtype == dtype and dw_n.dtype == db_n.dtype == torch.bfloat16
+    assert torch.equal(y_w, y_n) and torch.equal(dx_w, dx_n)
+    if dtype == torch.float32:  # one rounding: of the fp32 result, to bf16, gives the bf16 run's
+        assert torch.equal(dw_w.bfloat16(), dw_n) and torch.equal(db_w.bfloat16(), db_n)
+        assert not torch.equal(dw_w, dw_w.bfloat16().float())  # and fp32 keeps what bf16 drops
+    else:
+        assert torch.allclose(dw_w.float(), dw_n.float(), rtol=2**-7, atol=0)
+
+
 def test_forward_saves_quantized_tensors_not_bf16_copies(gen):
     layer = MXFP6Linear(256, 128).bfloat16()
     x = torch.randn(64, 256, generator=gen).bfloat16().requires_grad_()

@@ -86,6 +86,12 @@ def _unstash(data, shifts, scale) -> Operand:
     return Operand(data if shifts is None else expand_operand(data, shifts), scale)
 
 
+def _packable(weight):
+    """The weight as the packer reads it: fp32 and bf16 directly (fp32 rounded to bf16 as it is
+    loaded), any other dtype cast to bf16 first."""
+    return weight if weight.dtype in (torch.float32, torch.bfloat16) else weight.to(torch.bfloat16)
+
+
 def _compute(param, dtype):
     """A bias in the compute dtype for the GEMM's epilogue. The cast happens inside forward, out
     of autograd's view: the Function returns the gradient in the parameter's own dtype."""
@@ -96,7 +102,7 @@ class _MXLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig):
         x_row, x_col, _ = _pack(x, cfg, blocks_outside_window, col=weight.requires_grad)
-        w_row, w_col, _ = _pack(weight, cfg, blocks_outside_window, col=x.requires_grad)
+        w_row, w_col, _ = _pack(_packable(weight), cfg, blocks_outside_window, col=x.requires_grad)
         y = _gemm(x_row, w_row, cfg, _compute(bias, x.dtype), x.dtype)
         ctx.save_for_backward(*_stash(x_col, cfg), *_stash(w_col, cfg))
         ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
@@ -138,8 +144,8 @@ class _FusedMXMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig):
         x_row, x_col, _ = _pack(x, cfg, blocks_outside_window)
-        w1_row, w1_col, _ = _pack(w1, cfg, blocks_outside_window)
-        w2_row, w2_col, _ = _pack(w2, cfg, blocks_outside_window)
+        w1_row, w1_col, _ = _pack(_packable(w1), cfg, blocks_outside_window)
+        w2_row, w2_col, _ = _pack(_packable(w2), cfg, blocks_outside_window)
         h = _gemm(x_row, w1_row, cfg, _compute(b1, x.dtype), x.dtype)
         act_row, act_col, _ = _pack(h, cfg, blocks_outside_window, prologue="gelu_tanh")
         y = _gemm(act_row, w2_row, cfg, _compute(b2, x.dtype), x.dtype)
