@@ -34,7 +34,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_common import f16_pow2_bits, f32_to_e4m3, pow2_f32
+    from .triton_common import e4m3_byte_to_f32, f16_pow2_bits, f32_to_e4m3, pow2_f32
 
 __all__ = ["compact_operand_cuda", "expand_operand_cuda"]
 
@@ -45,20 +45,11 @@ if HAS_TRITON:
     _SNAN = tl.constexpr(SHIFT_NAN)
 
     @triton.jit
-    def _e4m3_to_f32_bits(b):
-        """fp32 of an E4M3 byte (int32 0..255) in integer arithmetic, NaN excluded (interpreter)."""
-        ex = (b >> 3) & 15
-        mant = b & 7
-        mag = tl.where(ex == 0, mant.to(tl.float32) * 0.001953125, (mant + 8).to(tl.float32) * pow2_f32(ex - 10))
-        # sign by bit (Triton's unary minus is 0 - x, which loses the sign of zero)
-        return (mag.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _rescale_byte(b, k):
         """Integer emulation (interpreter): E4M3 byte of (E4M3 byte b) · 2^k, nearest even; NaN
         where k > 12."""
         f = tl.where(k > 12, float("nan"), pow2_f32(k))
-        return f32_to_e4m3(_e4m3_to_f32_bits(b) * f, False).to(tl.int32)
+        return f32_to_e4m3(e4m3_byte_to_f32(b) * f, False).to(tl.int32)
 
     @triton.jit
     def _rescale_word(w, k, HW: tl.constexpr):

@@ -58,6 +58,7 @@ if HAS_TRITON:
 
     from .triton_common import (
         bf16_to_f32,
+        e4m3_byte_to_f32,
         f16_pow2_bits,
         f32_rounded_to_bf16,
         f32_to_bf16,
@@ -125,13 +126,7 @@ if HAS_TRITON:
             )
             return h.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
-            m = b1.to(tl.int32)
-            ex = (m >> 3) & 15
-            mant = m & 7
-            mag = tl.where(ex == 0, mant.to(tl.float32) * 0.001953125,
-                           (mant + 8).to(tl.float32) * pow2_f32(ex - 10))
-            # sign by bit (Triton's unary minus is 0 - x, which loses the sign of zero)
-            v = (mag.to(tl.int32, bitcast=True) | ((m & 0x80) << 24)).to(tl.float32, bitcast=True)
+            v = e4m3_byte_to_f32(b1.to(tl.int32))
             v = tl.minimum(tl.maximum(v, -0.1171875), 0.1171875)
             f = f16bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             return f32_to_e4m3(v * f, False)

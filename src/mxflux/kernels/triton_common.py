@@ -243,6 +243,16 @@ if HAS_TRITON:
 
 
     @triton.jit
+    def e4m3_byte_to_f32(b):
+        """fp32 value of an E4M3 byte (int32 0..255), NaN excluded, in integer arithmetic: the
+        interpreter's fp8 casts do not round as the hardware does."""
+        ex = (b >> 3) & 15
+        mant = b & 7
+        mag = tl.where(ex == 0, mant.to(tl.float32) * 0.001953125, (mant + 8).to(tl.float32) * pow2_f32(ex - 10))
+        # sign by bit (Triton's unary minus is 0 - x, which loses the sign of zero)
+        return (mag.to(tl.int32, bitcast=True) | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def widen_bf16(v, HW: tl.constexpr):
         """bf16 tensor (even element count per thread) -> fp32: one shift or mask per element."""
         if HW:

@@ -32,7 +32,10 @@ import torch
 from ..mx.granularity import FoldGranularity
 from ..ops.custom_ops import compact_operand, expand_operand, mx_operands, scaled_gemm
 
-__all__ = ["MXConfig", "fused_mx_mlp", "mx_linear"]
+__all__ = ["SAVED_OPERANDS", "MXConfig", "fused_mx_mlp", "mx_linear"]
+
+# How forward keeps the col operands for backward (docs/design.md, "Saved operands in six bits").
+SAVED_OPERANDS = ("e4m3", "e2m3")
 
 
 class MXConfig(NamedTuple):
@@ -72,12 +75,11 @@ def _gemm(a: Operand, b: Operand, cfg: MXConfig, bias=None, out_dtype=torch.bflo
 
 def _stash(op: Operand, cfg: MXConfig) -> tuple:
     """What forward saves of a col operand: always three entries (data or packed codes, shifts or
-    None, scale), so backward unpacks one layout. An operand that was not packed (empty) stays."""
+    None, scale), so backward unpacks one layout. An operand that was not packed (empty) stays.
+    (`cfg.saved_operands` is one of SAVED_OPERANDS, checked where the module is built.)"""
     if cfg.saved_operands == "e2m3" and op.data.numel():
         packed, shifts = compact_operand(op.data)
         return packed, shifts, op.scale
-    if cfg.saved_operands not in ("e4m3", "e2m3"):
-        raise ValueError(f"saved_operands: expected 'e4m3' or 'e2m3', got {cfg.saved_operands!r}")
     return op.data, None, op.scale
 
 
@@ -106,7 +108,6 @@ class _MXLinear(torch.autograd.Function):
         y = _gemm(x_row, w_row, cfg, _compute(bias, x.dtype), x.dtype)
         ctx.save_for_backward(*_stash(x_col, cfg), *_stash(w_col, cfg))
         ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
-        ctx.has_bias = bias is not None
         ctx.w_dtype, ctx.b_dtype = weight.dtype, None if bias is None else bias.dtype
         return y
 
@@ -117,11 +118,11 @@ class _MXLinear(torch.autograd.Function):
         cfg = ctx.cfg
         dy = dy.contiguous()
         dy_row, dy_col, dbias = _pack(dy, cfg, ctx.blocks_outside_window, row=need_x, col=need_w,
-                                      colsum=need_b and ctx.has_bias)
+                                      colsum=need_b and ctx.b_dtype is not None)
         # each saved operand is expanded right before the GEMM that reads it (one at a time alive)
         dx = _gemm(dy_row, _unstash(*saved[3:6]), cfg, None, dy.dtype) if need_x else None
         dw = _gemm(dy_col, _unstash(*saved[0:3]), cfg, None, ctx.w_dtype) if need_w else None
-        db = dbias.to(ctx.b_dtype) if need_b and ctx.has_bias else None
+        db = dbias.to(ctx.b_dtype) if need_b and ctx.b_dtype is not None else None
         return dx, dw, db, None, None
 
 

@@ -6,12 +6,9 @@ import torch
 from torch import nn
 
 from ..mx import FoldGranularity
-from .functional import MXConfig, mx_linear
+from .functional import SAVED_OPERANDS, MXConfig, mx_linear
 
-__all__ = ["SAVED_OPERANDS", "MXFP6Linear", "mx_ineligibility", "output_dtype"]
-
-# How forward keeps the col operands for backward (docs/design.md, "Saved operands in six bits").
-SAVED_OPERANDS = ("e4m3", "e2m3")
+__all__ = ["MXFP6Linear", "mx_ineligibility", "output_dtype"]
 
 
 def mx_ineligibility(in_features: int, out_features: int, mx_gemm: str = "rowwise") -> str | None:
@@ -54,8 +51,8 @@ class MXFP6Linear(nn.Linear):
 
     Y = X·Wᵀ + b with X, W and, in backward, dY quantized along each GEMM's contraction axis and
     multiplied as exact FP8 row-wise GEMMs (docs/design.md, "The exact FP8 fold and its window").
-    Compute is bf16: fp32 master weights are cast inside the MX Function, and their gradients come
-    back in fp32 straight from the GEMM's accumulator. Cost per call:
+    Compute is bf16: the packer rounds fp32 master weights to bf16 as it reads them, and their
+    gradients come back in fp32 straight from the GEMM's accumulator. Cost per call:
     three quantize-and-fold passes over X, W and dY (memory-bound) plus three FP8 GEMMs.
     """
 
@@ -96,7 +93,7 @@ class MXFP6Linear(nn.Linear):
 
     def compute_params(self, x: torch.Tensor):
         """(x in bf16, the dtype every MX GEMM takes its inputs in; weight; bias). The parameters
-        go in their own dtype: the Function casts them and returns their gradients in it."""
+        go in their own dtype, which the Function returns their gradients in."""
         return x.to(torch.bfloat16), self.weight, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
