@@ -291,10 +291,7 @@ def main():
     print(f"{props.name}  torch {torch.__version__}  triton {triton.__version__}  copy {copy:.0f} GB/s", flush=True)
     if args.compact:
         run_compact(res, copy, args.quick)
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "bench_kernels_compact.json"), "w") as f:
-                json.dump(res, f, indent=1, default=str)
+        _write(res, args.out, "bench_kernels_compact.json")
         return
     res["shape_probe"] = probe_shapes()
     linears = LINEARS[:1] if args.quick else LINEARS
@@ -332,9 +329,13 @@ def main():
     for g in GRANS:
         vals = [p["pct_copy"] for p in res["pack"] if p["gran"] == g.value]
         print(f"pack gran={g.value}: {min(vals):.1f}-{max(vals):.1f}% of copy (median {sorted(vals)[len(vals) // 2]:.1f}%)")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
+    _write(res, args.out, "bench_kernels.json")
+
+
+def _write(res: dict, out: str | None, name: str) -> None:
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, name), "w") as f:
             json.dump(res, f, indent=1, default=str)
 
 
