@@ -242,6 +242,39 @@ def precompile(workers=16):
           f"(slowest {max(times):.1f}s)", flush=True)
 
 
+def run_ab(out: str | None) -> None:
+    """Every packer variant side by side at two shapes: tile reads (per-thread blocks or coalesced
+    rows, MXFLUX_PACK_IO) x block stores (lane pairs, or each thread its own block: the variant a
+    plan falls back to where the compiled layout cannot pair lanes)."""
+    from mxflux.kernels import operands_cuda
+
+    props = torch.cuda.get_device_properties(0)
+    _warm_up()
+    copy = copy_bandwidth()
+    res = {"device": props.name, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "copy_GBps": copy,
+           "ab": []}
+    print(f"A/B packer variants (copy {copy:.0f} GB/s): us and % of copy", flush=True)
+    pairs_hold = operands_cuda._paired_stores_hold
+    try:
+        for m, k in ((16384, 3072), (16384, 15360)):
+            for g in GRANS:
+                line = []
+                for stores in ("pairs", "own"):
+                    operands_cuda._paired_stores_hold = pairs_hold if stores == "pairs" else (lambda plan, a: False)
+                    for io in ("blocks", "coalesced"):
+                        os.environ["MXFLUX_PACK_IO"] = io
+                        operands_cuda.clear_launch_plans()
+                        r = bench_pack(m, k, g, False, copy)
+                        res["ab"].append({"M": m, "K": k, "gran": g.value, "stores": stores, "io": io, **r})
+                        line.append(f"{stores}/{io} {r['ms'] * 1e3:6.1f} {r['pct_copy']:4.1f}%")
+                print(f"  X[{m}x{k}] {g.value:>9s}: " + " | ".join(line), flush=True)
+    finally:
+        operands_cuda._paired_stores_hold = pairs_hold
+        operands_cuda.clear_launch_plans()
+        os.environ["MXFLUX_PACK_IO"] = "auto"
+    _write(res, out, "bench_kernels_ab.json")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one shape and M only")
@@ -249,7 +282,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for bench_kernels.json")
     ap.add_argument("--profile-one", metavar="GRAN", help="run mx_operands_cuda on X [16384, 3072] a few times "
                     "(for `ncu -k regex:_pack_kernel`), granularity GRAN (rowwise, blockwise or exact)")
-    ap.add_argument("--ab", action="store_true", help="time both packer I/O variants at two shapes")
+    ap.add_argument("--ab", action="store_true", help="time every packer variant (tile reads x block stores) at two "
+                    "shapes")
     ap.add_argument("--compact", action="store_true", help="only the saved-operand compact / expand kernels "
                     "against a device copy (bench_kernels_compact.json)")
     args = ap.parse_args()
@@ -259,18 +293,7 @@ def main():
         precompile()
         return
     if args.ab:
-        _warm_up()
-        copy = copy_bandwidth()
-        print(f"A/B packer I/O variants (copy {copy:.0f} GB/s): % of copy", flush=True)
-        for m, k in ((16384, 3072), (16384, 15360)):
-            for g in GRANS:
-                row = []
-                for io in ("blocks", "coalesced"):
-                    os.environ["MXFLUX_PACK_IO"] = io
-                    r = bench_pack(m, k, g, False, copy)
-                    row.append(f"{io} {r['ms'] * 1e3:7.1f} us {r['pct_copy']:5.1f}%")
-                print(f"  X[{m}x{k}] gran {g.value:>9s}: " + " | ".join(row), flush=True)
-        os.environ["MXFLUX_PACK_IO"] = "auto"
+        run_ab(args.out)
         return
     if args.profile_one:
         from mxflux.kernels import mx_operands_cuda

@@ -15,7 +15,7 @@ from mxflux.kernels import triton_common
 from mxflux.mx import FoldGranularity as G
 
 CONSTEXPRS = ("PASS", "DO_ROW", "DO_COL", "DO_COLSUM", "GRAN", "HADAMARD", "PROLOGUE", "HW", "BR", "NB", "COAL",
-              "X_F32")
+              "X_F32", "PAIRS")
 
 
 class FakeCompiled:
@@ -148,6 +148,64 @@ def test_a_different_key_gets_its_own_plan(fake, change, monkeypatch):
         assert not plan1.direct_counter
 
 
+# A compiled pass-2 kernel's TTGIR, as far as the lane-pair check reads it: the shuffle over a
+# tensor whose layout is LAYOUT.
+_TTGIR = """#blocked = #ttg.blocked<{LAYOUT}>
+#blocked1 = #ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [1, 32], warpsPerCTA = [2, 4], order = [1, 0]}>
+      %r = tt.elementwise_inline_asm "shfl.sync.bfly.b32 $0, $1, 1, 0x1f, -1;" {constraints = "=r,r", \
+packed_element = 4 : i32, pure = true} %s : tensor<128x2x16xi8, #blocked> -> tensor<128x2x16xi8, #blocked> loc(#loc1)
+"""
+PAIRED = "sizePerThread = [1, 1, 16], threadsPerWarp = [32, 1, 1], warpsPerCTA = [4, 2, 1], order = [2, 0, 1]"
+BYTEWISE = "sizePerThread = [1, 1, 1], threadsPerWarp = [2, 1, 16], warpsPerCTA = [8, 1, 1], order = [2, 0, 1]"
+LANES_ON_DIM1 = "sizePerThread = [1, 1, 16], threadsPerWarp = [1, 32, 1], warpsPerCTA = [4, 2, 1], order = [2, 1, 0]"
+TWO_ROWS_PER_THREAD = "sizePerThread = [2, 1, 16], threadsPerWarp = [32, 1, 1], warpsPerCTA = [2, 2, 1], order = [2, 0, 1]"
+
+
+@pytest.mark.parametrize("layout, holds", [(PAIRED, True), (BYTEWISE, False), (LANES_ON_DIM1, False),
+                                           (TWO_ROWS_PER_THREAD, False)])
+def test_lane_pair_check_reads_the_compiled_layout(layout, holds):
+    ttgir = _TTGIR.replace("LAYOUT", layout)
+    assert triton_common.lane_pair_shuffles_hold(ttgir, oc._PAIR_SHUFFLE) == [holds]
+    assert triton_common.lane_pair_shuffles_hold(ttgir, "shfl.sync.idx") == []
+
+
+def test_plan_stores_by_lane_pairs_only_where_the_compiled_kernel_allows(monkeypatch):
+    """Before a plan's first launch the pass-2 kernel is compiled (not run) and its layout read,
+    once per compiled kernel; a layout that does not pair lanes turns PAIRS off for the plan."""
+    warmups = []
+
+    class Compiled:  # one shuffle per orientation stored, as in the real kernel
+        def __init__(self, kw):
+            self.hash = repr(sorted(kw.items()))
+            layout = PAIRED if kw["GRAN"] == 0 else BYTEWISE
+            self.asm = {"ttgir": _TTGIR.replace("LAYOUT", layout) * (int(kw["DO_ROW"]) + int(kw["DO_COL"]))}
+
+    def warmup(*args, grid, **kw):
+        warmups.append(kw)
+        return Compiled(kw)
+
+    monkeypatch.setattr(oc, "_pack_kernel", SimpleNamespace(warmup=warmup), raising=False)
+    monkeypatch.setattr(oc, "interpreting", lambda: False)
+    oc._PAIRS_HOLD.clear()
+
+    def plan(gran, hw=True, row=True, col=True):
+        return SimpleNamespace(hw=hw, row=row, col=col, grid=(1, 1), options={},
+                               meta=dict(GRAN=gran, DO_ROW=row, DO_COL=col, PAIRS=False))
+
+    assert oc._paired_stores_hold(plan(0), ()) is True
+    assert warmups[-1]["PASS"] == 2 and warmups[-1]["PAIRS"] is True  # the kernel that would run
+    assert oc._paired_stores_hold(plan(0, col=False), ()) is True
+    assert oc._paired_stores_hold(plan(32), ()) is False
+    n = len(warmups)
+    assert oc._paired_stores_hold(plan(0, hw=False), ()) is True  # the emulation swaps by reshaping
+    assert oc._paired_stores_hold(plan(0, row=False, col=False), ()) is True  # stores nothing
+    assert len(warmups) == n
+    oc._PAIRS_HOLD["x"] = True  # a cached answer is reused, not recomputed from the layout
+    monkeypatch.setattr(Compiled, "__init__", lambda self, kw: setattr(self, "hash", "x"))
+    assert oc._paired_stores_hold(plan(32), ()) is True
+    oc._PAIRS_HOLD.clear()
+
+
 def test_a_bool_flag_and_an_int_flag_do_not_share_a_plan(fake):
     oc.mx_operands_cuda(x_())
     with pytest.raises(ValueError, match="row: expected a bool"):
@@ -161,7 +219,7 @@ def test_plan_geometry_and_constexprs(fake):
     (g1, a1, k1), (g2, a2, k2) = fake.calls
     assert (k1["PASS"], k2["PASS"]) == (1, 2) and g1 == g2
     assert k2 == dict(PASS=2, DO_ROW=True, DO_COL=True, DO_COLSUM=True, GRAN=0, HADAMARD=True, PROLOGUE=0,
-                      HW=False, BR=128, NB=2, COAL=True, X_F32=False, **triton_common.launch_options(8))
+                      HW=False, BR=128, NB=2, COAL=True, X_F32=False, PAIRS=True, **triton_common.launch_options(8))
     assert a2[2:7] == (256, 256, 200, 256, 224) and a2[15] == 2 and g2 == (4, min(2, -(-16 // 4)))
     assert a2[0] is x and a2[12] is counter and out.blocks_outside_window is counter
     assert a2[7].data_ptr() == out.row_data.data_ptr() and a2[9].data_ptr() == out.col_data.data_ptr()
@@ -237,7 +295,7 @@ def test_compiled_launch_refuses_a_kernel_it_does_not_understand(fake):
     env = dict(get_stream=lambda dev: 0, hooks=Hooks(), current_device=lambda: 0)
     x = x_(64, 128)
     args = (x, x, 128, 128, 64, 128, 64) + (x,) * 8 + (1, 1)
-    kw = dict(zip(CONSTEXPRS, (2, True, True, False, 32, True, 0, True, 128, 2, True, False)))
+    kw = dict(zip(CONSTEXPRS, (2, True, True, False, 32, True, 0, True, 128, 2, True, False, True)))
 
     def launch(compiled, a=args, k=kw):
         return triton_common.compiled_launch(compiled, oc._RUNTIME_ARGS, a, k, 0, _env=env)

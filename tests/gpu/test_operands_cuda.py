@@ -48,6 +48,30 @@ def check(x, **kw):
 @gpu
 @needs_cuda
 @needs_triton
+@pytest.mark.parametrize("pairs", [True, False], ids=["lane-pair-stores", "own-block-stores"])
+@pytest.mark.parametrize("prologue", ["none", "gelu_tanh"])
+@pytest.mark.parametrize("granularity", list(G))
+def test_pack_store_variants(granularity, prologue, pairs, gen, monkeypatch):
+    """Both ways pass 2 stores its blocks, bit for bit, at an odd row count (the last row has
+    no partner lane); launches on this GPU must get the lane-pair stores (PAIRS), the fast ones."""
+    from mxflux.kernels import operands_cuda
+
+    operands_cuda.clear_launch_plans()
+    if not pairs:
+        monkeypatch.setattr(operands_cuda, "_paired_stores_hold", lambda plan, args: False)
+    x = DISTS["adversarial"](1001, 3072, gen, "cuda")
+    check(x, granularity=granularity, prologue=prologue, colsum=True)
+    check(x, granularity=granularity, prologue=prologue, row=False)
+    if granularity is not G.BLOCKWISE:  # 2976 columns: a partial column tile (1x128 groups must tile C)
+        check(x[:, 96:], granularity=granularity, prologue=prologue, col=False)
+    plans = list(operands_cuda._PLANS.values())
+    assert plans and all(p.pairs_checked and p.meta["PAIRS"] is pairs for p in plans)
+    operands_cuda.clear_launch_plans()
+
+
+@gpu
+@needs_cuda
+@needs_triton
 @pytest.mark.parametrize("shape", FLUX_SHAPES + RAGGED_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("granularity", list(G))
 @pytest.mark.parametrize("dist", list(DISTS))

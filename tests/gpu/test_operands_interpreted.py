@@ -50,6 +50,29 @@ def test_packer_single_orientation_and_rotation(hadamard, gen):
     check(x, row=False, col=True, hadamard=hadamard, granularity=G.EXACT)
 
 
+@pytest.mark.parametrize("granularity", list(G), ids=lambda g: g.value)
+@pytest.mark.parametrize("io", ["coalesced", "blocks"])
+def test_packer_odd_row_count(granularity, io, gen, monkeypatch):
+    """Blocks are stored by pairs of rows (and of columns): an odd row count leaves the last
+    row without a partner, whose half of the paired store must write nothing."""
+    monkeypatch.setenv("MXFLUX_PACK_IO", io)
+    x = DISTS["adversarial"](33, 256 if granularity is G.BLOCKWISE else 160, gen, DEVICE)  # a partial column tile
+    check(x, granularity=granularity, colsum=True)
+    check(x[1:], granularity=granularity, row=True, col=False)  # 32 rows: every pair whole
+
+
+@pytest.mark.parametrize("granularity", [G.ROWWISE, G.BLOCKWISE], ids=lambda g: g.value)
+def test_packer_own_block_stores(granularity, gen, monkeypatch):
+    """The store variant a plan falls back to when the compiled layout cannot pair lanes."""
+    from mxflux.kernels import operands_cuda
+
+    operands_cuda.clear_launch_plans()
+    monkeypatch.setattr(operands_cuda, "_paired_stores_hold", lambda plan, args: False)
+    check(DISTS["adversarial"](33, 256, gen, DEVICE), granularity=granularity, colsum=True)
+    assert all(p.meta["PAIRS"] is False for p in operands_cuda._PLANS.values())
+    operands_cuda.clear_launch_plans()
+
+
 def fp32_weights(r, c, gen, device):
     """fp32 values whose bf16 rounding is the adversarial packer input, plus what only fp32 has:
     low mantissa bits (ties to even included), values that round up to bf16's Inf, fp32-only

@@ -17,21 +17,45 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
                 allow_module_level=True)
 
 from mxflux.kernels import operands_cuda  # noqa: E402
+from mxflux.kernels.triton_common import lane_pair_shuffles_hold  # noqa: E402
 from mxflux.mx import FoldGranularity as G  # noqa: E402
 
 
-def _ptx(fn, sig, consts, num_warps=8):
+def _compile(fn, sig, consts, num_warps=8, aligned=False, divisible=()):
+    """The sm_90 compile's assembly (ttgir, ptx, ...). `aligned`: every pointer 16-byte aligned
+    (what Triton specialises on at a launch with torch.empty outputs), so the vector accesses
+    show; `divisible`: integer parameters a launch passes as multiples of 16 (Triton specialises
+    on that too)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
+             if (aligned and ty.startswith("*")) or name in divisible} or None
+    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts, attrs=attrs)
     opts = {"num_warps": num_warps, "enable_fp_fusion": False, "enable_reflect_ftz": False}
     try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm
     except RuntimeError as e:  # no CUDA toolchain (ptxas) in this Triton install
         if "ptxas" in str(e).lower():
             pytest.skip(f"Triton cannot compile for sm_90 here: {e}")
         raise
+
+
+def test_pair_layout_check_rejects_a_kernel_whose_layout_does_not_pair_lanes():
+    """Compiled without alignment, the stores are bytewise and the lanes run along a block's
+    bytes: the layout check (which decides PAIRS before a plan's first launch) must say no."""
+    consts = {"PASS": 2, "DO_ROW": True, "DO_COL": True, "DO_COLSUM": False, "HADAMARD": True, "HW": True,
+              **operands_cuda.kernel_constexprs(G.ROWWISE, "none")}
+    asm = _compile(operands_cuda._pack_kernel, _PACK_SIG, consts, num_warps=8)
+    assert lane_pair_shuffles_hold(asm["ttgir"], operands_cuda._PAIR_SHUFFLE) == [False, False]
+
+
+def _ptx(fn, sig, consts, num_warps=8):
+    return _compile(fn, sig, consts, num_warps)["ptx"]
+
+
+def _ptx_aligned(fn, sig, consts, num_warps):
+    return _compile(fn, sig, consts, num_warps, aligned=True)["ptx"]
 
 
 _PACK_SIG = {"x_ptr": "*bf16", "aux_ptr": "*bf16", "stride_x": "i32", "stride_aux": "i32", "R": "i32", "C": "i32",
@@ -54,7 +78,16 @@ def test_mx_operands_kernel_compiles_for_sm90(granularity, prologue, colsum, pas
     consts = {"PASS": pass_, "DO_ROW": True, "DO_COL": True, "DO_COLSUM": colsum, "HADAMARD": True, "HW": hw,
               **operands_cuda.kernel_constexprs(granularity, prologue, x_f32=x_f32)}
     sig = dict(_PACK_SIG, x_ptr="*fp32") if x_f32 else _PACK_SIG
-    ptx = _ptx(operands_cuda._pack_kernel, sig, consts, num_warps=operands_cuda.kernel_num_warps(granularity))
+    # specialised as a launch is: 16-byte aligned pointers, C and Rp multiples of 32
+    asm = _compile(operands_cuda._pack_kernel, sig, consts, num_warps=operands_cuda.kernel_num_warps(granularity),
+                   aligned=True, divisible=("C", "Rp"))
+    ptx = asm["ptx"]
+    # pass 2 stores both orientations by lane pairs (a shuffle per orientation and 4 bytes), in
+    # the layout that shuffle needs, so launches keep PAIRS on
+    found = lane_pair_shuffles_hold(asm["ttgir"], operands_cuda._PAIR_SHUFFLE)
+    assert found == ([True, True] if hw and pass_ == 2 else [])
+    if hw and pass_ == 2:
+        assert "st.global.v4.b32" in ptx
     if prologue == "none":  # (the GELU prologues round their result to bf16 with the same instruction)
         assert ("cvt.rn.bf16" in ptx) == x_f32
     assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == (hw and pass_ == 2)
@@ -62,23 +95,6 @@ def test_mx_operands_kernel_compiles_for_sm90(granularity, prologue, colsum, pas
     # tanhf (the GELU prologue), which torch's own CUDA GELU runs too (bit-exact on the H200)
     assert set(re.findall(r"[a-z0-9]+(?:\.[a-z0-9]+)*\.ftz\.f32", ptx)) <= {"ex2.approx.ftz.f32", "rcp.approx.ftz.f32"}
     assert ("ex2.approx" in ptx) == (prologue != "none")
-
-
-def _ptx_aligned(fn, sig, consts, num_warps):
-    """As `_ptx`, with every pointer 16-byte aligned (what Triton specialises on at a launch with
-    torch.empty outputs), so that the vector loads and stores show."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values()) if ty.startswith("*")}
-    src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts, attrs=attrs)
-    opts = {"num_warps": num_warps, "enable_fp_fusion": False, "enable_reflect_ftz": False}
-    try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
-    except RuntimeError as e:
-        if "ptxas" in str(e).lower():
-            pytest.skip(f"Triton cannot compile for sm_90 here: {e}")
-        raise
 
 
 @pytest.mark.parametrize("hw", [True, False])

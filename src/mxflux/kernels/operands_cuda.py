@@ -47,7 +47,15 @@ from ..mx.formats import get_format
 from ..mx.granularity import FoldGranularity
 from ..mx.hadamard import HADAMARD_SCALE
 from ..mx.operands import PROLOGUES, MXOperands, padded_rows
-from .triton_common import HAS_TRITON, PROLOGUE_IDS, compiled_launch, interpreting, launch_options, num_sms
+from .triton_common import (
+    HAS_TRITON,
+    PROLOGUE_IDS,
+    compiled_launch,
+    interpreting,
+    lane_pair_shuffles_hold,
+    launch_options,
+    num_sms,
+)
 
 if MX_BLOCK != 32:
     raise ImportError(f"operands_cuda: the kernels' register layout is written for MX_BLOCK = 32, got {MX_BLOCK}")
@@ -78,6 +86,9 @@ _BR = 128  # rows per tile (4 column blocks: one 1x128 group of the column orien
 # 1x128 groups need 4 blocks along C in the tile; the others take half as wide a tile so that
 # two CTAs fit on an SM.
 _TILE = {FoldGranularity.ROWWISE: (2, 8), FoldGranularity.EXACT: (2, 8), FoldGranularity.BLOCKWISE: (4, 16)}
+# The warp shuffle of `_swap_lane_pairs` (4 bytes with lane ^ 1); `_paired_stores_hold` finds it
+# by this text in the compiled kernel.
+_PAIR_SHUFFLE = "shfl.sync.bfly.b32 $0, $1, 1, 0x1f, -1;"
 
 
 def cuda_kernel_available() -> bool:
@@ -92,6 +103,7 @@ if HAS_TRITON:
     _EXP_OFFSET = tl.constexpr(127 + _E2M3.emax)
     _SHIFT = tl.constexpr(_E2M3.fold_shift)  # a group's fp32 scale is 2^(e_ref - shift)
     _WINDOW = tl.constexpr(_E2M3.fold_window)  # binades below e_ref that still fold exactly
+    _SHUFFLE_LANE_PAIRS = tl.constexpr(_PAIR_SHUFFLE)
 
     # ---------------------------------------------------------------- tuples of tensors
     @triton.jit
@@ -215,6 +227,53 @@ if HAS_TRITON:
         return zl, zh
 
     @triton.jit
+    def _swap_lane_pairs(t, HW: tl.constexpr):
+        """[D0, D1, 16] uint8 -> the same tensor with dim-0 neighbours (d0 ^ 1) exchanged. On the
+        GPU one warp shuffle per 4 bytes: the block stores' layout puts d0 on the lanes, d0 bit 0
+        on lane bit 0 (checked on each compiled kernel before its first launch:
+        `_paired_stores_hold`), so lane ^ 1 holds the neighbour's bytes in the same registers.
+        The interpreter swaps by reshaping (it has no lanes)."""
+        if HW:
+            return tl.inline_asm_elementwise(
+                _SHUFFLE_LANE_PAIRS, "=r,r", [t], dtype=tl.uint8, is_pure=True, pack=4)
+        else:
+            D0: tl.constexpr = t.shape[0]
+            D1: tl.constexpr = t.shape[1]
+            p = tl.permute(tl.reshape(t, (D0 // 2, 2, D1, 16)), (0, 2, 3, 1))
+            even, odd = tl.split(p)
+            return tl.reshape(tl.permute(tl.join(odd, even), (0, 3, 1, 2)), (D0, D1, 16))
+
+    @triton.jit
+    def _store_block_pairs(ptr, d0, stride, n_d0, rest, zl, zh, mask_rest, HW: tl.constexpr):
+        """Store 32-byte blocks held as two 16-byte halves per thread (zl, zh: [D0, D1, 16] uint8,
+        block of (d0, d1) at ptr + d0·stride + rest) so that each store instruction writes whole
+        32-byte sectors: the lanes of a pair (d0 = 2k, 2k + 1) first write block 2k (the even lane
+        its low half, the odd lane its high half), then block 2k + 1. One 16-byte half per lane
+        crosses between them. Written as one half per store, every sector took two partial writes
+        (the packer's limiter, benchmarks/NOTES.md). Blocks exist where d0 < n_d0 and mask_rest;
+        d0 is [D0, 1, 1] (D0 even, tiles start at even d0), rest and mask_rest [1, D1, 16]."""
+        odd = (d0 & 1) == 1
+        recv = _swap_lane_pairs(tl.where(odd, zl, zh), HW)  # even lanes send high halves, odd lanes low
+        half = tl.where(odd, 16, 0)
+        first = d0 - (d0 & 1)  # the even block of the pair
+        tl.store(ptr + first.to(tl.int64) * stride + half + rest, tl.where(odd, recv, zl),
+                 mask=(first < n_d0) & mask_rest)
+        tl.store(ptr + (first + 1).to(tl.int64) * stride + half + rest, tl.where(odd, zh, recv),
+                 mask=(first + 1 < n_d0) & mask_rest)
+
+    @triton.jit
+    def _store_blocks(ptr, d0, stride, n_d0, rest, zl, zh, mask_rest, PAIRS: tl.constexpr, HW: tl.constexpr):
+        """Blocks by lane pairs (`_store_block_pairs`) or each thread its own block's two halves
+        (where the compiled layout does not carry the pair swap: `_paired_stores_hold`)."""
+        if PAIRS:
+            _store_block_pairs(ptr, d0, stride, n_d0, rest, zl, zh, mask_rest, HW)
+        else:
+            o = ptr + d0.to(tl.int64) * stride + rest
+            m = (d0 < n_d0) & mask_rest
+            tl.store(o, zl, mask=m)
+            tl.store(o + 16, zh, mask=m)
+
+    @triton.jit
     def _blocks_of_rows(t, BR: tl.constexpr, NB: tl.constexpr, HW: tl.constexpr):
         """[BR, BC] bf16 tile (lanes along columns) -> 32-tuple of [NB, BR] fp32, element j of each
         row block. The first split is on a lane bit (b4), so Triton re-lays the whole tile out once
@@ -275,6 +334,7 @@ if HAS_TRITON:
         BR: tl.constexpr, NB: tl.constexpr,
         COAL: tl.constexpr,  # coalesced [BR, BC] tile loads, re-laid out once through shared memory
         X_F32: tl.constexpr = False,  # x is fp32 (master weights): rounded to bf16 as loaded
+        PAIRS: tl.constexpr = False,  # blocks stored by lane pairs (whole 32-byte sectors)
     ):
         RB: tl.constexpr = BR // _BLOCK
         BC: tl.constexpr = NB * _BLOCK
@@ -386,14 +446,11 @@ if HAS_TRITON:
                         e_ref = tl.where(g == -1024, 0, g)
                     b2 = _encode(ys, e, e_ref, bad, HW)
                     row_cnt += (live & ((e - e_ref) < -_WINDOW)).to(tl.int32)
-                    ob = row_data_ptr + row0.to(tl.int64) * C + col0
                     zl, zh = _halves(b2)  # [NB, BR, 16] -> [BR, NB, 16]
                     zl = tl.permute(zl, (1, 0, 2))
                     zh = tl.permute(zh, (1, 0, 2))
-                    oo = r3 * C + (tl.arange(0, NB) * _BLOCK)[None, :, None] + tl.arange(0, 16)[None, None, :]
-                    om = ((row0 + r3) < R) & (cblk3 < C)
-                    tl.store(ob + oo, zl, mask=om)
-                    tl.store(ob + oo + 16, zh, mask=om)
+                    rest = (tl.arange(0, NB) * _BLOCK)[None, :, None] + tl.arange(0, 16)[None, None, :]
+                    _store_blocks(row_data_ptr + col0, row0 + r3, C, R, rest, zl, zh, cblk3 < C, PAIRS, HW)
                     if GRAN == 0:
                         if pid_c == 0:
                             tl.store(row_scale_ptr + rows[None, :], pow2_f32(e_ref - _SHIFT), mask=rows[None, :] < R)
@@ -450,10 +507,8 @@ if HAS_TRITON:
                         zh = tl.permute(zh, (1, 0, 2))
                         ct = col0 + tl.arange(0, BC)[:, None, None]
                         rt3 = row0 + tl.arange(0, RB)[None, :, None] * _BLOCK
-                        oo = ct.to(tl.int64) * Rp + rt3 + tl.arange(0, 16)[None, None, :]
-                        om = (ct < C) & (rt3 < Rp)
-                        tl.store(col_data_ptr + oo, zl, mask=om)
-                        tl.store(col_data_ptr + oo + 16, zh, mask=om)
+                        _store_blocks(col_data_ptr, ct, Rp, C, rt3 + tl.arange(0, 16)[None, None, :], zl, zh,
+                                      rt3 < Rp, PAIRS, HW)
                         if GRAN != 0:
                             rbg = row0 + rb2
                             so = cc2.to(tl.int64) * (Rp // GRAN) + rbg // GRAN
@@ -527,10 +582,11 @@ except AttributeError:  # not CPython's os._Environ: the plain lookup above
 def kernel_constexprs(granularity: FoldGranularity, prologue: str, io_mode: str | None = None,
                       x_f32: bool = False) -> dict:
     """The compile-time constants a launch for this granularity, prologue and input dtype uses
-    (besides the per-call flags): what the ahead-of-time compile tests build."""
+    (besides the per-call flags): what the ahead-of-time compile tests build. PAIRS (lane-pair
+    block stores) is where every plan starts; `_paired_stores_hold` may turn it off."""
     nb, _ = _TILE[granularity]
     return dict(GRAN=granularity.kernel_id, PROLOGUE=PROLOGUE_IDS[prologue], BR=_BR, NB=nb,
-                COAL=coalesced_loads(prologue, io_mode), X_F32=x_f32)
+                COAL=coalesced_loads(prologue, io_mode), X_F32=x_f32, PAIRS=True)
 
 
 def kernel_num_warps(granularity: FoldGranularity) -> int:
@@ -560,7 +616,7 @@ class _LaunchPlan:
     __slots__ = ("R", "C", "Rp", "row", "col", "colsum", "hw", "rowwise", "direct_counter", "row_scale_shape",
                  "col_scale_shape", "ws_len", "ws_zero", "off_outside", "off_sums", "off_row_eref", "off_col_eref",
                  "copy_x", "copy_aux", "launch", "grid", "n_rt", "passes", "meta", "options", "device", "launches",
-                 "fast")
+                 "fast", "pairs_checked")
 
     def __init__(self, x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode):
         if not HAS_TRITON:
@@ -625,6 +681,7 @@ class _LaunchPlan:
         self.passes = (1, 2) if rowwise and (row or col) else (2,)
         self.meta = dict(DO_ROW=row, DO_COL=col, DO_COLSUM=colsum, HADAMARD=hadamard, HW=hw,
                          **kernel_constexprs(granularity, prologue, io_mode, x.dtype == torch.float32))
+        self.pairs_checked = False  # PAIRS confirmed (or turned off) on the compiled kernel: `_paired_stores_hold`
         self.options = launch_options(warps)
         self.device = dev
         self.launches = dict.fromkeys(self.passes)
@@ -784,6 +841,9 @@ def _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale,
         counter if plan.direct_counter else ws[plan.off_outside:plan.off_outside + 2].view(torch.int64),
         part(plan.off_row_eref, R), part(plan.off_col_eref, C), plan.n_rt, plan.grid[1],
     )
+    if not plan.pairs_checked:  # before the plan's first launch
+        plan.meta["PAIRS"] = _paired_stores_hold(plan, args)
+        plan.pairs_checked = True
     device = _compiled_launch_device(plan) if plan.fast is None else None
     for p in plan.passes:
         compiled = _pack_kernel[plan.grid](*args, PASS=p, **plan.meta, **plan.options)
@@ -792,6 +852,30 @@ def _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale,
     if device is not None:  # built once per plan: every pass's launcher, or False (normal launches for good)
         launches = tuple(plan.launches[p] for p in plan.passes)
         plan.fast = launches if all(launches) else False
+
+
+_PAIRS_HOLD: dict[str, bool] = {}  # compiled pass-2 kernel (its hash) -> whether its layout carries the pair swap
+
+
+def _paired_stores_hold(plan, args) -> bool:
+    """Whether pass 2 may store by lane pairs under this plan: the warp shuffle of
+    `_swap_lane_pairs` is only right where the compiled layout puts dim 0's lowest bit on lane
+    bit 0. That is what Triton 3.6 picks for the 16-byte block stores (every pointer and row
+    length 16-byte aligned, as here), but the layout is the compiler's choice, so the pass-2
+    kernel is compiled first (no launch) and its layouts are read; where they do not hold, the
+    plan stores each thread's own block instead (correct in any layout, about as slow as before).
+    The emulation (HW=False) swaps by reshaping, correct in any layout."""
+    if not plan.hw or interpreting() or not (plan.row or plan.col):
+        return True
+    compiled = _pack_kernel.warmup(*args, grid=plan.grid, PASS=2, **dict(plan.meta, PAIRS=True), **plan.options)
+    key = getattr(compiled, "hash", None)
+    hold = _PAIRS_HOLD.get(key) if key is not None else None
+    if hold is None:
+        found = lane_pair_shuffles_hold(compiled.asm["ttgir"], _PAIR_SHUFFLE)
+        hold = len(found) == int(plan.row) + int(plan.col) and all(found)
+        if key is not None:
+            _PAIRS_HOLD[key] = hold
+    return hold
 
 
 def _compiled_launch_device(plan) -> int | None:

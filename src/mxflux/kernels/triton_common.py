@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 
 import torch
 
@@ -28,8 +29,8 @@ except Exception:  # ImportError, or a Triton that cannot initialise on this mac
     triton = tl = libdevice = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "PROLOGUE_IDS", "CompiledLaunch", "compiled_launch", "interpreting", "launch_options",
-           "num_sms"]
+__all__ = ["HAS_TRITON", "PROLOGUE_IDS", "CompiledLaunch", "compiled_launch", "interpreting", "lane_pair_shuffles_hold",
+           "launch_options", "num_sms"]
 
 # The prologue constexpr of the kernels, by the name `mxflux.mx.operands.PROLOGUES` uses.
 PROLOGUE_IDS = {"none": 0, "gelu_tanh": 1, "gelu_tanh_grad": 2}
@@ -169,6 +170,31 @@ def compiled_launch(compiled, runtime_names: tuple, runtime_args: tuple, constex
     except (AttributeError, KeyError, TypeError, IndexError):
         return None
     return launch if callable(launch._fn) and launch._function is not None else None
+
+
+_BLOCKED_LAYOUT = re.compile(r"^(#blocked\d*) = #ttg\.blocked<\{(.*)\}>", re.M)
+_LIST_FIELD = re.compile(r"(\w+) = \[([\d, ]*)\]")
+
+
+def lane_pair_shuffles_hold(ttgir: str, asm_prefix: str) -> list[bool]:
+    """For each inline-asm op of a compiled kernel (its TTGIR) whose text starts with asm_prefix, a
+    warp shuffle with lane ^ 1 over a tensor's elements: whether that tensor's layout puts the
+    lowest bit of dim 0 on lane bit 0 with one element per thread along dim 0, so that lane ^ 1
+    holds the dim-0 neighbour (d0 ^ 1) in the same registers. In a blocked layout lanes fill the
+    dims in `order`, fastest first: dim 0 must be the first dim with more than one lane. A layout
+    of another kind counts as not holding."""
+    layouts = dict(_BLOCKED_LAYOUT.findall(ttgir))
+    op = re.compile(r'elementwise_inline_asm "' + re.escape(asm_prefix) + r'.*-> tensor<[^,>]*, (#\w+)>')
+    found = []
+    for name in op.findall(ttgir):
+        spec = layouts.get(name)
+        if spec is None:
+            found.append(False)
+            continue
+        field = {k: [int(v) for v in re.findall(r"\d+", vals)] for k, vals in _LIST_FIELD.findall(spec)}
+        lanes = [d for d in field["order"] if field["threadsPerWarp"][d] > 1]
+        found.append(bool(lanes) and lanes[0] == 0 and field["sizePerThread"][0] == 1)
+    return found
 
 
 if HAS_TRITON:
