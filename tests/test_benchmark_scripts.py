@@ -76,3 +76,14 @@ def test_step_benchmark_is_the_proxy_comparison_unless_given_a_recipe(tmp_path):
     proc = subprocess.run([sys.executable, script, "--settings", "bf16", "--set", "model.no_such_field=1"],
                           cwd=tmp_path, env=env, timeout=120, capture_output=True, text=True)
     assert proc.returncode == 2 and "flux12b-mxfp6-dev" in proc.stderr and "no_such_field" in proc.stderr
+
+
+def test_saved_bytes_benchmark_counts_what_a_compiled_block_keeps(tmp_path):
+    """benchmarks/saved_bytes.py: MXFP6 keeps less than bf16, and repack_weights less than MXFP6."""
+    out = tmp_path / "saved.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "saved_bytes.py"), "--json", str(out), "--tokens", "96",
+                    "--blocks", "single", "--precisions", "bf16,mxfp6,mxfp6-repack"],
+                   check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, cwd=tmp_path, timeout=600)
+    got = {r["precision"]: r for r in json.loads(out.read_text())["blocks"]}
+    assert got["mxfp6-repack"]["bytes"] < got["mxfp6"]["bytes"] < got["bf16"]["bytes"]
+    assert got["bf16"]["by_dtype"].get("float8_e4m3fn", 0) == 0 < got["mxfp6"]["by_dtype"]["float8_e4m3fn"]

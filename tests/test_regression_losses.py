@@ -35,11 +35,13 @@ def test_first_20_losses_bit_exact(recipe, tmp_path):
     assert got == want, f"{recipe}: first differing step {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
 
 
-def test_six_bit_saved_operands_give_the_pinned_mxfp6_losses(tmp_path):
-    """precision.saved_operands=e2m3 keeps the col operands as 6-bit codes and expands them back to
-    the same FP8 bytes, so the losses are the e4m3 ones bit for bit (docs/design.md, "Saved
-    operands in six bits")."""
-    got = first_20_losses("tiny-mxfp6", tmp_path, ["precision.saved_operands=e2m3"], steps=4)
+@pytest.mark.parametrize("option", ["precision.saved_operands=e2m3", "precision.repack_weights=true"])
+def test_how_operands_wait_for_backward_leaves_the_pinned_mxfp6_losses(option, tmp_path):
+    """Keeping the col operands as 6-bit codes (expanded back to the same FP8 bytes in backward;
+    docs/design.md, "Saved operands in six bits") or keeping no Wᵀ (packed again from the
+    parameter in backward) changes only what waits for backward: the losses are the pinned ones
+    bit for bit."""
+    got = first_20_losses("tiny-mxfp6", tmp_path, [option], steps=4)
     assert got == [float.fromhex(h) for h in PINNED["tiny-mxfp6"][:4]]
 
 

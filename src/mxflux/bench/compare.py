@@ -45,6 +45,9 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     # mxfp6 with the saved col operands in 6 bits (bit-identical numerics, 25/32 the saved bytes)
     "mxfp6-6bit": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
                    'saved_operands: e2m3}',),
+    # mxfp6 keeping no Wᵀ: backward packs it again from the parameter (bit-identical numerics)
+    "mxfp6-repack": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
+                     'repack_weights: true}',),
 }
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 

@@ -10,7 +10,9 @@ GEMMs and their operands"):
 so every tensor is packed once into both orientations ("row" = along its last axis, "col" =
 the transposed copy along its first). Forward saves only the quantized col copies that
 backward needs (Xᵀ, Wᵀ), never bf16 activations; with `saved_operands="e2m3"` as 6-bit codes
-that backward expands back to the same FP8 bytes. The bias is added in the GEMM's fp32
+that backward expands back to the same FP8 bytes. With `repack_weights` forward keeps no Wᵀ:
+it packs W's row operand only, and backward packs Wᵀ again from the parameter, which is alive
+anyway (the same bytes: the packer is deterministic). The bias is added in the GEMM's fp32
 epilogue and its gradient is the column sum the dY packer produces while it quantizes dY.
 
 Weights and biases come in their own dtype (fp32 master parameters, or bf16 under FSDP's
@@ -45,11 +47,15 @@ class MXConfig(NamedTuple):
     `saved_operands` is how forward keeps the col operands for backward: "e4m3" (the FP8 bytes,
     1 B per element) or "e2m3" (6-bit codes plus a shift byte per block, 25/32 B per element,
     expanded back to the same bytes in backward; docs/design.md, "Saved operands in six bits").
+    `repack_weights`: forward packs only the weights' row operands and backward packs Wᵀ again
+    from the parameter, instead of keeping Wᵀ from forward (one more read of each weight per
+    step, 1 B per weight element less kept; docs/design.md, "The three GEMMs and their operands").
     """
 
     mx_gemm: str = "rowwise"
     hadamard: bool = True
     saved_operands: str = "e4m3"
+    repack_weights: bool = False
 
     @property
     def granularity(self) -> FoldGranularity:
@@ -100,13 +106,30 @@ def _compute(param, dtype):
     return None if param is None else param.to(dtype)
 
 
+def _pack_weight(weight, cfg: MXConfig, blocks_outside_window, col: bool) -> tuple:
+    """Forward's packing of a weight: (row operand, what forward saves for Wᵀ: the col operand's
+    `_stash`, or the parameter itself where backward re-packs it, or nothing where no dX is due)."""
+    w_row, w_col, _ = _pack(_packable(weight), cfg, blocks_outside_window, col=col and not cfg.repack_weights)
+    if col and cfg.repack_weights:
+        return w_row, (weight, None, None)
+    return w_row, _stash(w_col, cfg)
+
+
+def _weight_col(saved, cfg: MXConfig, blocks_outside_window) -> Operand:
+    """Wᵀ for dgrad from what `_pack_weight` saved: unstashed, or packed again from the parameter
+    (col only; the row operand is not needed in backward)."""
+    if cfg.repack_weights:
+        return _pack(_packable(saved[0]), cfg, blocks_outside_window, row=False)[1]
+    return _unstash(*saved)
+
+
 class _MXLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig):
         x_row, x_col, _ = _pack(x, cfg, blocks_outside_window, col=weight.requires_grad)
-        w_row, w_col, _ = _pack(_packable(weight), cfg, blocks_outside_window, col=x.requires_grad)
+        w_row, w_saved = _pack_weight(weight, cfg, blocks_outside_window, col=x.requires_grad)
         y = _gemm(x_row, w_row, cfg, _compute(bias, x.dtype), x.dtype)
-        ctx.save_for_backward(*_stash(x_col, cfg), *_stash(w_col, cfg))
+        ctx.save_for_backward(*_stash(x_col, cfg), *w_saved)
         ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
         ctx.w_dtype, ctx.b_dtype = weight.dtype, None if bias is None else bias.dtype
         return y
@@ -120,7 +143,8 @@ class _MXLinear(torch.autograd.Function):
         dy_row, dy_col, dbias = _pack(dy, cfg, ctx.blocks_outside_window, row=need_x, col=need_w,
                                       colsum=need_b and ctx.b_dtype is not None)
         # each saved operand is expanded right before the GEMM that reads it (one at a time alive)
-        dx = _gemm(dy_row, _unstash(*saved[3:6]), cfg, None, dy.dtype) if need_x else None
+        dx = _gemm(dy_row, _weight_col(saved[3:6], cfg, ctx.blocks_outside_window), cfg, None, dy.dtype) \
+            if need_x else None
         dw = _gemm(dy_col, _unstash(*saved[0:3]), cfg, None, ctx.w_dtype) if need_w else None
         db = dbias.to(ctx.b_dtype) if need_b and ctx.b_dtype is not None else None
         return dx, dw, db, None, None
@@ -145,13 +169,12 @@ class _FusedMXMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig):
         x_row, x_col, _ = _pack(x, cfg, blocks_outside_window)
-        w1_row, w1_col, _ = _pack(_packable(w1), cfg, blocks_outside_window)
-        w2_row, w2_col, _ = _pack(_packable(w2), cfg, blocks_outside_window)
+        w1_row, w1_saved = _pack_weight(w1, cfg, blocks_outside_window, col=True)
+        w2_row, w2_saved = _pack_weight(w2, cfg, blocks_outside_window, col=True)
         h = _gemm(x_row, w1_row, cfg, _compute(b1, x.dtype), x.dtype)
         act_row, act_col, _ = _pack(h, cfg, blocks_outside_window, prologue="gelu_tanh")
         y = _gemm(act_row, w2_row, cfg, _compute(b2, x.dtype), x.dtype)
-        ctx.save_for_backward(h, *_stash(x_col, cfg), *_stash(w1_col, cfg), *_stash(act_col, cfg),
-                              *_stash(w2_col, cfg))
+        ctx.save_for_backward(h, *_stash(x_col, cfg), *w1_saved, *_stash(act_col, cfg), *w2_saved)
         ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
         ctx.dtypes = tuple(None if p is None else p.dtype for p in (w1, b1, w2, b2))
         return y
@@ -164,11 +187,11 @@ class _FusedMXMLP(torch.autograd.Function):
         w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
         dy = dy.contiguous()
         dy_row, dy_col, db2 = _pack(dy, cfg, outside, colsum=b2_dtype is not None)
-        dact = _gemm(dy_row, _unstash(*w2_col), cfg, None, dy.dtype)
+        dact = _gemm(dy_row, _weight_col(w2_col, cfg, outside), cfg, None, dy.dtype)
         dw2 = _gemm(dy_col, _unstash(*act_col), cfg, None, w2_dtype)
         dh_row, dh_col, db1 = _pack(dact, cfg, outside, prologue="gelu_tanh_grad", aux=h,
                                     colsum=b1_dtype is not None)
-        dx = _gemm(dh_row, _unstash(*w1_col), cfg, None, dy.dtype)
+        dx = _gemm(dh_row, _weight_col(w1_col, cfg, outside), cfg, None, dy.dtype)
         dw1 = _gemm(dh_col, _unstash(*x_col), cfg, None, w1_dtype)
         db1 = db1.to(b1_dtype) if b1_dtype is not None else None
         db2 = db2.to(b2_dtype) if b2_dtype is not None else None

@@ -57,21 +57,22 @@ class MXFP6Linear(nn.Linear):
     """
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *,
-                 mx_gemm: str = "rowwise", hadamard: bool = True, saved_operands: str = "e4m3"):
+                 mx_gemm: str = "rowwise", hadamard: bool = True, saved_operands: str = "e4m3",
+                 repack_weights: bool = False):
         self._check_shape(in_features, out_features, mx_gemm)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._setup(mx_gemm, hadamard, saved_operands)
+        self._setup(mx_gemm, hadamard, saved_operands, repack_weights)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, mx_gemm: str = "rowwise", hadamard: bool = True,
-                    saved_operands: str = "e4m3") -> "MXFP6Linear":
+                    saved_operands: str = "e4m3", repack_weights: bool = False) -> "MXFP6Linear":
         """An MXFP6Linear sharing `linear`'s weight and bias Parameters (no copy)."""
         cls._check_shape(linear.in_features, linear.out_features, mx_gemm)
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
-        new._setup(mx_gemm, hadamard, saved_operands)
+        new._setup(mx_gemm, hadamard, saved_operands, repack_weights)
         return new
 
     @staticmethod
@@ -80,10 +81,12 @@ class MXFP6Linear(nn.Linear):
         if reason:
             raise ValueError(f"MXFP6Linear with mx_gemm={mx_gemm!r}: {reason}")
 
-    def _setup(self, mx_gemm: str, hadamard: bool, saved_operands: str) -> None:
+    def _setup(self, mx_gemm: str, hadamard: bool, saved_operands: str, repack_weights: bool) -> None:
         if saved_operands not in SAVED_OPERANDS:
             raise ValueError(f"saved_operands: expected one of {SAVED_OPERANDS}, got {saved_operands!r}")
-        self.cfg = MXConfig(mx_gemm, bool(hadamard), saved_operands)
+        if not isinstance(repack_weights, bool):
+            raise ValueError(f"repack_weights: expected a bool, got {repack_weights!r}")
+        self.cfg = MXConfig(mx_gemm, bool(hadamard), saved_operands, repack_weights)
         # Device-side count of blocks that fell outside the FP8 fold window; read it only when
         # reporting, so training never waits on the device for it
         # (docs/design.md, "The exact FP8 fold and its window").
@@ -106,4 +109,5 @@ class MXFP6Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         saved = "" if self.cfg.saved_operands == "e4m3" else f", saved_operands={self.cfg.saved_operands}"
-        return f"{super().extra_repr()}, mx_gemm={self.cfg.mx_gemm}, hadamard={self.cfg.hadamard}{saved}"
+        repack = ", repack_weights=True" if self.cfg.repack_weights else ""
+        return f"{super().extra_repr()}, mx_gemm={self.cfg.mx_gemm}, hadamard={self.cfg.hadamard}{saved}{repack}"

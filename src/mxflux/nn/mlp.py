@@ -54,9 +54,9 @@ class FusedMXFP6MLP(nn.Sequential):
 
     def __init__(self, dim: int, hidden: int, *, bias: bool = True, mode: str = "auto",
                  activation: str = FUSED_ACTIVATION, mx_gemm: str = "rowwise", hadamard: bool = True,
-                 saved_operands: str = "e4m3", device=None, dtype=None):
+                 saved_operands: str = "e4m3", repack_weights: bool = False, device=None, dtype=None):
         kw = dict(bias=bias, device=device, dtype=dtype, mx_gemm=mx_gemm, hadamard=hadamard,
-                  saved_operands=saved_operands)
+                  saved_operands=saved_operands, repack_weights=repack_weights)
         super().__init__(MXFP6Linear(dim, hidden, **kw), activation_module(activation),
                          MXFP6Linear(hidden, dim, **kw))
         self._choose_path(mode)
@@ -64,12 +64,12 @@ class FusedMXFP6MLP(nn.Sequential):
     @classmethod
     def from_linears(cls, fc1: nn.Linear, fc2: nn.Linear, *, activation: str, mode: str = "auto",
                      mx_gemm: str = "rowwise", hadamard: bool = True,
-                     saved_operands: str = "e4m3") -> "FusedMXFP6MLP":
+                     saved_operands: str = "e4m3", repack_weights: bool = False) -> "FusedMXFP6MLP":
         """Build around existing linears, keeping their Parameters (no copy)."""
         if fc1.out_features != fc2.in_features:
             raise ValueError(f"fc2: in_features {fc2.in_features} != fc1.out_features {fc1.out_features}")
         new = cls.__new__(cls)
-        mx = dict(mx_gemm=mx_gemm, hadamard=hadamard, saved_operands=saved_operands)
+        mx = dict(mx_gemm=mx_gemm, hadamard=hadamard, saved_operands=saved_operands, repack_weights=repack_weights)
         nn.Sequential.__init__(new, MXFP6Linear.from_linear(fc1, **mx), activation_module(activation),
                                MXFP6Linear.from_linear(fc2, **mx))
         new._choose_path(mode)

@@ -38,6 +38,9 @@ class PrecisionConfig(BaseModel):
     # codes plus a shift per block (25/32 B/element, expanded in backward to the same bytes, so
     # losses and gradients are bit-identical; docs/design.md, "Saved operands in six bits").
     saved_operands: Literal["e4m3", "e2m3"] = "e4m3"
+    # Wᵀ for backward: kept from forward (1 B per weight element) or packed again in backward from
+    # the parameter, which is alive anyway (one more read of every weight per step; the same bytes).
+    repack_weights: bool = False
 
     # FP8 on torchao.float8 (nn/precision/fp8.py)
     fp8: Literal["hybrid"] | None = None  # E4M3 activations and weights, E5M2 gradients

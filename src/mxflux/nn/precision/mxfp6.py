@@ -27,19 +27,21 @@ class MXFP6Converter(PrecisionConverter):
 
     Options: mx_gemm (the fold granularity), hadamard, fused_mlp (auto | on | off: an MLP whose
     two linears are both chosen becomes one FusedMXFP6MLP with the same state-dict keys),
-    saved_operands (e4m3 | e2m3: the col operands kept for backward as FP8 bytes or as 6-bit codes).
+    saved_operands (e4m3 | e2m3: the col operands kept for backward as FP8 bytes or as 6-bit codes),
+    repack_weights (backward packs Wᵀ again from the parameter instead of keeping it from forward).
     """
 
     name = "mxfp6"
     selected_by = "fp6"
     selector_value = "e2m3"
-    options = ("mx_gemm", "hadamard", "fused_mlp", "saved_operands")
+    options = ("mx_gemm", "hadamard", "fused_mlp", "saved_operands", "repack_weights")
 
     def ineligibility(self, linear: nn.Linear) -> str | None:
         return mx_ineligibility(linear.in_features, linear.out_features, self.cfg.mx_gemm)
 
     def convert(self, model: nn.Module, chosen: dict[str, nn.Linear]) -> dict[str, str]:
-        mx = dict(mx_gemm=self.cfg.mx_gemm, hadamard=self.cfg.hadamard, saved_operands=self.cfg.saved_operands)
+        mx = dict(mx_gemm=self.cfg.mx_gemm, hadamard=self.cfg.hadamard, saved_operands=self.cfg.saved_operands,
+                  repack_weights=self.cfg.repack_weights)
         done: dict[str, str] = {}
         if self.cfg.fused_mlp != "off":
             for name, module in list(model.named_modules()):

@@ -1,0 +1,109 @@
+"""What one compiled Flux block keeps for backward, per precision, counted on the CPU.
+
+    PYTHONPATH=src python3 benchmarks/saved_bytes.py [--json out.json] [--width 128] [--tokens 608]
+
+Builds `flux-tiny` blocks (width 128, the flux-12b block's proportions: MLP ratio 4, heads of
+64; 2 samples of 608 tokens, about as many tokens per feature as the flux-12b-width proxy at
+micro-batch 64, so weights and activations weigh as they do there), applies each precision as a recipe would, compiles the block with torch.compile (inductor,
+as training does), runs forward under bf16 autocast and counts every tensor autograd keeps for
+backward (`saved_tensors_hooks`), parameters excluded: the activation memory of a block, in bytes,
+on the same partitioner the GPU uses. Not a GPU peak (no allocator, no workspaces); what it shows
+is which tensors each precision keeps and their sizes, for bf16, torchao FP8 tensorwise, MXFP6
+and MXFP6 with `repack_weights`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from mxflux.model import Flux, flux_config, image_ids, text_ids
+from mxflux.nn import apply_precision
+from mxflux.train.config import load_recipe
+
+PRECISIONS = {
+    "bf16": ("tiny-bf16", {}),
+    "fp8-tensorwise": ("flux12b-fp8-mlperf", {}),
+    "mxfp6": ("tiny-mxfp6", {}),
+    "mxfp6-repack": ("tiny-mxfp6", {"repack_weights": True}),
+}
+
+
+def saved_by_block(precision: str, kind: str, tokens: int, width: int) -> list[torch.Tensor]:
+    recipe, update = PRECISIONS[precision]
+    torch.manual_seed(0)
+    cfg = flux_config("flux-tiny", depth=1, depth_single_blocks=1, hidden_size=width, num_heads=width // 64)
+    model = Flux(cfg)
+    apply_precision(model, load_recipe(recipe).precision.model_copy(update=update))
+    b, d, n_txt = 2, cfg.hidden_size, 32
+    side = int(round((tokens - n_txt) ** 0.5))
+    n_img = side * side
+    pe = model.pe_embedder(torch.cat([text_ids(b, n_txt), image_ids(b, side, side)], 1))
+    vec = torch.randn(b, d, requires_grad=True)
+    if kind == "single":
+        block = model.single_blocks[0]
+        x = torch.randn(b, n_txt + n_img, d, requires_grad=True)
+        inputs = (x, vec, pe)
+    else:
+        block = model.double_blocks[0]
+        inputs = (torch.randn(b, n_img, d, requires_grad=True), torch.randn(b, n_txt, d, requires_grad=True), vec, pe)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return block(*inputs)
+
+    compiled = torch.compile(step)
+    compiled()  # compile
+    saved, seen = [], set()
+
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compiled()
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    return [t for t in saved if t.untyped_storage().data_ptr() not in params]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=608, help="image + text tokens per sample (32 text, the rest a "
+                    "square image)")
+    ap.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated, of {', '.join(PRECISIONS)}")
+    ap.add_argument("--blocks", default="double,single", help="comma-separated: double, single")
+    args = ap.parse_args()
+    precisions = [p for p in args.precisions.split(",") if p]
+    blocks = [b for b in args.blocks.split(",") if b]
+    bad = [p for p in precisions if p not in PRECISIONS] + [b for b in blocks if b not in ("double", "single")]
+    if bad:
+        ap.error(f"unknown precision or block: {', '.join(bad)}")
+    res = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "width": args.width,
+           "tokens": args.tokens, "blocks": []}
+    for kind in blocks:
+        for precision in precisions:
+            acts = saved_by_block(precision, kind, args.tokens, args.width)
+            by_dtype: dict[str, int] = {}
+            for t in acts:
+                k = str(t.dtype).replace("torch.", "")
+                by_dtype[k] = by_dtype.get(k, 0) + t.numel() * t.element_size()
+            total = sum(by_dtype.values())
+            res["blocks"].append({"block": kind, "precision": precision, "bytes": total, "by_dtype": by_dtype})
+            print(f"{kind:6s} {precision:15s} {total / 1e6:7.3f} MB  " +
+                  "  ".join(f"{k} {v / 1e6:.3f}" for k, v in sorted(by_dtype.items())), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
