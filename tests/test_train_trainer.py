@@ -207,8 +207,15 @@ def test_ema_of_the_weights_follows_its_formula_and_resumes_exactly(demo_root, t
     # A checkpoint without averages does not resume a recipe that keeps them (nor silently restart them).
     plain = make_trainer(demo_root, tmp_path / "c")
     plain.save(tmp_path / "plain.pt")
-    with pytest.raises(ValueError, match="holds none"):
-        make_trainer(demo_root, tmp_path / "d", "train.ema_decay=0.9").resume(tmp_path / "plain.pt")
+    plain.save(tmp_path / "plain.dcp", sharded=True)
+    for ck in ("plain.pt", "plain.dcp"):
+        with pytest.raises(ValueError, match="holds none"):
+            make_trainer(demo_root, tmp_path / "d", "train.ema_decay=0.9").resume(tmp_path / ck)
+    # A sharded directory written by one process holds the averages too.
+    a.save(tmp_path / "ck.dcp", sharded=True)
+    e = make_trainer(demo_root, tmp_path / "e", "train.ema_decay=0.9")
+    e.resume(tmp_path / "ck.dcp")
+    assert all(torch.equal(a.ema.averages[k], e.ema.averages[k]) for k in a.ema.averages)
     with plain.sampling_weights():  # no average: the weights themselves
         pass
 

@@ -337,6 +337,8 @@ class Trainer:
         # Destination tensors: this rank's shards (FSDP2) or whole tensors (DDP, one process);
         # dcp.load reads just those pieces, whatever sharding wrote them.
         tensors = self._tensors(full=False)
+        if self.ema is not None and not _sharded_has(path, "ema."):
+            self._load_ema({})  # the error that names the missing averages, before dcp's own
         meta = load_sharded_checkpoint(path, tensors)
         load_model_optimizer_state(self.model, self.optimizer, tensors, full=False, world_size=self.world)
         self._load_ema(tensors)
@@ -350,6 +352,13 @@ class Trainer:
         from .loop import fit
 
         return fit(self, progress=progress, max_steps=max_steps)
+
+
+def _sharded_has(path: Path, prefix: str) -> bool:
+    """Whether a sharded checkpoint directory holds an entry whose key starts with `prefix`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return any(k.startswith(prefix) for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 def _check_format(state: dict) -> None:
