@@ -107,7 +107,8 @@ def test_lr_factor_decays_after_the_warm_up():
 
 
 def test_lr_decays_to_the_end_of_the_run_and_resumes_on_schedule(demo_root, tmp_path):
-    extra = ("optim.lr=1e-3", "optim.warmup_steps=2", "optim.decay=cosine", "train.train_samples=48")
+    extra = ("optim.lr=1e-3", "optim.warmup_steps=2", "optim.decay=cosine", "optim.min_lr_ratio=0",
+             "train.train_samples=48")
     tr = make_trainer(demo_root, tmp_path, *extra)
     assert tr.total_steps == 6
     batches = tr.batches()
