@@ -53,6 +53,7 @@ def test_overrides():
     (["batch.global_batch_size=100", "batch.micro_batch_size=32"], "global_batch_size 100 is not divisible by micro_batch_size 32"),
     (["model.name=flux-99b"], "model.name: unknown model 'flux-99b'"),
     (["lr"], "expected key=value"),
+    (["train.ema_decay=1"], "train.ema_decay: Input should be less than 1"),
 ])
 def test_bad_recipes_name_the_field(overrides, message):
     with pytest.raises(RecipeError, match=message):

@@ -19,7 +19,12 @@ from mxflux.train.checkpoint import (CheckpointWriteError, load_checkpoint, load
 
 COMMON = ["--no-progress", "--set", "batch.global_batch_size=8", "--set", "batch.micro_batch_size=4",
           "--set", "train.log_every=1", "--set", "train.eval_samples=8", "--set", "train.sample_prompts=[]",
-          "--set", "optim.warmup_steps=1"]
+          "--set", "optim.warmup_steps=1", "--set", "train.ema_decay=0.9"]  # the EMA rides along: sharded too
+
+
+def ema_of(run: Path) -> dict:
+    """The weight EMA in a run directory's checkpoint (either format), whole tensors."""
+    return load_checkpoint(run)["ema"]
 
 
 def train(nproc: int | None, out: Path, data: Path, *extra: str, port: int = 0,
@@ -55,6 +60,8 @@ def test_fsdp_and_ddp_agree_and_resume_exactly(data, tmp_path):
     resumed = train(2, tmp_path / "half", data, "--max-steps", "4", "--resume", str(tmp_path / "half"),
                     "--set", "distributed.strategy=fsdp", port=29614)
     assert half[:2] == full[:2] and resumed[2:] == full[2:]  # bit for bit across the restart
+    want, got = ema_of(tmp_path / "full"), ema_of(tmp_path / "half")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)  # the EMA too
     assert sorted(p.name for p in (tmp_path / "half").glob("latest*")) == ["latest.dcp"]  # sharded
 
     # The 2-rank checkpoint (whole tensors) loads onto one rank and keeps training.
@@ -97,6 +104,12 @@ def test_losses_do_not_depend_on_world_size_and_resume_onto_any(data, tmp_path):
                      *FP32, port=29625)
     assert two_to_one[2:] == pytest.approx(ref[2:], rel=WORLD_RTOL)
     assert one_to_two[2:] == pytest.approx(ref[2:], rel=WORLD_RTOL)
+    # The weight EMA crosses world sizes with the weights (whole in latest.pt, shards in latest.dcp/).
+    want = ema_of(tmp_path / "one")
+    for run in ("two_to_one", "one_to_two"):
+        got = ema_of(tmp_path / run)
+        assert set(got) == set(want)
+        assert all(torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-6) for k in want), run
     # Each run directory keeps one checkpoint, in the format of its last writer.
     assert [p.name for p in (tmp_path / "two_to_one").glob("latest*")] == ["latest.pt"]
     assert [p.name for p in (tmp_path / "one_to_two").glob("latest*")] == ["latest.dcp"]

@@ -11,6 +11,7 @@ import torch
 from mxflux.data import build_demo_dataset
 from mxflux.train import load_recipe
 from mxflux.train.checkpoint import save_checkpoint
+from mxflux.train.ema import ema_decay_at
 from mxflux.train.flow import cfg_dropout, euler_sample, noised, per_sample_mse, shift_time
 from mxflux.train.trainer import Trainer, lr_factor
 
@@ -106,7 +107,8 @@ def test_lr_factor_decays_after_the_warm_up():
 
 
 def test_lr_decays_to_the_end_of_the_run_and_resumes_on_schedule(demo_root, tmp_path):
-    extra = ("optim.lr=1e-3", "optim.warmup_steps=2", "optim.decay=cosine", "train.train_samples=48")
+    extra = ("optim.lr=1e-3", "optim.warmup_steps=2", "optim.decay=cosine", "optim.min_lr_ratio=0",
+             "train.train_samples=48")
     tr = make_trainer(demo_root, tmp_path, *extra)
     assert tr.total_steps == 6
     batches = tr.batches()
@@ -173,6 +175,52 @@ def test_resume_continues_exactly(demo_root, tmp_path):
     assert got == want  # bit for bit: weights, optimizer, LR, data order and RNG all resumed
 
 
+def test_ema_of_the_weights_follows_its_formula_and_resumes_exactly(demo_root, tmp_path):
+    """train.ema_decay: after step n the average moves (1 − d_n) of the way to the weights, d_n =
+    min(decay, (1 + n)/(10 + n)); a checkpoint keeps it, and a resumed run's averages (and losses)
+    are the uninterrupted run's bit for bit."""
+    assert [ema_decay_at(0.9, n) for n in (1, 10, 80, 81, 1000)] == pytest.approx([2 / 11, 11 / 20, 81 / 90, 0.9, 0.9])
+    a = make_trainer(demo_root, tmp_path / "a", "train.ema_decay=0.9")
+    name, param = next(iter(a.ema.params.items()))
+    assert torch.equal(a.ema.averages[name], param.detach())  # starts at the initial weights
+    batches = a.batches()
+    for _ in range(2):
+        before = a.ema.averages[name].clone()
+        a.train_step([next(batches) for _ in range(2)])
+        d = ema_decay_at(0.9, a.step)
+        assert torch.allclose(a.ema.averages[name], before + (1 - d) * (param.detach() - before), atol=1e-7)
+    ck = a.save(tmp_path / "ck.pt")
+    assert set(torch.load(ck, weights_only=False)["ema"]) == set(a.ema.averages)
+    want = [a.train_step([next(batches) for _ in range(2)]).read()["loss"] for _ in range(3)]
+
+    b = make_trainer(demo_root, tmp_path / "b", "train.ema_decay=0.9")
+    b.resume(ck)
+    nb = b.batches()
+    got = [b.train_step([next(nb) for _ in range(2)]).read()["loss"] for _ in range(3)]
+    assert got == want
+    assert all(torch.equal(a.ema.averages[k], b.ema.averages[k]) for k in a.ema.averages)
+
+    # Samples are drawn with the averages; the weights are the trained ones again afterwards.
+    trained = param.detach().clone()
+    with a.sampling_weights():
+        assert torch.equal(param, a.ema.averages[name]) and not torch.equal(param, trained)
+    assert torch.equal(param, trained)
+    # A checkpoint without averages does not resume a recipe that keeps them (nor silently restart them).
+    plain = make_trainer(demo_root, tmp_path / "c")
+    plain.save(tmp_path / "plain.pt")
+    plain.save(tmp_path / "plain.dcp", sharded=True)
+    for ck in ("plain.pt", "plain.dcp"):
+        with pytest.raises(ValueError, match="holds none"):
+            make_trainer(demo_root, tmp_path / "d", "train.ema_decay=0.9").resume(tmp_path / ck)
+    # A sharded directory written by one process holds the averages too.
+    a.save(tmp_path / "ck.dcp", sharded=True)
+    e = make_trainer(demo_root, tmp_path / "e", "train.ema_decay=0.9")
+    e.resume(tmp_path / "ck.dcp")
+    assert all(torch.equal(a.ema.averages[k], e.ema.averages[k]) for k in a.ema.averages)
+    with plain.sampling_weights():  # no average: the weights themselves
+        pass
+
+
 def test_same_seed_same_run(demo_root, tmp_path):
     losses = []
     for run in ("x", "y"):
@@ -190,7 +238,8 @@ def test_mxflux_train_cli_loss_falls_and_leaves_artifacts(demo_root, tmp_path, c
                "--set", "batch.global_batch_size=8", "--set", "batch.micro_batch_size=8",
                "--set", "train.train_samples=160", "--set", "train.eval_every_samples=80",
                "--set", "train.eval_samples=16", "--set", "optim.lr=2e-3", "--set", "train.log_every=5",
-               "--set", "train.sample_prompts=[a large red circle in the center]", "--set", "train.sample_steps=4"])
+               "--set", "train.sample_prompts=[a large red circle in the center]", "--set", "train.sample_steps=4",
+               "--set", "train.ema_decay=0.9"])
     assert rc == 0
     result = json.loads(capsys.readouterr().out.split("\n", 1)[1])
     assert result["step"] == 20
@@ -207,6 +256,10 @@ def test_mxflux_train_cli_loss_falls_and_leaves_artifacts(demo_root, tmp_path, c
     assert main(["sample", str(out), "--prompt", "a small blue square at the top left", "--steps", "3",
                  "--out", str(tmp_path / "s.png")]) == 0
     assert (tmp_path / "s.png").stat().st_size > 0
+    # samples.png and `mxflux sample` draw with the EMA of the weights; --no-ema with the weights
+    assert main(["sample", str(out), "--prompt", "a small blue square at the top left", "--steps", "3",
+                 "--out", str(tmp_path / "raw.png"), "--no-ema"]) == 0
+    assert (tmp_path / "raw.png").read_bytes() != (tmp_path / "s.png").read_bytes()
 
 
 def test_activation_checkpointing_gives_the_same_step(demo_root, tmp_path):

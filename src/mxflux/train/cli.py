@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -217,10 +218,11 @@ def _train(args) -> int:
             return e.exit_code
         if ctx.is_main:
             if cfg.train.sample_prompts:
-                grid = _sample_to_grid(trainer.model, trainer.train_set, list(cfg.train.sample_prompts),
-                                       steps=cfg.train.sample_steps, seed=cfg.train.seed,
-                                       out=trainer.out_dir / "samples.png", dtype=trainer.compute_dtype,
-                                       guidance=cfg.train.sample_guidance, time_shift=cfg.train.sampler_shift)
+                with trainer.sampling_weights():  # the EMA of the weights, where the recipe keeps one
+                    grid = _sample_to_grid(trainer.model, trainer.train_set, list(cfg.train.sample_prompts),
+                                           steps=cfg.train.sample_steps, seed=cfg.train.seed,
+                                           out=trainer.out_dir / "samples.png", dtype=trainer.compute_dtype,
+                                           guidance=cfg.train.sample_guidance, time_shift=cfg.train.sampler_shift)
                 if grid:
                     result["samples_png"] = str(grid)
             result["checkpoint"] = str(trainer.last_checkpoint)
@@ -358,6 +360,9 @@ def add_sample_parser(sub) -> None:
                    help="the guidance input of guidance-distilled models (FLUX.1-dev; default: 3.5)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the initial noise (default: 0)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write (default: samples.png)")
+    p.add_argument("--no-ema", action="store_true",
+                   help="draw with the checkpoint's weights, not their moving average (which a run whose recipe "
+                        "sets train.ema_decay keeps and draws with by default)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"],
                    help="compute dtype (default: the checkpoint recipe's; with --weights bfloat16 on CUDA, "
@@ -382,6 +387,8 @@ def _sample(args) -> int:
         args.parser.error("give a run checkpoint or --weights PATH, not both")
     if (args.model or args.data) and not args.weights:
         args.parser.error("--model and --data go with --weights; a run checkpoint carries its model and data")
+    if args.no_ema and args.weights:
+        args.parser.error("--no-ema goes with a run checkpoint; --weights are drawn with as they are")
     if (args.t5 or args.clip) and not (args.vae and args.t5 and args.clip):
         args.parser.error("--t5 and --clip: give them with --vae (all three), or none for the demo encoder")
     if args.weights:
@@ -401,11 +408,13 @@ def _sample(args) -> int:
         # Without real text encoders, prompts go through a dataset's own (the demo's) encoder.
         dataset = None if args.t5 else LatentDataset(args.data or ensure_demo_dataset(DEMO_DATA_DIR), "train")
         default_guidance, default_shift = 1.0, 1.0
+        weights = contextlib.nullcontext()
     else:
         trainer = _trainer_from_checkpoint(args)
         model, dataset, device = trainer.model, trainer.train_set, trainer.device
         dtype = getattr(torch, args.dtype) if args.dtype else trainer.compute_dtype
         default_guidance, default_shift = trainer.cfg.train.sample_guidance, trainer.cfg.train.sampler_shift
+        weights = contextlib.nullcontext() if args.no_ema else trainer.sampling_weights()
     guidance = default_guidance if args.guidance is None else args.guidance
     if guidance < 0:
         args.parser.error(f"--guidance: expected a scale >= 0, got {guidance}")
@@ -433,9 +442,11 @@ def _sample(args) -> int:
     elif args.vae and dataset is None:
         size = (512, 512)
     try:
-        grid = _sample_to_grid(model, dataset, args.prompt, steps=args.steps, seed=args.seed, out=Path(args.out),
-                               dtype=dtype, encoders=encoders, guidance=guidance, vae=vae, image_size=size,
-                               distilled_guidance=args.distilled_guidance, time_shift=time_shift)
+        with weights:
+            grid = _sample_to_grid(model, dataset, args.prompt, steps=args.steps, seed=args.seed,
+                                   out=Path(args.out), dtype=dtype, encoders=encoders, guidance=guidance, vae=vae,
+                                   image_size=size, distilled_guidance=args.distilled_guidance,
+                                   time_shift=time_shift)
     except ValueError as e:
         args.parser.error(str(e))
     if grid is None:

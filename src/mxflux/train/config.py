@@ -130,6 +130,10 @@ class TrainSection(_Section):
     timestep_shift: float = Field(1.0, gt=0.0)
     # The sampler's time grid, shifted the same way; None: timestep_shift
     sample_shift: float | None = Field(None, gt=0.0)
+    # An exponential moving average of the weights (mxflux.train.ema), kept in checkpoints; the
+    # run's samples.png and `mxflux sample` draw with it. Decay per step min(ema_decay, (1+n)/(10+n))
+    # after step n; None: no average.
+    ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
 
     @property
     def sampler_shift(self) -> float:

@@ -36,6 +36,7 @@ from .checkpoint import (LATEST, LATEST_SHARDED, load_checkpoint, load_model_opt
                          save_sharded_checkpoint, set_rng_state)
 from .config import RunConfig
 from .distributed import DistContext, init_distributed
+from .ema import WeightEMA
 from .flow import cfg_dropout, eval_noise, noised, per_sample_mse, sample_latents, shift_time
 from .noise import training_draws
 from .parallelize import parallelize
@@ -72,6 +73,8 @@ class Trainer:
         if cfg.model.init_from:  # after sharding: under FSDP2 each rank reads only its own shards
             init_from_checkpoint(self.model, cfg.model.init_from)
         self.window_counters = [m.blocks_outside_window for m in self.mx_modules()]
+        # After init_from and sharding: the average starts from the weights the run starts from.
+        self.ema = WeightEMA(self.model, cfg.train.ema_decay) if cfg.train.ema_decay else None
 
         self.data_root = Path(cfg.data.root) if cfg.data.root else ensure_demo_dataset(DEMO_DATA_DIR)
         self.train_set = LatentDataset(self.data_root, "train")
@@ -189,6 +192,8 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
+        if self.ema is not None:
+            self.ema.update(self.step)
         self.samples += self.cfg.batch.global_batch_size
         mean = total / len(micro_batches)
         if self.world > 1:
@@ -241,7 +246,23 @@ class Trainer:
     # samples) and global RNG states. The training noise has no state at all.
 
     def _tensors(self, *, full: bool) -> dict:
-        return model_optimizer_state(self.model, self.optimizer, full=full, world_size=self.world)
+        tensors = model_optimizer_state(self.model, self.optimizer, full=full, world_size=self.world)
+        if self.ema is not None:  # whole tensors (full) or the averages themselves (shards)
+            tensors["ema"] = self.ema.state_dict(full=full)
+        return tensors
+
+    def _load_ema(self, tensors: dict) -> None:
+        if self.ema is None:
+            return
+        if "ema" not in tensors:
+            raise ValueError("the recipe keeps an EMA of the weights (train.ema_decay) but the checkpoint holds "
+                             "none: resume with --set train.ema_decay=null, or start a new run")
+        self.ema.load_state_dict(tensors["ema"])
+
+    def sampling_weights(self):
+        """A context in which the model holds the weights samples are drawn with: the EMA of the
+        weights where the recipe keeps one (train.ema_decay), else the weights themselves."""
+        return self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
 
     def _meta_state(self) -> dict:
         return {
@@ -264,6 +285,7 @@ class Trainer:
         """Load a whole-tensor state (`state_dict()`, a `latest.pt`) onto this world size."""
         _check_format(state)
         load_model_optimizer_state(self.model, self.optimizer, state, full=True, world_size=self.world)
+        self._load_ema(state)
         self._load_meta(state)
 
     def _load_meta(self, meta: dict) -> None:
@@ -315,8 +337,11 @@ class Trainer:
         # Destination tensors: this rank's shards (FSDP2) or whole tensors (DDP, one process);
         # dcp.load reads just those pieces, whatever sharding wrote them.
         tensors = self._tensors(full=False)
+        if self.ema is not None and not _sharded_has(path, "ema."):
+            self._load_ema({})  # the error that names the missing averages, before dcp's own
         meta = load_sharded_checkpoint(path, tensors)
         load_model_optimizer_state(self.model, self.optimizer, tensors, full=False, world_size=self.world)
+        self._load_ema(tensors)
         self._load_meta(meta)
 
     # --- the whole run ------------------------------------------------------------------------
@@ -327,6 +352,13 @@ class Trainer:
         from .loop import fit
 
         return fit(self, progress=progress, max_steps=max_steps)
+
+
+def _sharded_has(path: Path, prefix: str) -> bool:
+    """Whether a sharded checkpoint directory holds an entry whose key starts with `prefix`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return any(k.startswith(prefix) for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 def _check_format(state: dict) -> None:
