@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that runs the named stages in order and leaves logs and results under $OUT:
 #   PYTHONPATH=src bash benchmarks/gpu_run.sh tests convergence bench16 fsdp12b
-# tests        the CUDA test suite (tests/gpu; GPU_TESTS="files" for a subset)
+# tests        the CUDA test suite (tests/gpu and the CPU files with CUDA variants; GPU_TESTS="files" for a
+#              subset; ~8 minutes: give it a call of its own)
 # kernels      benchmarks/bench_kernels.py: every packer and GEMM at the Flux-12B shapes
 # layers       benchmarks/bench_layers.py: MXFP6Linear / FusedMXFP6MLP / peer vs bf16
 # layerprofile per-kernel times of single linears (LAYER_PROFILE="proj 16384 proj 32768")
@@ -35,7 +36,9 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests)
-      python3 -m pytest -q --tb=short --durations=10 ${GPU_TESTS:-tests/gpu tests/test_saved_tensors.py} -p no:cacheprovider 2>&1 | grep -v "^W11" > "$OUT/gpu_tests.log"
+      # (line-buffered: a call cut by its time limit still leaves the log of what ran)
+      python3 -m pytest -q --tb=short --durations=10 ${GPU_TESTS:-tests/gpu tests/test_saved_tensors.py tests/test_nn_repack_weights.py} \
+        -p no:cacheprovider 2>&1 | grep --line-buffered -v "^W11" > "$OUT/gpu_tests.log"
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests.log" | tail -40 ;;
     kernels)
       python3 benchmarks/bench_kernels.py --out "$OUT" 2>&1 | grep -v "^W11" | tail -120 ;;
