@@ -9,12 +9,14 @@ as training does), runs forward under bf16 autocast and counts every tensor auto
 backward (`saved_tensors_hooks`), parameters excluded: the activation memory of a block, in bytes,
 on the same partitioner the GPU uses. Not a GPU peak (no allocator, no workspaces); what it shows
 is which tensors each precision keeps and their sizes, for bf16, torchao FP8 tensorwise, MXFP6
-and MXFP6 with `repack_weights`.
+MXFP6 with `repack_weights`, and (`mxfp6-repack-sac`, an experiment) that with the activations'
+packer calls recomputed in backward under a selective-checkpointing policy.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -30,7 +32,21 @@ PRECISIONS = {
     "fp8-tensorwise": ("flux12b-fp8-mlperf", {}),
     "mxfp6": ("tiny-mxfp6", {}),
     "mxfp6-repack": ("tiny-mxfp6", {"repack_weights": True}),
+    # An experiment, not a product setting yet: mxfp6-repack with the block under a selective-
+    # checkpointing policy that makes the partitioner recompute the activations' packer calls in
+    # backward (from bf16 tensors it keeps anyway) instead of keeping their Xᵀ.
+    "mxfp6-repack-sac": ("tiny-mxfp6", {"repack_weights": True}),
 }
+
+
+def _recompute_activation_packers(ctx, op, *args, **kwargs):
+    """Selective-checkpointing policy: the packer calls on bf16 activations are recomputed in
+    backward; everything else is left to the partitioner."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op is torch.ops.mxflux.mx_operands.default and args[0].dtype == torch.bfloat16:
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.PREFER_SAVE
 
 
 def saved_by_block(precision: str, kind: str, tokens: int, width: int) -> list[torch.Tensor]:
@@ -54,6 +70,11 @@ def saved_by_block(precision: str, kind: str, tokens: int, width: int) -> list[t
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
+            if precision.endswith("-sac"):
+                from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+                context = functools.partial(create_selective_checkpoint_contexts, _recompute_activation_packers)
+                return checkpoint(block, *inputs, use_reentrant=False, context_fn=context)
             return block(*inputs)
 
     compiled = torch.compile(step)
