@@ -4,13 +4,15 @@
 
 Builds `flux-tiny` blocks (width 128, the flux-12b block's proportions: MLP ratio 4, heads of
 64; 2 samples of 608 tokens, about as many tokens per feature as the flux-12b-width proxy at
-micro-batch 64, so weights and activations weigh as they do there), applies each precision as a recipe would, compiles the block with torch.compile (inductor,
-as training does), runs forward under bf16 autocast and counts every tensor autograd keeps for
-backward (`saved_tensors_hooks`), parameters excluded: the activation memory of a block, in bytes,
-on the same partitioner the GPU uses. Not a GPU peak (no allocator, no workspaces); what it shows
-is which tensors each precision keeps and their sizes, for bf16, torchao FP8 tensorwise, MXFP6
-MXFP6 with `repack_weights`, and (`mxfp6-repack-sac`, an experiment) that with the activations'
-packer calls recomputed in backward under a selective-checkpointing policy.
+micro-batch 64, so weights and activations weigh as they do there), applies each precision as a
+recipe would, compiles the block with torch.compile (inductor, as training does), runs forward
+under bf16 autocast and counts what autograd keeps for backward
+(`mxflux.bench.memory.record_saved_tensors`: each storage once, parameters excluded): the
+activation memory of a block, in bytes, on the same partitioner the GPU uses. Not a GPU peak (no
+allocator, no workspaces); what it shows is which tensors each precision keeps and their sizes,
+for bf16, torchao FP8 tensorwise, MXFP6, MXFP6 with `repack_weights`, and (`mxfp6-repack-sac`,
+an experiment) that with the activations' packer calls recomputed in backward under a
+selective-checkpointing policy.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 
 import torch
 
+from mxflux.bench.memory import SavedTensors, record_saved_tensors
 from mxflux.model import Flux, flux_config, image_ids, text_ids
 from mxflux.nn import apply_precision
 from mxflux.train.config import load_recipe
@@ -49,7 +52,7 @@ def _recompute_activation_packers(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_SAVE
 
 
-def saved_by_block(precision: str, kind: str, tokens: int, width: int) -> list[torch.Tensor]:
+def saved_by_block(precision: str, kind: str, tokens: int, width: int) -> SavedTensors:
     recipe, update = PRECISIONS[precision]
     torch.manual_seed(0)
     cfg = flux_config("flux-tiny", depth=1, depth_single_blocks=1, hidden_size=width, num_heads=width // 64)
@@ -77,21 +80,13 @@ def saved_by_block(precision: str, kind: str, tokens: int, width: int) -> list[t
                 return checkpoint(block, *inputs, use_reentrant=False, context_fn=context)
             return block(*inputs)
 
+    # a fresh compile per block: `step` is one code object, which past dynamo's cache limit would run eagerly
+    torch._dynamo.reset()
     compiled = torch.compile(step)
     compiled()  # compile
-    saved, seen = [], set()
-
-    def pack(t):
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-        if key not in seen:
-            seen.add(key)
-            saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with record_saved_tensors(block) as saved:
         compiled()
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    return [t for t in saved if t.untyped_storage().data_ptr() not in params]
+    return saved
 
 
 def main() -> None:
@@ -112,11 +107,7 @@ def main() -> None:
            "tokens": args.tokens, "blocks": []}
     for kind in blocks:
         for precision in precisions:
-            acts = saved_by_block(precision, kind, args.tokens, args.width)
-            by_dtype: dict[str, int] = {}
-            for t in acts:
-                k = str(t.dtype).replace("torch.", "")
-                by_dtype[k] = by_dtype.get(k, 0) + t.numel() * t.element_size()
+            by_dtype = dict(saved_by_block(precision, kind, args.tokens, args.width).by_dtype)
             total = sum(by_dtype.values())
             res["blocks"].append({"block": kind, "precision": precision, "bytes": total, "by_dtype": by_dtype})
             print(f"{kind:6s} {precision:15s} {total / 1e6:7.3f} MB  " +

@@ -182,16 +182,16 @@ class _FusedMXMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         h, *saved = ctx.saved_tensors
-        x_col, w1_col, act_col, w2_col = (saved[i:i + 3] for i in range(0, 12, 3))
+        x_col, w1_saved, act_col, w2_saved = (saved[i:i + 3] for i in range(0, 12, 3))
         cfg, outside = ctx.cfg, ctx.blocks_outside_window
         w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
         dy = dy.contiguous()
         dy_row, dy_col, db2 = _pack(dy, cfg, outside, colsum=b2_dtype is not None)
-        dact = _gemm(dy_row, _weight_col(w2_col, cfg, outside), cfg, None, dy.dtype)
+        dact = _gemm(dy_row, _weight_col(w2_saved, cfg, outside), cfg, None, dy.dtype)
         dw2 = _gemm(dy_col, _unstash(*act_col), cfg, None, w2_dtype)
         dh_row, dh_col, db1 = _pack(dact, cfg, outside, prologue="gelu_tanh_grad", aux=h,
                                     colsum=b1_dtype is not None)
-        dx = _gemm(dh_row, _weight_col(w1_col, cfg, outside), cfg, None, dy.dtype)
+        dx = _gemm(dh_row, _weight_col(w1_saved, cfg, outside), cfg, None, dy.dtype)
         dw1 = _gemm(dh_col, _unstash(*x_col), cfg, None, w1_dtype)
         db1 = db1.to(b1_dtype) if b1_dtype is not None else None
         db2 = db2.to(b2_dtype) if b2_dtype is not None else None
