@@ -23,9 +23,12 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _wide_rows(r, c, gen):
-    """Groups of 32 rows 2^±12 apart, so that the wgrad operand Xᵀ (blocks of 32 rows) has blocks
-    outside the fold window."""
-    scale = torch.exp2(torch.randint(-12, 12, (-(-r // 32), 1), generator=gen).float()).repeat_interleave(32, 0)[:r]
+    """Groups of 32 rows up to 2^±12 apart, so that the wgrad operand Xᵀ (blocks of 32 rows) has
+    blocks outside the fold window. The first two groups are pinned 2^23 apart (far wider than the
+    window) so that every seed has such blocks; the others are drawn."""
+    exponents = torch.randint(-12, 12, (-(-r // 32), 1), generator=gen)
+    exponents[:2, 0] = torch.tensor([11, -12])
+    scale = torch.exp2(exponents.float()).repeat_interleave(32, 0)[:r]
     return (torch.randn(r, c, generator=gen) * scale).bfloat16()
 
 
