@@ -1,6 +1,6 @@
 """Fast paths of the MX numerics (docs/design.md, "Kernels, backends and the reference"): the
-Triton MX operand packers, the saved-operand compaction kernels and cuBLAS FP8 GEMMs for Hopper, and the compiled CPU packer (numba)
-that the CPU training path uses. Each one is a bit-exact twin of a reference in `mxflux.mx`.
+Triton MX operand packers, the saved-operand compaction kernels and cuBLAS FP8 GEMMs for Hopper, and the compiled CPU packer and
+GEMM dequantization (numba) that the CPU training path uses. Each one is a bit-exact twin of a reference in `mxflux.mx`.
 
 This package imports only `mxflux.mx` (plus torch, triton, numba); `mxflux.ops` picks between
 these and the references. Importing it never needs CUDA or Triton: `mx_operands_cuda` raises a
@@ -10,6 +10,7 @@ clear RuntimeError where it cannot run (check `cuda_kernel_available()` first), 
 
 from .compact_cuda import compact_operand_cuda, expand_operand_cuda
 from .gemm import GEMM_SHAPE_RULES, scaled_gemm_cuda
+from .gemm_cpu import dequantize_operand_cpu, scaled_gemm_cpu
 from .operands_cpu import HAS_NUMBA, cpu_kernel_available, mx_operands_cpu
 from .operands_cuda import cuda_kernel_available, mx_operands_cuda, mx_operands_cuda_counted, prologue_cuda
 from .triton_common import HAS_TRITON
@@ -21,10 +22,12 @@ __all__ = [
     "compact_operand_cuda",
     "cpu_kernel_available",
     "cuda_kernel_available",
+    "dequantize_operand_cpu",
     "expand_operand_cuda",
     "mx_operands_cpu",
     "mx_operands_cuda",
     "mx_operands_cuda_counted",
     "prologue_cuda",
+    "scaled_gemm_cpu",
     "scaled_gemm_cuda",
 ]

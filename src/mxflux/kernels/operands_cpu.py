@@ -20,7 +20,6 @@ from functools import lru_cache
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..mx.constants import MX_BLOCK
 from ..mx.formats import FORMATS, code_table, get_format
@@ -76,12 +75,21 @@ if HAS_NUMBA:
                 dst[g + h + j] = a - c
 
     @njit(cache=True, parallel=True)
-    def _pack_rows(v, group, hadamard, hscale, ebits, mbits, bias, emax, min_normal_bits, sub_mul,
-                   max_code, table, shift, window, out, out_scale, outside):
-        """Quantize every row of fp32 `v` [R, C] along C in blocks of MX_BLOCK and fold it:
+    def _pack_rows(v, bf16_bits, group, hadamard, hscale, ebits, mbits, bias, emax, min_normal_bits, sub_mul,
+                   max_code, table, shift, window, in_window_bytes, out, out_scale, outside):
+        """Quantize every row of `v` [R, C_v] along its columns in blocks of MX_BLOCK and fold it:
         E4M3 bytes into `out` [R, C] (uint8), fp32 group scales into `out_scale` [R, C/group],
-        per-row count of live blocks outside the fold window into `outside` [R]."""
-        R, C = v.shape
+        per-row count of live blocks outside the fold window into `outside` [R].
+        `in_window_bytes` [window + 1, codes]: the E4M3 byte of code q in a block d = e_blk − e_ref
+        binades below its group's reference, for the blocks the fold keeps exact (a table lookup
+        instead of scaling and rounding each element; the others are rounded here).
+
+        `v` is fp32, or (`bf16_bits`) the int16 bits of bf16 values, widened here as they are
+        read, so that no fp32 copy of a bf16 input is made. It may be a strided view (the col
+        orientation reads the transpose of the input in place), and it may be narrower than
+        `out`: columns C_v..C-1 read as zeros (the col orientation's padded rows)."""
+        R, C = out.shape
+        c_valid = v.shape[1]
         nb = C // MX_BLOCK
         bpg = group // MX_BLOCK
         sign_mask = 1 << (ebits + mbits)
@@ -98,7 +106,13 @@ if HAS_NUMBA:
             bad = np.empty(nb, np.bool_)
             for b in range(nb):
                 for i in range(MX_BLOCK):
-                    buf[i] = v[r, b * MX_BLOCK + i]
+                    j = b * MX_BLOCK + i
+                    if j >= c_valid:
+                        buf[i] = 0.0
+                    elif bf16_bits:
+                        bufi[i] = np.int32(v[r, j]) << 16  # a bf16 is the high half of its fp32
+                    else:
+                        buf[i] = v[r, j]
                 if hadamard:
                     _butterflies(buf, nxt, 1)
                     _butterflies(nxt, buf, 2)
@@ -160,6 +174,10 @@ if HAS_NUMBA:
                             out[r, b * MX_BLOCK + i] = _E4M3_NAN
                         continue
                     d = eblk[b] - e_ref
+                    if -window <= d <= 0:  # exact in E4M3: the byte is a function of (code, d)
+                        for i in range(MX_BLOCK):
+                            out[r, b * MX_BLOCK + i] = in_window_bytes[d + window, codes[b * MX_BLOCK + i]]
+                        continue
                     if live[b] and d < -window:
                         n_out += 1
                     m = max(d + shift, -126)
@@ -177,30 +195,53 @@ if HAS_NUMBA:
 def _format_args(name: str) -> tuple:
     """The kernel's per-format arguments, in `_pack_rows`'s order (computed once per format)."""
     f = FORMATS[name]
+    table = code_table(f)
+    # q · 2^(d + shift) is an E4M3 value for every d in [-window, 0] (the fold's window), so any
+    # correct rounding gives its byte: torch's float8 conversion here.
+    in_window = torch.stack([(table * 2.0 ** (d + f.fold_shift)).to(torch.float8_e4m3fn).view(torch.uint8)
+                             for d in range(-f.fold_window, 1)])
     return (f.ebits, f.mbits, f.bias, f.emax, int(np.float32(f.min_normal).view(np.int32)),
-            np.float32(2.0 ** (f.mbits - f.emin)), max_code(f), code_table(f).numpy(), f.fold_shift,
-            f.fold_window)
+            np.float32(2.0 ** (f.mbits - f.emin)), max_code(f), table.numpy(), f.fold_shift,
+            f.fold_window, in_window.numpy())
 
 
-def _fold_rows(v: torch.Tensor, fmt: str, granularity: FoldGranularity, hadamard: bool, poison: bool):
-    """(E4M3 data, fp32 scales, blocks outside the window) of fp32 [R, C] `v` quantized along C."""
+def _kernel_view(v: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """`v` as the kernel reads it, without a copy where possible: the int16 bits of a bf16 tensor
+    (any strides), or fp32 values."""
+    if v.dtype == torch.bfloat16:
+        return v.view(torch.int16).numpy(), True
+    return v.float().numpy(), False
+
+
+def _fold_rows(v: torch.Tensor, fmt: str, granularity: FoldGranularity, hadamard: bool, poison: bool,
+               c: int | None = None):
+    """(E4M3 data, fp32 scales, blocks outside the window) of [R, C_v] `v` quantized along its
+    columns, zero-padded to `c` columns (default C_v). `v` is bf16 or fp32, any strides."""
     f = get_format(fmt)
     if f.fold_shift is None:
         raise ValueError(f"fmt: elements of format {f.name!r} are not exactly representable in E4M3")
     if not isinstance(granularity, FoldGranularity):
         raise ValueError(f"granularity: expected a FoldGranularity, got {granularity!r}")
-    r, c = v.shape
+    r = v.shape[0]
+    c = v.shape[1] if c is None else c
     if c % granularity.row_multiple:
         raise ValueError(f"x: {c} columns do not split into blocks of {MX_BLOCK} and {granularity.value} "
                          f"groups (a multiple of {granularity.row_multiple})")
     group = granularity.group_size(c) if c else MX_BLOCK
-    vn = v.contiguous().numpy()
+    vn, bf16_bits = _kernel_view(v)
     # Poisoned (0xFF: NaN in E4M3 and fp32) for tests: an element the kernel missed fails them.
-    out = np.full((r, c), 0xFF if poison else 0, np.uint8)
-    out_scale = np.full((r, c // group), np.nan if poison else 0.0, np.float32)
-    outside = np.full(r, -(1 << 40) if poison else 0, np.int64)
+    # Otherwise left uninitialised: the kernel writes every element.
+    if poison:
+        out = np.full((r, c), 0xFF, np.uint8)
+        out_scale = np.full((r, c // group), np.nan, np.float32)
+        outside = np.full(r, -(1 << 40), np.int64)
+    else:
+        out, out_scale, outside = np.empty((r, c), np.uint8), np.empty((r, c // group), np.float32), np.empty(r, np.int64)
     if r and c:
-        _pack_rows(vn, group, hadamard, np.float32(HADAMARD_SCALE), *_format_args(f.name), out, out_scale, outside)
+        _pack_rows(vn, bf16_bits, group, hadamard, np.float32(HADAMARD_SCALE), *_format_args(f.name), out,
+                   out_scale, outside)
+    else:
+        outside[:] = 0
     data = torch.from_numpy(out).view(torch.float8_e4m3fn)
     return data, torch.from_numpy(out_scale), torch.tensor(int(outside.sum()), dtype=torch.int64)
 
@@ -226,17 +267,15 @@ def mx_operands_cpu(
     if x.device.type != "cpu":
         raise ValueError(f"x: mx_operands_cpu runs on CPU tensors, got device {x.device}")
     v = apply_prologue(x, prologue, aux)
-    vf = v.float()
     row_data = row_scale = col_data = col_scale = sums = None
     outside = torch.zeros((), dtype=torch.int64)
     if row:
-        row_data, row_scale, n = _fold_rows(vf, fmt, granularity, hadamard, _poison)
+        row_data, row_scale, n = _fold_rows(v, fmt, granularity, hadamard, _poison)
         outside = outside + n
-    if col:
-        rows = vf.shape[0]
-        vt = F.pad(vf, (0, 0, 0, padded_rows(rows, granularity) - rows)).t()
-        col_data, col_scale, n = _fold_rows(vt, fmt, granularity, hadamard, _poison)
+    if col:  # the transpose, read in place, its rows zero-padded by the kernel
+        col_data, col_scale, n = _fold_rows(v.t(), fmt, granularity, hadamard, _poison,
+                                            c=padded_rows(v.shape[0], granularity))
         outside = outside + n
     if colsum:
-        sums = vf.sum(dim=0)
+        sums = v.float().sum(dim=0)
     return MXOperands(row_data, row_scale, col_data, col_scale, sums, outside)

@@ -14,7 +14,7 @@ import torch
 
 from .matmul import true_fp32
 
-__all__ = ["dequantize_operand", "scaled_gemm_reference"]
+__all__ = ["dequantize_operand", "dequantized_gemm", "scaled_gemm_reference"]
 
 
 def dequantize_operand(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -34,8 +34,12 @@ def scaled_gemm_reference(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """out[M, N] = (A ⊙ scale_a)(B ⊙ scale_b)ᵀ + bias in true fp32, rounded once to `out_dtype`."""
-    a = dequantize_operand(a_data, a_scale)
-    b = dequantize_operand(b_data, b_scale)
+    return dequantized_gemm(dequantize_operand(a_data, a_scale), dequantize_operand(b_data, b_scale), bias, out_dtype)
+
+
+def dequantized_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """a · bᵀ + bias for fp32 a [M, K], b [N, K] in true fp32, rounded once to `out_dtype`: the
+    scaled GEMM after dequantization (shared with the CPU kernel, which dequantizes faster)."""
     with true_fp32(a.device.type):
         out = a @ b.t()
     if bias is not None:

@@ -13,8 +13,9 @@ Backends, chosen per call from the input's device:
 
 - CUDA: the Triton packer `mx_operands_cuda`, the cuBLAS GEMMs `scaled_gemm_cuda` and the
   saved-operand compaction kernels `compact_operand_cuda` / `expand_operand_cuda`;
-- CPU: the compiled packer `mx_operands_cpu` (numba; bit-identical), the reference GEMM and the
-  reference compaction (a few torch ops per tensor: no CPU kernel is needed);
+- CPU: the compiled packer `mx_operands_cpu` and the GEMM `scaled_gemm_cpu` (numba
+  dequantization, then the reference's fp32 matmul; both bit-identical), and the reference
+  compaction (a few torch ops per tensor: no CPU kernel is needed);
 - anything else, or numba missing: the pure-PyTorch references of `mxflux.mx`, which are also
   the definitions the kernels are tested against.
 
@@ -29,7 +30,7 @@ import os
 import torch
 
 from ..kernels import (compact_operand_cuda, cpu_kernel_available, expand_operand_cuda, mx_operands_cpu,
-                       mx_operands_cuda_counted, scaled_gemm_cuda)
+                       mx_operands_cuda_counted, scaled_gemm_cpu, scaled_gemm_cuda)
 from ..mx.compact import compact_operand as compact_operand_reference
 from ..mx.compact import compacted_shapes
 from ..mx.compact import expand_operand as expand_operand_reference
@@ -47,6 +48,12 @@ _EMPTY_DTYPE = torch.float32
 def use_kernels(t: torch.Tensor) -> bool:
     """Fast kernels run on CUDA unless the reference is forced."""
     return t.is_cuda and not FORCE_REFERENCE
+
+
+def _cpu_kernels(t: torch.Tensor) -> bool:
+    """The compiled CPU kernels run on CPU tensors where numba is present, unless the reference
+    is forced."""
+    return t.device.type == "cpu" and cpu_kernel_available() and not FORCE_REFERENCE
 
 
 def _empty(device) -> torch.Tensor:
@@ -94,7 +101,7 @@ def _mx_operands(
     else:
         if x.dtype == torch.float32:  # the CUDA kernels round fp32 to bf16 as they read it
             x = x.to(torch.bfloat16)
-        if x.device.type == "cpu" and cpu_kernel_available() and not FORCE_REFERENCE:
+        if _cpu_kernels(x):
             pack = mx_operands_cpu
         else:
             pack = mx_operands_reference
@@ -140,6 +147,8 @@ def _scaled_gemm(
     if use_kernels(a_data):
         return scaled_gemm_cuda(a_data, a_scale, b_data, b_scale, FoldGranularity.from_mx_gemm(granularity),
                                 bias, out_dtype)
+    if _cpu_kernels(a_data):
+        return scaled_gemm_cpu(a_data, a_scale, b_data, b_scale, bias, out_dtype)
     return scaled_gemm_reference(a_data, a_scale, b_data, b_scale, bias, out_dtype)
 
 
