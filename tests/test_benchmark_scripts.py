@@ -87,3 +87,15 @@ def test_saved_bytes_benchmark_counts_what_a_compiled_block_keeps(tmp_path):
     got = {r["precision"]: r for r in json.loads(out.read_text())["blocks"]}
     assert got["mxfp6-repack"]["bytes"] < got["mxfp6"]["bytes"] < got["bf16"]["bytes"]
     assert got["bf16"]["by_dtype"].get("float8_e4m3fn", 0) == 0 < got["mxfp6"]["by_dtype"]["float8_e4m3fn"]
+
+
+def test_cpu_path_benchmark_times_the_kernels_and_a_default_job_step(tmp_path):
+    """benchmarks/cpu_path.py: the numba kernels beside their references, and a tiny-mxfp6 step."""
+    out = tmp_path / "cpu.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_path.py"), "--json", str(out), "--steps", "1",
+                    "--repeats", "1"], check=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, cwd=tmp_path,
+                   timeout=600, capture_output=True)
+    r = json.loads(out.read_text())
+    for name in ("pack_1536x896_row_col", "gemm_1536x128x896"):
+        assert 0 < r["kernels"][name]["numba_ms"] and 0 < r["kernels"][name]["reference_ms"]
+    assert r["train_step"]["recipe"] == "tiny-mxfp6" and r["train_step"]["ms_per_step"] > 0
