@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from mxflux.bench.compare import PROXY_OVERRIDES, PROXY_RECIPE, SETTINGS
 from mxflux.bench.memory import record_saved_tensors
 from mxflux.model import Flux, flux_config, image_ids, text_ids
 from mxflux.nn import MXFP6Linear, apply_precision
@@ -160,3 +161,6 @@ def test_mx_packers_config_takes_the_old_booleans_and_needs_compile():
         load_recipe("tiny-mxfp6", ["model.activation_checkpointing=packers"])
     # the built-in recipes that checkpoint (written as `true`) still load, as full checkpointing
     assert load_recipe("flux12b-mxfp6-mlperf").model.activation_checkpointing == "full"
+    # the benchmark setting is valid on the compiled proxy it runs on
+    proxy = load_recipe(PROXY_RECIPE, [*PROXY_OVERRIDES, *SETTINGS["mxfp6-repack-sac"]])
+    assert proxy.model.activation_checkpointing == "mx_packers" and proxy.precision.repack_weights
