@@ -10,15 +10,17 @@ under bf16 autocast and counts what autograd keeps for backward
 (`mxflux.bench.memory.record_saved_tensors`: each storage once, parameters excluded): the
 activation memory of a block, in bytes, on the same partitioner the GPU uses. Not a GPU peak (no
 allocator, no workspaces); what it shows is which tensors each precision keeps and their sizes,
-for bf16, torchao FP8 tensorwise, MXFP6, MXFP6 with `repack_weights`, and (`mxfp6-repack-sac`,
-an experiment) that with the activations' packer calls recomputed in backward under a
-selective-checkpointing policy.
+for bf16, torchao FP8 tensorwise, MXFP6, MXFP6 with `repack_weights`, and MXFP6 with
+`model.activation_checkpointing: mx_packers` (`-sac`: the block wrapped by
+`mxflux.train.parallelize.checkpoint_block`, as training wraps it), which recomputes the packer
+calls on activations in backward instead of keeping their E4M3 Xᵀ; `-sac-all` applies that policy
+to every activation packer of a single block too (linear2's as well), the choice mx_packers does
+not make, measured here to show why.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -29,31 +31,40 @@ from mxflux.bench.memory import SavedTensors, record_saved_tensors
 from mxflux.model import Flux, flux_config, image_ids, text_ids
 from mxflux.nn import apply_precision
 from mxflux.train.config import load_recipe
+from mxflux.train.parallelize import checkpoint_block
 
+# name: (recipe, changes to its precision block, activation checkpointing of the block)
 PRECISIONS = {
-    "bf16": ("tiny-bf16", {}),
-    "fp8-tensorwise": ("flux12b-fp8-mlperf", {}),
-    "mxfp6": ("tiny-mxfp6", {}),
-    "mxfp6-repack": ("tiny-mxfp6", {"repack_weights": True}),
-    # An experiment, not a product setting yet: mxfp6-repack with the block under a selective-
-    # checkpointing policy that makes the partitioner recompute the activations' packer calls in
-    # backward (from bf16 tensors it keeps anyway) instead of keeping their Xᵀ.
-    "mxfp6-repack-sac": ("tiny-mxfp6", {"repack_weights": True}),
+    "bf16": ("tiny-bf16", {}, None),
+    "fp8-tensorwise": ("flux12b-fp8-mlperf", {}, None),
+    "mxfp6": ("tiny-mxfp6", {}, None),
+    "mxfp6-repack": ("tiny-mxfp6", {"repack_weights": True}, None),
+    "mxfp6-sac": ("tiny-mxfp6", {}, "mx_packers"),
+    "mxfp6-repack-sac": ("tiny-mxfp6", {"repack_weights": True}, "mx_packers"),
+    "mxfp6-repack-sac-all": ("tiny-mxfp6", {"repack_weights": True}, "all-packers"),
+    # the col operands kept in six bits (precision.saved_operands: e2m3), with and without mx_packers
+    "mxfp6-6bit-repack": ("tiny-mxfp6", {"repack_weights": True, "saved_operands": "e2m3"}, None),
+    "mxfp6-6bit-repack-sac": ("tiny-mxfp6", {"repack_weights": True, "saved_operands": "e2m3"}, "mx_packers"),
 }
 
 
-def _recompute_activation_packers(ctx, op, *args, **kwargs):
-    """Selective-checkpointing policy: the packer calls on bf16 activations are recomputed in
-    backward; everything else is left to the partitioner."""
-    from torch.utils.checkpoint import CheckpointPolicy
+def _checkpointed(block, checkpointing: str | None):
+    """The block as training wraps it for `model.activation_checkpointing` (or, "all-packers", with
+    the mx_packers policy on every activation packer call, whatever mx_packers chooses)."""
+    if checkpointing is None:
+        return block
+    if checkpointing == "all-packers":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    if op is torch.ops.mxflux.mx_operands.default and args[0].dtype == torch.bfloat16:
-        return CheckpointPolicy.MUST_RECOMPUTE
-    return CheckpointPolicy.PREFER_SAVE
+        from mxflux.nn.recompute import mark_recomputed, mx_packer_checkpoint_context
+
+        mark_recomputed(block)
+        return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context(None))
+    return checkpoint_block(block, checkpointing)
 
 
 def saved_by_block(precision: str, kind: str, tokens: int, width: int) -> SavedTensors:
-    recipe, update = PRECISIONS[precision]
+    recipe, update, checkpointing = PRECISIONS[precision]
     torch.manual_seed(0)
     cfg = flux_config("flux-tiny", depth=1, depth_single_blocks=1, hidden_size=width, num_heads=width // 64)
     model = Flux(cfg)
@@ -71,13 +82,10 @@ def saved_by_block(precision: str, kind: str, tokens: int, width: int) -> SavedT
         block = model.double_blocks[0]
         inputs = (torch.randn(b, n_img, d, requires_grad=True), torch.randn(b, n_txt, d, requires_grad=True), vec, pe)
 
+    block = _checkpointed(block, checkpointing)
+
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            if precision.endswith("-sac"):
-                from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
-                context = functools.partial(create_selective_checkpoint_contexts, _recompute_activation_packers)
-                return checkpoint(block, *inputs, use_reentrant=False, context_fn=context)
             return block(*inputs)
 
     # a fresh compile per block: `step` is one code object, which past dynamo's cache limit would run eagerly

@@ -48,6 +48,11 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     # mxfp6 keeping no Wᵀ: backward packs it again from the parameter (bit-identical numerics)
     "mxfp6-repack": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
                      'repack_weights: true}',),
+    # mxfp6-repack with the packer calls on activations recomputed in backward instead of keeping
+    # their Xᵀ (`model.activation_checkpointing: mx_packers`; bit-identical numerics; needs
+    # model.compile: true, which --proxy sets). On the CPU a compiled block keeps about FP8's bytes.
+    "mxfp6-repack-sac": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
+                         'repack_weights: true}', "model.activation_checkpointing=mx_packers"),
 }
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 

@@ -50,12 +50,16 @@ class MXConfig(NamedTuple):
     `repack_weights`: forward packs only the weights' row operands and backward packs Wᵀ again
     from the parameter, instead of keeping Wᵀ from forward (one more read of each weight per
     step, 1 B per weight element less kept; docs/design.md, "The three GEMMs and their operands").
+    `recomputed`: forward's packer calls may run again in backward (the module is inside a block
+    under `activation_checkpointing: mx_packers`), so they count into a fresh counter that is
+    added to the module's once (`_forward_counter`).
     """
 
     mx_gemm: str = "rowwise"
     hadamard: bool = True
     saved_operands: str = "e4m3"
     repack_weights: bool = False
+    recomputed: bool = False
 
     @property
     def granularity(self) -> FoldGranularity:
@@ -73,6 +77,25 @@ def _pack(x, cfg: MXConfig, blocks_outside_window, *, row=True, col=True, prolog
     rd, rs, cd, cs, sums = mx_operands(x, aux, blocks_outside_window, row, col, cfg.granularity.value,
                                        cfg.hadamard, prologue, colsum)
     return Operand(rd, rs), Operand(cd, cs), sums
+
+
+def _forward_counter(blocks_outside_window, cfg: MXConfig):
+    """The counter forward's packer calls add their fold-window blocks into: the module's own, or,
+    where those calls may run again in backward (`cfg.recomputed`), a fresh zero one, which
+    forward adds to the module's once after packing (`_add_forward_count`).
+
+    Why: compiled, the partitioner re-runs a recomputed packer call in backward with the same
+    counter argument, and inductor then adds into that tensor in place; were it the module's
+    counter, every block the call finds would be counted twice (measured: exactly twice). Into the
+    fresh counter, the recomputed call's count goes nowhere: the add to the module's counter is an
+    ordinary op, which backward does not need and so does not re-run.
+    """
+    return torch.zeros_like(blocks_outside_window) if cfg.recomputed else blocks_outside_window
+
+
+def _add_forward_count(blocks_outside_window, counter) -> None:
+    if counter is not blocks_outside_window:
+        blocks_outside_window.add_(counter)
 
 
 def _gemm(a: Operand, b: Operand, cfg: MXConfig, bias=None, out_dtype=torch.bfloat16):
@@ -126,8 +149,10 @@ def _weight_col(saved, cfg: MXConfig, blocks_outside_window) -> Operand:
 class _MXLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig):
-        x_row, x_col, _ = _pack(x, cfg, blocks_outside_window, col=weight.requires_grad)
-        w_row, w_saved = _pack_weight(weight, cfg, blocks_outside_window, col=x.requires_grad)
+        counter = _forward_counter(blocks_outside_window, cfg)
+        x_row, x_col, _ = _pack(x, cfg, counter, col=weight.requires_grad)
+        w_row, w_saved = _pack_weight(weight, cfg, counter, col=x.requires_grad)
+        _add_forward_count(blocks_outside_window, counter)
         y = _gemm(x_row, w_row, cfg, _compute(bias, x.dtype), x.dtype)
         ctx.save_for_backward(*_stash(x_col, cfg), *w_saved)
         ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
@@ -168,11 +193,13 @@ class _FusedMXMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig):
-        x_row, x_col, _ = _pack(x, cfg, blocks_outside_window)
-        w1_row, w1_saved = _pack_weight(w1, cfg, blocks_outside_window, col=True)
-        w2_row, w2_saved = _pack_weight(w2, cfg, blocks_outside_window, col=True)
+        counter = _forward_counter(blocks_outside_window, cfg)
+        x_row, x_col, _ = _pack(x, cfg, counter)
+        w1_row, w1_saved = _pack_weight(w1, cfg, counter, col=True)
+        w2_row, w2_saved = _pack_weight(w2, cfg, counter, col=True)
         h = _gemm(x_row, w1_row, cfg, _compute(b1, x.dtype), x.dtype)
-        act_row, act_col, _ = _pack(h, cfg, blocks_outside_window, prologue="gelu_tanh")
+        act_row, act_col, _ = _pack(h, cfg, counter, prologue="gelu_tanh")
+        _add_forward_count(blocks_outside_window, counter)
         y = _gemm(act_row, w2_row, cfg, _compute(b2, x.dtype), x.dtype)
         ctx.save_for_backward(h, *_stash(x_col, cfg), *w1_saved, *_stash(act_col, cfg), *w2_saved)
         ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window

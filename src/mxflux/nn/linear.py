@@ -110,4 +110,6 @@ class MXFP6Linear(nn.Linear):
     def extra_repr(self) -> str:
         saved = "" if self.cfg.saved_operands == "e4m3" else f", saved_operands={self.cfg.saved_operands}"
         repack = ", repack_weights=True" if self.cfg.repack_weights else ""
-        return f"{super().extra_repr()}, mx_gemm={self.cfg.mx_gemm}, hadamard={self.cfg.hadamard}{saved}{repack}"
+        recomputed = ", recomputed=True" if self.cfg.recomputed else ""
+        return (f"{super().extra_repr()}, mx_gemm={self.cfg.mx_gemm}, hadamard={self.cfg.hadamard}{saved}{repack}"
+                f"{recomputed}")

@@ -32,7 +32,15 @@ class ModelSection(_Section):
     # torch.compile's mode for those blocks; "reduce-overhead" replays them as CUDA graphs (fewer
     # host launches and inter-kernel bubbles; not yet measured here, see benchmarks/NOTES.md)
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
-    activation_checkpointing: bool = False  # recompute each block in backward
+    # Activation checkpointing of the transformer blocks (docs/design.md, "The three GEMMs and their
+    # operands"): "none" keeps every block's activations for backward; "full" keeps only each
+    # block's inputs and runs the block's forward again in backward; "mx_packers" (needs
+    # compile: true) keeps what the compiled block keeps except the FP8 column operands Xᵀ of its
+    # MX linears' activations, whose packer calls run again in backward from bf16 tensors kept
+    # anyway (all of a double block's, a single block's linear1 only; mxflux.nn.recompute): with
+    # precision.repack_weights a compiled block then keeps FP8's bytes (benchmarks/RESULTS.md).
+    # The booleans of older recipes still work: true is "full", false "none".
+    activation_checkpointing: Literal["none", "full", "mx_packers"] = "none"
     # Released weights to start from (mxflux.model.load_flux_weights): a BFL .safetensors file, a
     # diffusers transformer/ folder or pipeline folder; None: the MLPerf random initialisation.
     # `mxflux check-config` checks it against this section's FluxConfig from the file headers.
@@ -50,6 +58,24 @@ class ModelSection(_Section):
             self.flux_config()
         except (TypeError, ValueError) as e:
             raise ValueError(f"overrides: {e}") from None
+        return self
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _from_bool(cls, value):
+        # before this field had modes it was a bool (recipes, checkpoints' saved configs, --set ...=true)
+        if isinstance(value, bool):
+            return "full" if value else "none"
+        return value
+
+    @model_validator(mode="after")
+    def _mx_packers_compiled(self) -> "ModelSection":
+        if self.activation_checkpointing == "mx_packers" and not self.compile:
+            # Eager selective checkpointing would save every other op's output and run the packer
+            # calls again with their fold-window count (counted twice); see mxflux.nn.recompute.
+            raise ValueError("activation_checkpointing: mx_packers needs model.compile: true (the "
+                             "selective recompute is the compiled partitioner's); set "
+                             "model.compile=true or use activation_checkpointing: full")
         return self
 
     @field_validator("name")

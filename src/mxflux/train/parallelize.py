@@ -4,8 +4,11 @@ One function, used by `mxflux train`, the `Trainer` and `mxflux bench step` alik
 benchmark times exactly the model a training run trains (docs/design.md, "Distributed
 training"). The order is the one that composes:
 
-1. Activation checkpointing wraps each transformer block (`checkpoint_wrapper`): the block's
-   activations are recomputed in backward instead of kept.
+1. Activation checkpointing wraps each transformer block (`checkpoint_wrapper`): with "full"
+   the block's activations are recomputed in backward instead of kept; with "mx_packers" the
+   block runs under a selective-checkpointing policy by which the compiled partitioner recomputes
+   the MX packer calls on activations instead of keeping their FP8 column operands
+   (`mxflux.nn.recompute`; `mx_packer_widths` says which calls, and why).
 2. torch.compile compiles each (wrapped) block in place (`module.compile`), so the recompute
    runs the compiled code too and the parameter names do not change.
 3. FSDP2 (`fully_shard`) shards each unit of blocks and then the root, or DDP replicates the
@@ -23,10 +26,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..model.layers import DoubleStreamBlock, SingleStreamBlock
+from ..nn.recompute import mark_recomputed, mx_packer_checkpoint_context
 from .config import DistributedSection, RunConfig
 from .distributed import DistContext
 
-__all__ = ["parallelize"]
+__all__ = ["checkpoint_block", "mx_packer_widths", "parallelize"]
 
 
 def parallelize(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> nn.Module:
@@ -34,8 +39,10 @@ def parallelize(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> nn.Module
     `Flux`, changed in place) and return the module to train with: `model` itself, or its DDP
     wrapper."""
     m = cfg.model
-    if m.activation_checkpointing:
-        _checkpoint_blocks(model)
+    if m.activation_checkpointing != "none":
+        for blocks in (model.double_blocks, model.single_blocks):
+            for i, block in enumerate(blocks):
+                blocks[i] = checkpoint_block(block, m.activation_checkpointing)
     if m.compile:
         for block in _blocks(model):
             block.compile(mode=m.compile_mode)
@@ -54,12 +61,38 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return [*model.double_blocks, *model.single_blocks]
 
 
-def _checkpoint_blocks(model: nn.Module) -> None:
+def mx_packer_widths(block: nn.Module) -> frozenset[int] | None:
+    """The input widths (in_features) of the MX linears in `block` whose activation packer calls
+    `activation_checkpointing: mx_packers` recomputes in backward (None: all of them).
+
+    Measured on the CPU's inductor (benchmarks/saved_bytes.py, benchmarks/RESULTS.md): in a double
+    block every input is rebuilt in backward from tensors the block keeps anyway (LayerNorm and
+    modulate from the block's inputs, the attention output, GELU's input), so recomputing all its
+    packers keeps exactly FP8's bytes. A single block's linear2 reads [attention output, GELU(mlp)]
+    concatenated, a tensor built for it alone: recomputing its packer makes the partitioner keep
+    that concatenation in bf16 (2 B per element) instead of its E4M3 Xᵀ (1 B), more than it saves.
+    So in a single block only linear1's input (width hidden_size; linear2's is hidden_size +
+    mlp_hidden_dim) is recomputed.
+    """
+    if isinstance(block, SingleStreamBlock):
+        return frozenset({block.hidden_size})
+    if isinstance(block, DoubleStreamBlock):
+        return None
+    raise TypeError(f"activation_checkpointing=mx_packers: no packer choice for a {type(block).__name__}")
+
+
+def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
+    """`block` wrapped for `model.activation_checkpointing` `mode` ("full" or "mx_packers"), in a
+    non-reentrant `torch.utils.checkpoint` (`checkpoint_wrapper`: the parameter names do not
+    change)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    for blocks in (model.double_blocks, model.single_blocks):
-        for i, block in enumerate(blocks):
-            blocks[i] = checkpoint_wrapper(block)  # non-reentrant torch.utils.checkpoint
+    if mode == "full":
+        return checkpoint_wrapper(block)
+    if mode == "mx_packers":
+        mark_recomputed(block)  # or the recomputed packer calls would count fold-window blocks twice
+        return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context(mx_packer_widths(block)))
+    raise ValueError(f"activation_checkpointing: expected 'full' or 'mx_packers', got {mode!r}")
 
 
 def _fully_shard(model: nn.Module, cfg: DistributedSection, *, param_dtype: torch.dtype) -> None:

@@ -1,0 +1,99 @@
+"""Selective activation checkpointing of the MX packers: recompute the packer calls on activations
+in backward instead of keeping their FP8 column operands (`model.activation_checkpointing:
+mx_packers`; docs/design.md, "The three GEMMs and their operands").
+
+Why. For wgrad an MX linear keeps Xᵀ, the E4M3 column operand of its input (1 B per element).
+torchao's FP8 linears keep no such copy: their casts are ordinary ops, which inductor's
+partitioner recomputes in backward from bf16 tensors the neighbouring ops keep anyway (a
+LayerNorm's input, the attention output, GELU's input). An MX packer is an opaque custom op,
+which the partitioner never recomputes by itself. Marking its calls on activations
+MUST_RECOMPUTE under a selective-checkpointing policy makes the partitioner run them again in
+backward, from what it keeps anyway, and keep no Xᵀ: measured on the CPU's inductor, a compiled
+Flux double block then keeps exactly FP8's bytes (benchmarks/RESULTS.md, "What a compiled block
+keeps"). The price: those packer calls run twice (forward and backward), packing both
+orientations each time.
+
+Where it pays is a property of the model, not of the op: recomputing a packer only helps when
+its bf16 input is kept anyway or can be recomputed cheaply. When the input is built for that
+linear alone (a Flux single block's linear2 reads the attention output concatenated with the
+GELU output), the partitioner keeps that bf16 input (2 B per element) in place of the E4M3 Xᵀ
+(1 B), and the block keeps more. So a policy takes an optional set of input widths (the
+contraction axis K of the linears whose input packers are recomputed); the caller that knows the
+block picks them (`mxflux.train.parallelize`).
+
+Only under torch.compile. The policy is meant for the partitioner, which saves what backward
+needs and no more; eager selective checkpointing instead saves the output of every op the
+policy does not mark for recompute (all of them, here). The policy refuses to run outside
+torch.compile, and the recipe validation says so before a run starts.
+
+The fold-window counters. A packer call adds the blocks it finds outside the fold window to its
+module's `blocks_outside_window` in place. Re-run in backward with the same arguments it would
+add them again (measured under compile: every forward count doubled), so the MX linears of a
+block under this policy are marked (`mark_recomputed`): their forward packer calls count into a
+fresh zero counter that forward then adds to the module's, and a recomputed call's count lands
+in a copy nobody reads (tests/test_nn_recompute.py checks the counts against the block without
+the policy).
+
+What a call's input dtype tells: activations enter the packers in bf16; fp32 master weights
+enter in fp32 and are left alone. Under FSDP2's bf16 parameters the weights' packer calls match
+too (not measured): Wᵀ is then packed again in backward from the parameter, which FSDP gathers
+for backward anyway, as `precision.repack_weights` does.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from ..ops.custom_ops import mx_operands
+
+__all__ = ["MXPackerRecompute", "mark_recomputed", "mx_packer_checkpoint_context"]
+
+
+class MXPackerRecompute:
+    """Selective-checkpointing policy: MUST_RECOMPUTE for the MX packer calls on bf16 tensors
+    (activations) whose width (their last axis, the GEMM's contraction K) is in `widths` (None:
+    any width); PREFER_SAVE for every other op, which to the partitioner is no opinion: it decides
+    for them as it would without a policy (only MUST_SAVE binds it).
+
+    With `precision.saved_operands: e2m3` the column operand of a recomputed call passes through
+    `mxflux::compact_operand` in forward; the partitioner recomputes that call along with the
+    packer's (measured: no codes kept), so it needs no rule here.
+    """
+
+    def __init__(self, widths: Collection[int] | None = None):
+        self.widths = None if widths is None else frozenset(widths)
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if not torch.compiler.is_compiling():
+            raise RuntimeError(
+                "selective recompute of the MX packers runs only under torch.compile (eager it would "
+                "count fold-window blocks twice and save every other op's output); in a recipe: "
+                "model.activation_checkpointing=mx_packers needs model.compile=true")
+        if op is mx_operands.default:
+            x = args[0]
+            if x.dtype == torch.bfloat16 and (self.widths is None or any(x.shape[-1] == w for w in self.widths)):
+                return CheckpointPolicy.MUST_RECOMPUTE
+        return CheckpointPolicy.PREFER_SAVE
+
+
+def mx_packer_checkpoint_context(widths: Collection[int] | None = None):
+    """A `context_fn` for non-reentrant `torch.utils.checkpoint.checkpoint` (or `checkpoint_wrapper`)
+    that recomputes the MX packer calls on activations of these widths (None: all); see
+    `MXPackerRecompute`."""
+    return functools.partial(create_selective_checkpoint_contexts, MXPackerRecompute(widths))
+
+
+def mark_recomputed(module: nn.Module) -> None:
+    """Tell every MX linear in `module` that its forward packer calls may run again in backward,
+    so that they count fold-window blocks into a fresh counter added to the module's once
+    (`MXConfig.recomputed`): without it a recomputed call counts its blocks twice."""
+    from .linear import MXFP6Linear
+
+    for m in module.modules():
+        if isinstance(m, MXFP6Linear):
+            m.cfg = m.cfg._replace(recomputed=True)

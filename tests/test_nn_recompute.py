@@ -1,0 +1,166 @@
+"""`model.activation_checkpointing: mx_packers`: the compiled partitioner recomputes the MX packer
+calls on activations in backward instead of keeping their E4M3 column operands
+(`mxflux.nn.recompute`, `mxflux.train.parallelize.checkpoint_block`).
+
+The packer is deterministic, so outputs, gradients and the fold-window counters must equal those
+of the same compiled block without the policy bit for bit; the counters in particular must not
+count a recomputed call's blocks twice. What autograd keeps must lose exactly the activations'
+column operands: none in a double block, all but linear2's in a single block (docs/design.md,
+"The three GEMMs and their operands"). CPU inductor, tiny shapes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from mxflux.bench.compare import PROXY_OVERRIDES, PROXY_RECIPE, SETTINGS
+from mxflux.bench.memory import record_saved_tensors
+from mxflux.model import Flux, flux_config, image_ids, text_ids
+from mxflux.nn import MXFP6Linear, apply_precision
+from mxflux.nn.recompute import MXPackerRecompute, mx_packer_checkpoint_context
+from mxflux.train.config import RecipeError, load_recipe
+from mxflux.train.parallelize import checkpoint_block
+
+N_TXT, SIDE = 16, 6  # 16 text + 36 image tokens per sample, 2 samples
+
+
+@pytest.fixture(autouse=True)
+def scalar_inductor():
+    """Inductor's C++ without vector code: its cold compile takes about half as long. What these
+    tests check, what the partitioner keeps and recomputes, is decided before code generation, and
+    both sides of every comparison are compiled alike."""
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
+        yield
+    torch._dynamo.reset()
+
+
+def _blocks(kind, gen, **precision):
+    """Two copies of one tiny Flux block of `kind` in MXFP6 (tiny-mxfp6 with `precision` changed):
+    (plain, wrapped for mx_packers), and inputs that put activation blocks outside the fold window."""
+    torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    cfg = flux_config("flux-tiny", depth=1, depth_single_blocks=1)
+    model = Flux(cfg)
+    apply_precision(model, load_recipe("tiny-mxfp6").precision.model_copy(update=precision))
+    block = model.double_blocks[0] if kind == "double" else model.single_blocks[0]
+    b, d = 2, cfg.hidden_size
+    # The modulation scales sample 0's normalized activations by 2^16 and leaves sample 1's about
+    # as they are: the col operands Xᵀ (one fold group per feature, over both samples' tokens)
+    # then have sample 1's blocks outside the fold window, so the counters have something to count.
+    vec = torch.full((b, d), 16.0)
+    vec[1] = -16.0  # silu(-16) ~ -2e-6
+    mods = [block.img_mod, block.txt_mod] if kind == "double" else [block.modulation]
+    with torch.no_grad():
+        for mod in mods:
+            for chunk in range(1, mod.multiplier, 3):  # the scale of (shift, scale, gate)
+                mod.lin.weight[chunk * d:(chunk + 1) * d] = 2.0**16 / (16 * d)
+                mod.lin.bias[chunk * d:(chunk + 1) * d] = 0
+    pe = model.pe_embedder(torch.cat([text_ids(b, N_TXT), image_ids(b, SIDE, SIDE)], 1))
+    if kind == "double":
+        xs = [torch.randn(b, SIDE * SIDE, d, generator=gen), torch.randn(b, N_TXT, d, generator=gen)]
+    else:
+        xs = [torch.randn(b, N_TXT + SIDE * SIDE, d, generator=gen)]
+    return block, checkpoint_block(copy.deepcopy(block), "mx_packers"), xs, vec, pe
+
+
+def _compiled_step(block, xs, vec, pe, gen_seed):
+    """Compile `block` as training does (`module.compile`, autocast outside), run forward while
+    counting what autograd keeps, then backward with a fixed random output gradient."""
+    torch._dynamo.reset()
+    counters.clear()
+    block.compile()
+    xs = [x.clone().requires_grad_() for x in xs]
+    for _ in range(2):  # the first call compiles
+        for m in block.modules():
+            if isinstance(m, MXFP6Linear):
+                m.blocks_outside_window.zero_()
+        with record_saved_tensors(block) as saved, torch.autocast("cpu", dtype=torch.bfloat16):
+            out = block(*xs, vec, pe)
+        outs = out if isinstance(out, tuple) else (out,)
+        g = torch.Generator().manual_seed(gen_seed)
+        for x in xs:
+            x.grad = None
+        block.zero_grad()
+        torch.autograd.backward(outs, [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs])
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])  # one graph
+    counts = [m.blocks_outside_window.clone() for m in block.modules() if isinstance(m, MXFP6Linear)]
+    grads = [p.grad for p in block.parameters()]
+    assert all(g is not None for g in grads)
+    return [*outs, *(x.grad for x in xs), *grads], counts, saved
+
+
+def _col_operand_bytes(linear: MXFP6Linear, rows: int) -> int:
+    """The E4M3 bytes of a col operand of `linear` with `rows` rows (tokens for Xᵀ, out_features
+    for Wᵀ): [in_features, rows padded to whole blocks of 32]."""
+    return linear.in_features * -(-rows // 32) * 32
+
+
+def test_a_compiled_double_block_recomputing_its_packers_is_bit_identical_and_keeps_no_activation_operand(gen):
+    """With the fused MLP (whose GELU-prologue packer call on fc1's output is recomputed too) and
+    repack_weights (no Wᵀ kept): the policy leaves no E4M3 operand at all."""
+    plain, wrapped, xs, vec, pe = _blocks("double", gen, repack_weights=True, fused_mlp="on")
+    assert plain.img_mlp.fused
+    seed = int(torch.randint(2**31, (1,), generator=gen))
+    ref, ref_counts, ref_saved = _compiled_step(plain, xs, vec, pe, seed)
+    got, counts, saved = _compiled_step(wrapped, xs, vec, pe, seed)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), i
+    # counted once: the recomputed calls count into a copy that is dropped, not into the module's
+    assert sum(int(c) for c in ref_counts) > 0
+    assert [int(c) for c in counts] == [int(c) for c in ref_counts]
+    # without the policy the block keeps the activations' Xᵀ; with it no E4M3 at all, and nothing
+    # else in their place: at least those bytes fewer
+    assert ref_saved.by_dtype["float8_e4m3fn"] > 0
+    assert "float8_e4m3fn" not in saved.by_dtype, dict(saved.by_dtype)
+    ref_bytes, got_bytes = sum(ref_saved.by_dtype.values()), sum(saved.by_dtype.values())
+    assert got_bytes <= ref_bytes - ref_saved.by_dtype["float8_e4m3fn"], (ref_bytes, got_bytes)
+
+
+def test_a_compiled_single_block_recomputes_linear1s_packer_and_keeps_linear2s_operand(gen):
+    """Unfused, Wᵀ kept (repack_weights off): what stays in E4M3 is exactly linear2's Xᵀ and the
+    two weights' Wᵀ; linear1's Xᵀ is gone (`mxflux.train.parallelize.mx_packer_widths`)."""
+    plain, wrapped, xs, vec, pe = _blocks("single", gen)
+    seed = int(torch.randint(2**31, (1,), generator=gen))
+    ref, ref_counts, ref_saved = _compiled_step(plain, xs, vec, pe, seed)
+    got, counts, saved = _compiled_step(wrapped, xs, vec, pe, seed)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), i
+    assert sum(int(c) for c in ref_counts) > 0
+    assert [int(c) for c in counts] == [int(c) for c in ref_counts]
+    tokens = xs[0].shape[0] * xs[0].shape[1]
+    linear1, linear2 = plain.linear1, plain.linear2
+    weights = sum(_col_operand_bytes(m, m.out_features) for m in (linear1, linear2))
+    assert ref_saved.by_dtype["float8_e4m3fn"] == weights + _col_operand_bytes(linear1, tokens) + \
+        _col_operand_bytes(linear2, tokens)
+    assert saved.by_dtype["float8_e4m3fn"] == weights + _col_operand_bytes(linear2, tokens)
+    assert sum(saved.by_dtype.values()) < sum(ref_saved.by_dtype.values())
+
+
+def test_the_policy_refuses_eager_mode(gen):
+    """Eager, a recomputed packer call would add its fold-window count a second time."""
+    layer = MXFP6Linear(64, 32)
+    x = torch.randn(40, 64, generator=gen).bfloat16().requires_grad_()
+    with pytest.raises(RuntimeError, match="model.activation_checkpointing=mx_packers needs model.compile"):
+        torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, context_fn=mx_packer_checkpoint_context())
+    assert MXPackerRecompute({64}).widths == frozenset({64})
+
+
+def test_mx_packers_config_takes_the_old_booleans_and_needs_compile():
+    for value, mode in (("true", "full"), ("false", "none"), ("full", "full"), ("none", "none")):
+        assert load_recipe("tiny-mxfp6", [f"model.activation_checkpointing={value}"]).model.activation_checkpointing \
+            == mode
+    cfg = load_recipe("tiny-mxfp6", ["model.activation_checkpointing=mx_packers", "model.compile=true"])
+    assert cfg.model.activation_checkpointing == "mx_packers"
+    with pytest.raises(RecipeError, match="activation_checkpointing: mx_packers needs model.compile: true"):
+        load_recipe("tiny-mxfp6", ["model.activation_checkpointing=mx_packers"])
+    with pytest.raises(RecipeError, match="model.activation_checkpointing: Input should be 'none', 'full' or "
+                                          "'mx_packers'"):
+        load_recipe("tiny-mxfp6", ["model.activation_checkpointing=packers"])
+    # the built-in recipes that checkpoint (written as `true`) still load, as full checkpointing
+    assert load_recipe("flux12b-mxfp6-mlperf").model.activation_checkpointing == "full"
+    # the benchmark setting is valid on the compiled proxy it runs on
+    proxy = load_recipe(PROXY_RECIPE, [*PROXY_OVERRIDES, *SETTINGS["mxfp6-repack-sac"]])
+    assert proxy.model.activation_checkpointing == "mx_packers" and proxy.precision.repack_weights
