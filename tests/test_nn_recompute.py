@@ -38,9 +38,9 @@ def scalar_inductor():
     torch._dynamo.reset()
 
 
-def _blocks(kind, gen, **precision):
+def _blocks(kind, gen, mode="mx_packers", **precision):
     """Two copies of one tiny Flux block of `kind` in MXFP6 (tiny-mxfp6 with `precision` changed):
-    (plain, wrapped for mx_packers), and inputs that put activation blocks outside the fold window."""
+    (plain, wrapped for activation checkpointing `mode`), and inputs that put activation blocks outside the fold window."""
     torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
     cfg = flux_config("flux-tiny", depth=1, depth_single_blocks=1)
     model = Flux(cfg)
@@ -63,7 +63,7 @@ def _blocks(kind, gen, **precision):
         xs = [torch.randn(b, SIDE * SIDE, d, generator=gen), torch.randn(b, N_TXT, d, generator=gen)]
     else:
         xs = [torch.randn(b, N_TXT + SIDE * SIDE, d, generator=gen)]
-    return block, checkpoint_block(copy.deepcopy(block), "mx_packers"), xs, vec, pe
+    return block, checkpoint_block(copy.deepcopy(block), mode), xs, vec, pe
 
 
 def _compiled_step(block, xs, vec, pe, gen_seed):
@@ -137,6 +137,19 @@ def test_a_compiled_single_block_recomputes_linear1s_packer_and_keeps_linear2s_o
         _col_operand_bytes(linear2, tokens)
     assert saved.by_dtype["float8_e4m3fn"] == weights + _col_operand_bytes(linear2, tokens)
     assert sum(saved.by_dtype.values()) < sum(ref_saved.by_dtype.values())
+
+
+def test_a_compiled_fully_checkpointed_block_counts_fold_window_blocks_once(gen):
+    """Full checkpointing re-runs the whole forward in backward, packer calls included: compiled,
+    their fold-window blocks still count once (they doubled before the block was marked)."""
+    plain, wrapped, xs, vec, pe = _blocks("single", gen, "full")
+    seed = int(torch.randint(2**31, (1,), generator=gen))
+    ref, ref_counts, _ = _compiled_step(plain, xs, vec, pe, seed)
+    got, counts, _ = _compiled_step(wrapped, xs, vec, pe, seed)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), i
+    assert sum(int(c) for c in ref_counts) > 0
+    assert [int(c) for c in counts] == [int(c) for c in ref_counts]
 
 
 def test_the_policy_refuses_eager_mode(gen):

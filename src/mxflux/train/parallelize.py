@@ -87,12 +87,14 @@ def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
     change)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    if mode not in ("full", "mx_packers"):
+        raise ValueError(f"activation_checkpointing: expected 'full' or 'mx_packers', got {mode!r}")
+    # Either way forward's packer calls run again in backward; marked, they count their
+    # fold-window blocks once (compiled; an eager "full" recompute re-runs the count too).
+    mark_recomputed(block)
     if mode == "full":
         return checkpoint_wrapper(block)
-    if mode == "mx_packers":
-        mark_recomputed(block)  # or the recomputed packer calls would count fold-window blocks twice
-        return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context(mx_packer_widths(block)))
-    raise ValueError(f"activation_checkpointing: expected 'full' or 'mx_packers', got {mode!r}")
+    return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context(mx_packer_widths(block)))
 
 
 def _fully_shard(model: nn.Module, cfg: DistributedSection, *, param_dtype: torch.dtype) -> None:
