@@ -84,3 +84,10 @@ def test_scaled_gemm_op_runs_the_cpu_kernel_unless_reference_is_forced(gen, monk
     monkeypatch.setattr(custom_ops, "FORCE_REFERENCE", True)  # what MXFLUX_REFERENCE=1 sets at import
     torch.ops.mxflux.scaled_gemm(a_data, a_scale, b_data, b_scale, "rowwise", None, torch.bfloat16)
     assert calls == [1]
+
+
+def test_dequantize_cpu_leaves_the_operand_storages_resizable(gen):
+    data, scale = _random_operand(32, 64, 2, gen)
+    dequantize_operand_cpu(data, scale)
+    data.untyped_storage().resize_(0)
+    scale.untyped_storage().resize_(0)

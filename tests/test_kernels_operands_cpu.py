@@ -121,3 +121,12 @@ def test_pack_cpu_errors_name_the_argument():
         mx_operands_cpu(torch.ones(4, 96), granularity=G.BLOCKWISE)
     with pytest.raises(ValueError, match="granularity: expected a FoldGranularity, got 'row'"):
         mx_operands_cpu(torch.ones(4, 32), granularity="row")
+
+
+def test_pack_cpu_leaves_the_input_storage_resizable(gen):
+    """The kernel reads its input in place, but FSDP2 resizes the storage of the bf16 parameters it
+    all-gathers after the packer has read them: reading must not pin the storage (as
+    `Tensor.numpy()` would: "Trying to resize storage that is not resizable")."""
+    for x in (normal(64, 96, gen), normal(64, 96, gen).float()):
+        mx_operands_cpu(x.t())
+        x.untyped_storage().resize_(0)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..mx.scaled_gemm import dequantized_gemm
-from .operands_cpu import HAS_NUMBA
+from .operands_cpu import HAS_NUMBA, numpy_view
 
 if HAS_NUMBA:
     from numba import njit, prange
@@ -57,7 +57,7 @@ def dequantize_operand_cpu(data: torch.Tensor, scale: torch.Tensor, *, _poison: 
     # Poisoned (NaN) for tests: an element the kernel missed fails them.
     out = np.full((r, k), np.nan, np.float32) if _poison else np.empty((r, k), np.float32)
     if r and k:
-        _dequantize(data.view(torch.uint8).numpy(), scale.float().numpy(), _E4M3_VALUES, out)
+        _dequantize(numpy_view(data.view(torch.uint8)), numpy_view(scale.float()), _E4M3_VALUES, out)
     return torch.from_numpy(out)
 
 

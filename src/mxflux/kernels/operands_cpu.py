@@ -35,7 +35,7 @@ try:  # numba is a declared dependency, but the package must import without it
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     HAS_NUMBA = False
 
-__all__ = ["HAS_NUMBA", "cpu_kernel_available", "mx_operands_cpu"]
+__all__ = ["HAS_NUMBA", "cpu_kernel_available", "mx_operands_cpu", "numpy_view"]
 
 _E4M3 = FORMATS["e4m3"]
 _E4M3_NAN = 0x7F  # the byte torch writes for a (positive) NaN in float8_e4m3fn
@@ -205,12 +205,33 @@ def _format_args(name: str) -> tuple:
             f.fold_window, in_window.numpy())
 
 
+class _Borrowed:
+    """A tensor's memory as numpy sees it, through the array interface (kept alive with it)."""
+
+    def __init__(self, t: torch.Tensor, typestr: str):
+        self.tensor = t
+        self.__array_interface__ = {"version": 3, "shape": tuple(t.shape), "typestr": typestr,
+                                    "data": (t.data_ptr(), False),
+                                    "strides": tuple(s * t.element_size() for s in t.stride())}
+
+
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy array over the memory of CPU tensor `t` (any strides), for a kernel to read.
+
+    Not `t.numpy()`: that marks the tensor's storage as never resizable again, and FSDP2 resizes
+    the storage of the parameters it all-gathers (their bf16 copies are what the packer reads)."""
+    typestr = {torch.int16: "<i2", torch.uint8: "|u1", torch.float32: "<f4"}[t.dtype]
+    if t.numel() == 0:
+        return np.empty(tuple(t.shape), np.dtype(typestr))
+    return np.asarray(_Borrowed(t, typestr))
+
+
 def _kernel_view(v: torch.Tensor) -> tuple[np.ndarray, bool]:
     """`v` as the kernel reads it, without a copy where possible: the int16 bits of a bf16 tensor
     (any strides), or fp32 values."""
     if v.dtype == torch.bfloat16:
-        return v.view(torch.int16).numpy(), True
-    return v.float().numpy(), False
+        return numpy_view(v.view(torch.int16)), True
+    return numpy_view(v.float()), False
 
 
 def _fold_rows(v: torch.Tensor, fmt: str, granularity: FoldGranularity, hadamard: bool, poison: bool,
