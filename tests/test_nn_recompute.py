@@ -29,12 +29,11 @@ N_TXT, SIDE = 16, 6  # 16 text + 36 image tokens per sample, 2 samples
 
 
 @pytest.fixture(autouse=True)
-def scalar_inductor():
-    """Inductor's C++ without vector code: its cold compile takes about half as long. What these
-    tests check, what the partitioner keeps and recomputes, is decided before code generation, and
-    both sides of every comparison are compiled alike."""
-    with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
-        yield
+def fresh_dynamo():
+    """Each test compiles its own blocks; leave no compiled code behind for the next.
+    (Inductor's scalar C++, `cpp.vec_isa_ok: False`, would halve the cold compiles, but with one
+    OpenMP thread torch 2.13 still emits at::vec calls there and the C++ does not compile.)"""
+    yield
     torch._dynamo.reset()
 
 
@@ -92,6 +91,20 @@ def _compiled_step(block, xs, vec, pe, gen_seed):
     return [*outs, *(x.grad for x in xs), *grads], counts, saved
 
 
+def _both_steps(plain, wrapped, xs, vec, pe, gen):
+    """The compiled step of `plain` and of `wrapped` on the same inputs and output gradient: every
+    output and gradient must be bit-identical and the fold-window counts equal (and non-zero, so
+    that the comparison means something). Returns what each kept: (plain's, wrapped's)."""
+    seed = int(torch.randint(2**31, (1,), generator=gen))
+    ref, ref_counts, ref_saved = _compiled_step(plain, xs, vec, pe, seed)
+    got, counts, saved = _compiled_step(wrapped, xs, vec, pe, seed)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b), i
+    assert sum(int(c) for c in ref_counts) > 0
+    assert [int(c) for c in counts] == [int(c) for c in ref_counts]  # counted once
+    return ref_saved, saved
+
+
 def _col_operand_bytes(linear: MXFP6Linear, rows: int) -> int:
     """The E4M3 bytes of a col operand of `linear` with `rows` rows (tokens for Xᵀ, out_features
     for Wᵀ): [in_features, rows padded to whole blocks of 32]."""
@@ -103,14 +116,8 @@ def test_a_compiled_double_block_recomputing_its_packers_is_bit_identical_and_ke
     repack_weights (no Wᵀ kept): the policy leaves no E4M3 operand at all."""
     plain, wrapped, xs, vec, pe = _blocks("double", gen, repack_weights=True, fused_mlp="on")
     assert plain.img_mlp.fused
-    seed = int(torch.randint(2**31, (1,), generator=gen))
-    ref, ref_counts, ref_saved = _compiled_step(plain, xs, vec, pe, seed)
-    got, counts, saved = _compiled_step(wrapped, xs, vec, pe, seed)
-    for i, (a, b) in enumerate(zip(ref, got)):
-        assert torch.equal(a, b), i
     # counted once: the recomputed calls count into a copy that is dropped, not into the module's
-    assert sum(int(c) for c in ref_counts) > 0
-    assert [int(c) for c in counts] == [int(c) for c in ref_counts]
+    ref_saved, saved = _both_steps(plain, wrapped, xs, vec, pe, gen)
     # without the policy the block keeps the activations' Xᵀ; with it no E4M3 at all, and nothing
     # else in their place: at least those bytes fewer
     assert ref_saved.by_dtype["float8_e4m3fn"] > 0
@@ -123,13 +130,7 @@ def test_a_compiled_single_block_recomputes_linear1s_packer_and_keeps_linear2s_o
     """Unfused, Wᵀ kept (repack_weights off): what stays in E4M3 is exactly linear2's Xᵀ and the
     two weights' Wᵀ; linear1's Xᵀ is gone (`mxflux.train.parallelize.mx_packer_widths`)."""
     plain, wrapped, xs, vec, pe = _blocks("single", gen)
-    seed = int(torch.randint(2**31, (1,), generator=gen))
-    ref, ref_counts, ref_saved = _compiled_step(plain, xs, vec, pe, seed)
-    got, counts, saved = _compiled_step(wrapped, xs, vec, pe, seed)
-    for i, (a, b) in enumerate(zip(ref, got)):
-        assert torch.equal(a, b), i
-    assert sum(int(c) for c in ref_counts) > 0
-    assert [int(c) for c in counts] == [int(c) for c in ref_counts]
+    ref_saved, saved = _both_steps(plain, wrapped, xs, vec, pe, gen)
     tokens = xs[0].shape[0] * xs[0].shape[1]
     linear1, linear2 = plain.linear1, plain.linear2
     weights = sum(_col_operand_bytes(m, m.out_features) for m in (linear1, linear2))
@@ -142,14 +143,7 @@ def test_a_compiled_single_block_recomputes_linear1s_packer_and_keeps_linear2s_o
 def test_a_compiled_fully_checkpointed_block_counts_fold_window_blocks_once(gen):
     """Full checkpointing re-runs the whole forward in backward, packer calls included: compiled,
     their fold-window blocks still count once (they doubled before the block was marked)."""
-    plain, wrapped, xs, vec, pe = _blocks("single", gen, "full")
-    seed = int(torch.randint(2**31, (1,), generator=gen))
-    ref, ref_counts, _ = _compiled_step(plain, xs, vec, pe, seed)
-    got, counts, _ = _compiled_step(wrapped, xs, vec, pe, seed)
-    for i, (a, b) in enumerate(zip(ref, got)):
-        assert torch.equal(a, b), i
-    assert sum(int(c) for c in ref_counts) > 0
-    assert [int(c) for c in counts] == [int(c) for c in ref_counts]
+    _both_steps(*_blocks("single", gen, "full"), gen)
 
 
 def test_the_policy_refuses_eager_mode(gen):
