@@ -65,12 +65,14 @@ def _blocks(kind, gen, mode="mx_packers", **precision):
     return block, checkpoint_block(copy.deepcopy(block), mode), xs, vec, pe
 
 
-def _compiled_step(block, xs, vec, pe, gen_seed):
-    """Compile `block` as training does (`module.compile`, autocast outside), run forward while
-    counting what autograd keeps, then backward with a fixed random output gradient."""
+def _compiled_step(block, xs, vec, pe, gen_seed, compile=True):
+    """Compile `block` as training does (`module.compile`, autocast outside; unless `compile` is
+    False), run forward while counting what autograd keeps, then backward with a fixed random
+    output gradient."""
     torch._dynamo.reset()
     counters.clear()
-    block.compile()
+    if compile:
+        block.compile()
     xs = [x.clone().requires_grad_() for x in xs]
     for _ in range(2):  # the first call compiles
         for m in block.modules():
@@ -91,13 +93,13 @@ def _compiled_step(block, xs, vec, pe, gen_seed):
     return [*outs, *(x.grad for x in xs), *grads], counts, saved
 
 
-def _both_steps(plain, wrapped, xs, vec, pe, gen):
+def _both_steps(plain, wrapped, xs, vec, pe, gen, compile=True):
     """The compiled step of `plain` and of `wrapped` on the same inputs and output gradient: every
     output and gradient must be bit-identical and the fold-window counts equal (and non-zero, so
     that the comparison means something). Returns what each kept: (plain's, wrapped's)."""
     seed = int(torch.randint(2**31, (1,), generator=gen))
-    ref, ref_counts, ref_saved = _compiled_step(plain, xs, vec, pe, seed)
-    got, counts, saved = _compiled_step(wrapped, xs, vec, pe, seed)
+    ref, ref_counts, ref_saved = _compiled_step(plain, xs, vec, pe, seed, compile)
+    got, counts, saved = _compiled_step(wrapped, xs, vec, pe, seed, compile)
     for i, (a, b) in enumerate(zip(ref, got)):
         assert torch.equal(a, b), i
     assert sum(int(c) for c in ref_counts) > 0
@@ -140,10 +142,12 @@ def test_a_compiled_single_block_recomputes_linear1s_packer_and_keeps_linear2s_o
     assert sum(saved.by_dtype.values()) < sum(ref_saved.by_dtype.values())
 
 
-def test_a_compiled_fully_checkpointed_block_counts_fold_window_blocks_once(gen):
-    """Full checkpointing re-runs the whole forward in backward, packer calls included: compiled,
-    their fold-window blocks still count once (they doubled before the block was marked)."""
-    _both_steps(*_blocks("single", gen, "full"), gen)
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
+def test_a_fully_checkpointed_block_counts_fold_window_blocks_once(gen, compile):
+    """Full checkpointing re-runs the whole forward in backward, packer calls included: compiled
+    and eager, their fold-window blocks still count once (they doubled before the block was
+    marked)."""
+    _both_steps(*_blocks("single", gen, "full"), gen, compile)
 
 
 def test_the_policy_refuses_eager_mode(gen):

@@ -94,8 +94,14 @@ def _forward_counter(blocks_outside_window, cfg: MXConfig):
 
 
 def _add_forward_count(blocks_outside_window, counter) -> None:
-    if counter is not blocks_outside_window:
-        blocks_outside_window.add_(counter)
+    if counter is blocks_outside_window:
+        return
+    # Eager, full activation checkpointing re-runs forward inside backward (an autograd graph task
+    # is running then, and never in forward): forward has counted these blocks already. Compiled,
+    # this add is an ordinary op that backward does not re-run, and the check is not traced.
+    if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+        return
+    blocks_outside_window.add_(counter)
 
 
 def _gemm(a: Operand, b: Operand, cfg: MXConfig, bias=None, out_dtype=torch.bfloat16):

@@ -90,7 +90,7 @@ def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
     if mode not in ("full", "mx_packers"):
         raise ValueError(f"activation_checkpointing: expected 'full' or 'mx_packers', got {mode!r}")
     # Either way forward's packer calls run again in backward; marked, they count their
-    # fold-window blocks once (compiled; an eager "full" recompute re-runs the count too).
+    # fold-window blocks once (`mxflux.nn.functional._forward_counter`).
     mark_recomputed(block)
     if mode == "full":
         return checkpoint_wrapper(block)
