@@ -16,12 +16,15 @@ import copy
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.checkpoint import CheckpointPolicy
 
 from mxflux.bench.compare import PROXY_OVERRIDES, PROXY_RECIPE, SETTINGS
 from mxflux.bench.memory import record_saved_tensors
 from mxflux.model import Flux, flux_config, image_ids, text_ids
 from mxflux.nn import MXFP6Linear, apply_precision
 from mxflux.nn.recompute import MXPackerRecompute, mx_packer_checkpoint_context
+from mxflux.ops.custom_ops import mx_operands
 from mxflux.train.config import RecipeError, load_recipe
 from mxflux.train.parallelize import checkpoint_block
 
@@ -157,6 +160,13 @@ def test_the_policy_refuses_eager_mode(gen):
     with pytest.raises(RuntimeError, match="model.activation_checkpointing=mx_packers needs model.compile"):
         torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, context_fn=mx_packer_checkpoint_context())
     assert MXPackerRecompute({64}).widths == frozenset({64})
+    # torch 2.11's inductor re-runs the checkpointed region on fake tensors with `is_compiling()`
+    # off (which failed the proxy run on the H200): fake inputs pass, as do other ops
+    policy = MXPackerRecompute()
+    with FakeTensorMode():
+        fake = torch.randn(40, 64).bfloat16()
+    assert policy(None, mx_operands.default, fake) is CheckpointPolicy.MUST_RECOMPUTE
+    assert policy(None, torch.ops.aten.lift_fresh.default, torch.tensor(())) is CheckpointPolicy.PREFER_SAVE
 
 
 def test_mx_packers_config_takes_the_old_booleans_and_needs_compile():

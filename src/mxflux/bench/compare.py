@@ -53,6 +53,9 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     # model.compile: true, which --proxy sets). On the CPU a compiled block keeps about FP8's bytes.
     "mxfp6-repack-sac": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
                          'repack_weights: true}', "model.activation_checkpointing=mx_packers"),
+    # mxfp6-repack-sac with what is still saved (a single block's linear2 Xᵀ) in 6 bits
+    "mxfp6-6bit-repack-sac": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
+                              'repack_weights: true, saved_operands: e2m3}', "model.activation_checkpointing=mx_packers"),
 }
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 
