@@ -182,6 +182,9 @@ def test_mx_packers_config_takes_the_old_booleans_and_needs_compile():
         load_recipe("tiny-mxfp6", ["model.activation_checkpointing=packers"])
     # the built-in recipes that checkpoint (written as `true`) still load, as full checkpointing
     assert load_recipe("flux12b-mxfp6-mlperf").model.activation_checkpointing == "full"
-    # the benchmark setting is valid on the compiled proxy it runs on
-    proxy = load_recipe(PROXY_RECIPE, [*PROXY_OVERRIDES, *SETTINGS["mxfp6-repack-sac"]])
-    assert proxy.model.activation_checkpointing == "mx_packers" and proxy.precision.repack_weights
+    # every benchmark setting is valid on the compiled proxy it runs on
+    for name, overrides in SETTINGS.items():
+        proxy = load_recipe(PROXY_RECIPE, [*PROXY_OVERRIDES, *overrides])
+        assert (proxy.model.activation_checkpointing == "mx_packers") == name.endswith("-sac"), name
+        assert proxy.precision.repack_weights == ("repack" in name), name
+        assert (proxy.precision.saved_operands == "e2m3") == ("6bit" in name), name
