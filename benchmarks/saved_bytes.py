@@ -13,9 +13,10 @@ allocator, no workspaces); what it shows is which tensors each precision keeps a
 for bf16, torchao FP8 tensorwise, MXFP6, MXFP6 with `repack_weights`, and MXFP6 with
 `model.activation_checkpointing: mx_packers` (`-sac`: the block wrapped by
 `mxflux.train.parallelize.checkpoint_block`, as training wraps it), which recomputes the packer
-calls on activations in backward instead of keeping their E4M3 Xᵀ; `-sac-all` applies that policy
-to every activation packer of a single block too (linear2's as well), the choice mx_packers does
-not make, measured here to show why.
+calls on activations in backward instead of keeping their E4M3 Xᵀ (and, in a single block,
+rebuilds linear2's input); `-sac-packers-only` recomputes the packer calls alone, without
+rebuilding any input (`mxflux.train.parallelize.mx_packer_rebuilt_ops` says why that is not
+enough for a single block), measured here to show why.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ PRECISIONS = {
     "mxfp6-repack": ("tiny-mxfp6", {"repack_weights": True}, None),
     "mxfp6-sac": ("tiny-mxfp6", {}, "mx_packers"),
     "mxfp6-repack-sac": ("tiny-mxfp6", {"repack_weights": True}, "mx_packers"),
-    "mxfp6-repack-sac-all": ("tiny-mxfp6", {"repack_weights": True}, "all-packers"),
+    "mxfp6-repack-sac-packers-only": ("tiny-mxfp6", {"repack_weights": True}, "packers-only"),
     # the col operands kept in six bits (precision.saved_operands: e2m3), with and without mx_packers
     "mxfp6-6bit-repack": ("tiny-mxfp6", {"repack_weights": True, "saved_operands": "e2m3"}, None),
     "mxfp6-6bit-repack-sac": ("tiny-mxfp6", {"repack_weights": True, "saved_operands": "e2m3"}, "mx_packers"),
@@ -49,17 +50,17 @@ PRECISIONS = {
 
 
 def _checkpointed(block, checkpointing: str | None):
-    """The block as training wraps it for `model.activation_checkpointing` (or, "all-packers", with
-    the mx_packers policy on every activation packer call, whatever mx_packers chooses)."""
+    """The block as training wraps it for `model.activation_checkpointing` (or, "packers-only",
+    with a policy that recomputes the activation packer calls and rebuilds no input)."""
     if checkpointing is None:
         return block
-    if checkpointing == "all-packers":
+    if checkpointing == "packers-only":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         from mxflux.nn.recompute import mark_recomputed, mx_packer_checkpoint_context
 
         mark_recomputed(block)
-        return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context(None))
+        return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context())
     return checkpoint_block(block, checkpointing)
 
 

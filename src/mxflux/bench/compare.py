@@ -50,12 +50,9 @@ SETTINGS: dict[str, tuple[str, ...]] = {
                      'repack_weights: true}',),
     # mxfp6-repack with the packer calls on activations recomputed in backward instead of keeping
     # their Xᵀ (`model.activation_checkpointing: mx_packers`; bit-identical numerics; needs
-    # model.compile: true, which --proxy sets). On the CPU a compiled block keeps about FP8's bytes.
+    # model.compile: true, which --proxy sets): the proxy's peak below torchao FP8's.
     "mxfp6-repack-sac": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
                          'repack_weights: true}', "model.activation_checkpointing=mx_packers"),
-    # mxfp6-repack-sac with what is still saved (a single block's linear2 Xᵀ) in 6 bits
-    "mxfp6-6bit-repack-sac": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
-                              'repack_weights: true, saved_operands: e2m3}', "model.activation_checkpointing=mx_packers"),
 }
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 

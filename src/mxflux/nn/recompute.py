@@ -14,12 +14,14 @@ keeps"). The price: those packer calls run twice (forward and backward), packing
 orientations each time.
 
 Where it pays is a property of the model, not of the op: recomputing a packer only helps when
-its bf16 input is kept anyway or can be recomputed cheaply. When the input is built for that
-linear alone (a Flux single block's linear2 reads the attention output concatenated with the
-GELU output), the partitioner keeps that bf16 input (2 B per element) in place of the E4M3 Xᵀ
-(1 B), and the block keeps more. So a policy takes an optional set of input widths (the
-contraction axis K of the linears whose input packers are recomputed); the caller that knows the
-block picks them (`mxflux.train.parallelize`).
+its bf16 input is kept anyway or can be rebuilt cheaply from what is. When the input is built for
+that linear alone (a Flux single block's linear2 reads the attention output concatenated with the
+GELU output), recomputing the packer alone makes the partitioner keep that bf16 input (2 B per
+element) in place of the E4M3 Xᵀ (1 B), and the block keeps more. Marking the ops that build it
+(there: the concatenation and GELU) MUST_RECOMPUTE as well makes the partitioner rebuild it in
+backward from the attention output and GELU's input, which backward keeps anyway for attention's
+and GELU's own gradients. So a policy takes the ops to rebuild; the caller that knows the block
+picks them (`mxflux.train.parallelize.mx_packer_rebuilt_ops`).
 
 Only under torch.compile. The policy is meant for the partitioner, which saves what backward
 needs and no more; eager selective checkpointing instead saves the output of every op the
@@ -57,8 +59,8 @@ __all__ = ["MXPackerRecompute", "mark_recomputed", "mx_packer_checkpoint_context
 
 class MXPackerRecompute:
     """Selective-checkpointing policy: MUST_RECOMPUTE for the MX packer calls on bf16 tensors
-    (activations) whose width (their last axis, the GEMM's contraction K) is in `widths` (None:
-    any width); PREFER_SAVE for every other op, which to the partitioner is no opinion: it decides
+    (activations) and for the ops in `rebuilt` (aten overloads that build an MX linear's input for
+    it alone); PREFER_SAVE for every other op, which to the partitioner is no opinion: it decides
     for them as it would without a policy (only MUST_SAVE binds it).
 
     With `precision.saved_operands: e2m3` the column operand of a recomputed call passes through
@@ -66,8 +68,8 @@ class MXPackerRecompute:
     packer's (measured: no codes kept), so it needs no rule here.
     """
 
-    def __init__(self, widths: Collection[int] | None = None):
-        self.widths = None if widths is None else frozenset(widths)
+    def __init__(self, rebuilt: Collection[torch._ops.OpOverload] = ()):
+        self.rebuilt = frozenset(rebuilt)
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if op is mx_operands.default:
@@ -79,17 +81,18 @@ class MXPackerRecompute:
                     "selective recompute of the MX packers runs only under torch.compile (eager it "
                     "would count fold-window blocks twice and save every other op's output); in a "
                     "recipe: model.activation_checkpointing=mx_packers needs model.compile=true")
-            x = args[0]
-            if x.dtype == torch.bfloat16 and (self.widths is None or any(x.shape[-1] == w for w in self.widths)):
+            if args[0].dtype == torch.bfloat16:
                 return CheckpointPolicy.MUST_RECOMPUTE
+        elif op in self.rebuilt:
+            return CheckpointPolicy.MUST_RECOMPUTE
         return CheckpointPolicy.PREFER_SAVE
 
 
-def mx_packer_checkpoint_context(widths: Collection[int] | None = None):
+def mx_packer_checkpoint_context(rebuilt: Collection[torch._ops.OpOverload] = ()):
     """A `context_fn` for non-reentrant `torch.utils.checkpoint.checkpoint` (or `checkpoint_wrapper`)
-    that recomputes the MX packer calls on activations of these widths (None: all); see
+    that recomputes the MX packer calls on activations and the `rebuilt` ops; see
     `MXPackerRecompute`."""
-    return functools.partial(create_selective_checkpoint_contexts, MXPackerRecompute(widths))
+    return functools.partial(create_selective_checkpoint_contexts, MXPackerRecompute(rebuilt))
 
 
 def mark_recomputed(module: nn.Module) -> None:

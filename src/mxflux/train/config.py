@@ -37,8 +37,8 @@ class ModelSection(_Section):
     # block's inputs and runs the block's forward again in backward; "mx_packers" (needs
     # compile: true) keeps what the compiled block keeps except the FP8 column operands Xᵀ of its
     # MX linears' activations, whose packer calls run again in backward from bf16 tensors kept
-    # anyway (all of a double block's, a single block's linear1 only; mxflux.nn.recompute): with
-    # precision.repack_weights a compiled block then keeps FP8's bytes (benchmarks/RESULTS.md).
+    # anyway (a single block's linear2 input is rebuilt for it; mxflux.nn.recompute): with
+    # precision.repack_weights the H200 proxy's peak is below FP8's (benchmarks/RESULTS.md).
     # The booleans of older recipes still work: true is "full", false "none".
     activation_checkpointing: Literal["none", "full", "mx_packers"] = "none"
     # Released weights to start from (mxflux.model.load_flux_weights): a BFL .safetensors file, a

@@ -8,7 +8,7 @@ training"). The order is the one that composes:
    the block's activations are recomputed in backward instead of kept; with "mx_packers" the
    block runs under a selective-checkpointing policy by which the compiled partitioner recomputes
    the MX packer calls on activations instead of keeping their FP8 column operands
-   (`mxflux.nn.recompute`; `mx_packer_widths` says which calls, and why).
+   (`mxflux.nn.recompute`; `mx_packer_rebuilt_ops` says what else, and why).
 2. torch.compile compiles each (wrapped) block in place (`module.compile`), so the recompute
    runs the compiled code too and the parameter names do not change.
 3. FSDP2 (`fully_shard`) shards each unit of blocks and then the root, or DDP replicates the
@@ -31,7 +31,7 @@ from ..nn.recompute import mark_recomputed, mx_packer_checkpoint_context
 from .config import DistributedSection, RunConfig
 from .distributed import DistContext
 
-__all__ = ["checkpoint_block", "mx_packer_widths", "parallelize"]
+__all__ = ["checkpoint_block", "mx_packer_rebuilt_ops", "parallelize"]
 
 
 def parallelize(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> nn.Module:
@@ -61,24 +61,25 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return [*model.double_blocks, *model.single_blocks]
 
 
-def mx_packer_widths(block: nn.Module) -> frozenset[int] | None:
-    """The input widths (in_features) of the MX linears in `block` whose activation packer calls
-    `activation_checkpointing: mx_packers` recomputes in backward (None: all of them).
+def mx_packer_rebuilt_ops(block: nn.Module) -> tuple[torch._ops.OpOverload, ...]:
+    """The ops of `block` that `activation_checkpointing: mx_packers` rebuilds in backward along
+    with the packer calls on its activations: those that build an MX linear's input for it alone.
 
     Measured on the CPU's inductor (benchmarks/saved_bytes.py, benchmarks/RESULTS.md): in a double
-    block every input is rebuilt in backward from tensors the block keeps anyway (LayerNorm and
-    modulate from the block's inputs, the attention output, GELU's input), so recomputing all its
-    packers keeps exactly FP8's bytes. A single block's linear2 reads [attention output, GELU(mlp)]
-    concatenated, a tensor built for it alone: recomputing its packer makes the partitioner keep
-    that concatenation in bf16 (2 B per element) instead of its E4M3 Xᵀ (1 B), more than it saves.
-    So in a single block only linear1's input (width hidden_size; linear2's is hidden_size +
-    mlp_hidden_dim) is recomputed.
+    block every MX input is rebuilt in backward from tensors the block keeps anyway (LayerNorm and
+    modulate from the block's inputs, GELU from its input), so recomputing the packers alone keeps
+    exactly FP8's bytes. A single block's linear2 reads [attention output, GELU(mlp)]
+    concatenated, a tensor built for it alone: recomputing its packer alone made the partitioner
+    keep that concatenation in bf16 (2 B per element) instead of its E4M3 Xᵀ (1 B), more than it
+    saved. Rebuilding the concatenation and GELU too, from the attention output and GELU's input
+    (both kept for their own backward), the single block keeps no activation operand at all: less
+    than FP8, which keeps linear2's E4M3 input.
     """
     if isinstance(block, SingleStreamBlock):
-        return frozenset({block.hidden_size})
+        return (torch.ops.aten.cat.default, torch.ops.aten.gelu.default)
     if isinstance(block, DoubleStreamBlock):
-        return None
-    raise TypeError(f"activation_checkpointing=mx_packers: no packer choice for a {type(block).__name__}")
+        return ()
+    raise TypeError(f"activation_checkpointing=mx_packers: no recompute choice for a {type(block).__name__}")
 
 
 def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
@@ -94,7 +95,7 @@ def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
     mark_recomputed(block)
     if mode == "full":
         return checkpoint_wrapper(block)
-    return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context(mx_packer_widths(block)))
+    return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context(mx_packer_rebuilt_ops(block)))
 
 
 def _fully_shard(model: nn.Module, cfg: DistributedSection, *, param_dtype: torch.dtype) -> None:
