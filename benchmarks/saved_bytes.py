@@ -46,6 +46,10 @@ PRECISIONS = {
     # the col operands kept in six bits (precision.saved_operands: e2m3), with and without mx_packers
     "mxfp6-6bit-repack": ("tiny-mxfp6", {"repack_weights": True, "saved_operands": "e2m3"}, None),
     "mxfp6-6bit-repack-sac": ("tiny-mxfp6", {"repack_weights": True, "saved_operands": "e2m3"}, "mx_packers"),
+    # only GEMM and attention outputs kept (activation_checkpointing: elementwise), in each precision
+    "bf16-elementwise": ("tiny-bf16", {}, "elementwise"),
+    "fp8-tensorwise-elementwise": ("flux12b-fp8-mlperf", {}, "elementwise"),
+    "mxfp6-repack-elementwise": ("tiny-mxfp6", {"repack_weights": True}, "elementwise"),
 }
 
 

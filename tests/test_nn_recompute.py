@@ -148,6 +148,24 @@ def test_a_compiled_single_block_rebuilds_linear2s_input_and_keeps_no_activation
     assert sum(saved.by_dtype.values()) <= sum(ref_saved.by_dtype.values()) - activations
 
 
+@pytest.mark.parametrize("kind", ["double", "single"])
+def test_elementwise_recompute_keeps_only_gemm_and_attention_outputs(gen, kind):
+    """`activation_checkpointing: elementwise` (repack_weights on, so no Wᵀ either): outputs,
+    gradients and counts bit-identical to the plain compiled block; no E4M3 kept, and fewer bf16
+    bytes than `mx_packers` keeps (which keeps the norms', RoPE's and the gates' tensors too):
+    at most the GEMM outputs, attention's output and the block inputs."""
+    plain, wrapped, xs, vec, pe = _blocks(kind, gen, "elementwise", repack_weights=True)
+    _, saved = _both_steps(plain, wrapped, xs, vec, pe, gen)
+    _, packers_saved = _both_steps(*_blocks(kind, gen, "mx_packers", repack_weights=True), gen)
+    assert "float8_e4m3fn" not in saved.by_dtype, dict(saved.by_dtype)
+    assert saved.by_dtype["bfloat16"] < packers_saved.by_dtype["bfloat16"], \
+        (dict(saved.by_dtype), dict(packers_saved.by_dtype))
+    # the GEMM outputs (bf16) per token: double qkv 3 + proj 1 + fc1 4 + fc2 1 per stream; single
+    # linear1 3 + 4 and linear2 1; plus attention's output and the block's input(s), 1 each
+    tokens, d = xs[0].shape[0] * sum(x.shape[1] for x in xs), plain.hidden_size
+    assert saved.by_dtype["bfloat16"] <= tokens * d * 2 * (11 if kind == "double" else 10), dict(saved.by_dtype)
+
+
 @pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
 def test_a_fully_checkpointed_block_counts_fold_window_blocks_once(gen, compile):
     """Full checkpointing re-runs the whole forward in backward, packer calls included: compiled
@@ -180,14 +198,17 @@ def test_mx_packers_config_takes_the_old_booleans_and_needs_compile():
     assert cfg.model.activation_checkpointing == "mx_packers"
     with pytest.raises(RecipeError, match="activation_checkpointing: mx_packers needs model.compile: true"):
         load_recipe("tiny-mxfp6", ["model.activation_checkpointing=mx_packers"])
-    with pytest.raises(RecipeError, match="model.activation_checkpointing: Input should be 'none', 'full' or "
-                                          "'mx_packers'"):
+    with pytest.raises(RecipeError, match="activation_checkpointing: elementwise needs model.compile: true"):
+        load_recipe("tiny-mxfp6", ["model.activation_checkpointing=elementwise"])
+    with pytest.raises(RecipeError, match="model.activation_checkpointing: Input should be 'none', 'full', "
+                                          "'mx_packers' or 'elementwise'"):
         load_recipe("tiny-mxfp6", ["model.activation_checkpointing=packers"])
     # the built-in recipes that checkpoint (written as `true`) still load, as full checkpointing
     assert load_recipe("flux12b-mxfp6-mlperf").model.activation_checkpointing == "full"
     # every benchmark setting is valid on the compiled proxy it runs on
     for name, overrides in SETTINGS.items():
         proxy = load_recipe(PROXY_RECIPE, [*PROXY_OVERRIDES, *overrides])
-        assert (proxy.model.activation_checkpointing == "mx_packers") == name.endswith("-sac"), name
+        assert proxy.model.activation_checkpointing == ("mx_packers" if name.endswith("-sac") else "elementwise"
+                                                        if name.endswith("-elementwise") else "none"), name
         assert proxy.precision.repack_weights == ("repack" in name), name
         assert (proxy.precision.saved_operands == "e2m3") == ("6bit" in name), name

@@ -53,6 +53,13 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     # model.compile: true, which --proxy sets): the proxy's peak below torchao FP8's.
     "mxfp6-repack-sac": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
                          'repack_weights: true}', "model.activation_checkpointing=mx_packers"),
+    # keeping only GEMM and attention outputs (`model.activation_checkpointing: elementwise`: the
+    # norms, RoPE, GELU, gates and packers recomputed in backward), in each precision
+    "mxfp6-repack-elementwise": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
+                                 'repack_weights: true}', "model.activation_checkpointing=elementwise"),
+    "bf16-elementwise": ("precision={}", "model.activation_checkpointing=elementwise"),
+    "fp8-tensorwise-elementwise": ("precision={fp8: hybrid}", "precision.fp8_scaling=tensorwise",
+                                   "model.activation_checkpointing=elementwise"),
 }
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 

@@ -23,6 +23,13 @@ backward from the attention output and GELU's input, which backward keeps anyway
 and GELU's own gradients. So a policy takes the ops to rebuild; the caller that knows the block
 picks them (`mxflux.train.parallelize.mx_packer_rebuilt_ops`).
 
+The `elementwise` mode goes further, in any precision: it keeps only what costs FLOPs to make,
+the outputs of the GEMMs (the MX and FP8 scaled GEMMs, bf16 matmuls) and of attention, and
+marks every other op MUST_RECOMPUTE: norms, modulation, RoPE, QK-norm, GELU, the gates and the
+residual adds, as well as the packer calls. Those are memory-bound ops over tensors backward
+reads anyway, so recomputing them costs bandwidth, not GEMM time. In-place and random ops are
+never recomputed (a mutation would happen twice, a random op would differ).
+
 Only under torch.compile. The policy is meant for the partitioner, which saves what backward
 needs and no more; eager selective checkpointing instead saves the output of every op the
 policy does not mark for recompute (all of them, here). The policy refuses to run outside
@@ -52,24 +59,37 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..ops.custom_ops import mx_operands
+from ..ops.custom_ops import mx_operands, scaled_gemm
 
 __all__ = ["MXPackerRecompute", "mark_recomputed", "mx_packer_checkpoint_context"]
+
+_aten = torch.ops.aten
+# What the `elementwise` mode keeps: the outputs of the ops that cost FLOPs. (The attention
+# overloads differ by backend and torch version; those a build lacks are skipped.)
+_GEMM_AND_ATTENTION = frozenset(
+    getattr(getattr(_aten, name), "default")
+    for name in ("mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+                 "_efficient_attention_forward")
+    if hasattr(_aten, name)) | {scaled_gemm.default}
 
 
 class MXPackerRecompute:
     """Selective-checkpointing policy: MUST_RECOMPUTE for the MX packer calls on bf16 tensors
     (activations) and for the ops in `rebuilt` (aten overloads that build an MX linear's input for
-    it alone); PREFER_SAVE for every other op, which to the partitioner is no opinion: it decides
-    for them as it would without a policy (only MUST_SAVE binds it).
+    it alone), and with `elementwise` for every op but the GEMMs and attention (and in-place or
+    random ops); PREFER_SAVE for every other op, which to the partitioner is no opinion: it
+    decides for them as it would without a policy (only MUST_SAVE binds it).
 
     With `precision.saved_operands: e2m3` the column operand of a recomputed call passes through
     `mxflux::compact_operand` in forward; the partitioner recomputes that call along with the
     packer's (measured: no codes kept), so it needs no rule here.
     """
 
-    def __init__(self, rebuilt: Collection[torch._ops.OpOverload] = ()):
+    def __init__(self, rebuilt: Collection[torch._ops.OpOverload] = (), *, elementwise: bool = False):
         self.rebuilt = frozenset(rebuilt)
+        self.elementwise = elementwise
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if op is mx_operands.default:
@@ -83,16 +103,18 @@ class MXPackerRecompute:
                     "recipe: model.activation_checkpointing=mx_packers needs model.compile=true")
             if args[0].dtype == torch.bfloat16:
                 return CheckpointPolicy.MUST_RECOMPUTE
-        elif op in self.rebuilt:
+        elif op in self.rebuilt or (self.elementwise and op not in _GEMM_AND_ATTENTION and not op._schema.is_mutable
+                                    and torch.Tag.nondeterministic_seeded not in op.tags):
             return CheckpointPolicy.MUST_RECOMPUTE
         return CheckpointPolicy.PREFER_SAVE
 
 
-def mx_packer_checkpoint_context(rebuilt: Collection[torch._ops.OpOverload] = ()):
+def mx_packer_checkpoint_context(rebuilt: Collection[torch._ops.OpOverload] = (), *, elementwise: bool = False):
     """A `context_fn` for non-reentrant `torch.utils.checkpoint.checkpoint` (or `checkpoint_wrapper`)
-    that recomputes the MX packer calls on activations and the `rebuilt` ops; see
-    `MXPackerRecompute`."""
-    return functools.partial(create_selective_checkpoint_contexts, MXPackerRecompute(rebuilt))
+    that recomputes the MX packer calls on activations and the `rebuilt` ops (with `elementwise`,
+    every op but the GEMMs and attention); see `MXPackerRecompute`."""
+    return functools.partial(create_selective_checkpoint_contexts,
+                             MXPackerRecompute(rebuilt, elementwise=elementwise))
 
 
 def mark_recomputed(module: nn.Module) -> None:

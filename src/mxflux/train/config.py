@@ -38,9 +38,12 @@ class ModelSection(_Section):
     # compile: true) keeps what the compiled block keeps except the FP8 column operands Xᵀ of its
     # MX linears' activations, whose packer calls run again in backward from bf16 tensors kept
     # anyway (a single block's linear2 input is rebuilt for it; mxflux.nn.recompute): with
-    # precision.repack_weights the H200 proxy's peak is below FP8's (benchmarks/RESULTS.md).
+    # precision.repack_weights the H200 proxy's peak is below FP8's (benchmarks/RESULTS.md);
+    # "elementwise" (needs compile: true) keeps only the outputs of the GEMMs and of attention
+    # and recomputes everything else in backward, the MX packer calls, norms, RoPE, GELU and the
+    # gates included: less memory than mx_packers, in any precision, for more recompute.
     # The booleans of older recipes still work: true is "full", false "none".
-    activation_checkpointing: Literal["none", "full", "mx_packers"] = "none"
+    activation_checkpointing: Literal["none", "full", "mx_packers", "elementwise"] = "none"
     # Released weights to start from (mxflux.model.load_flux_weights): a BFL .safetensors file, a
     # diffusers transformer/ folder or pipeline folder; None: the MLPerf random initialisation.
     # `mxflux check-config` checks it against this section's FluxConfig from the file headers.
@@ -69,11 +72,12 @@ class ModelSection(_Section):
         return value
 
     @model_validator(mode="after")
-    def _mx_packers_compiled(self) -> "ModelSection":
-        if self.activation_checkpointing == "mx_packers" and not self.compile:
+    def _selective_compiled(self) -> "ModelSection":
+        mode = self.activation_checkpointing
+        if mode in ("mx_packers", "elementwise") and not self.compile:
             # Eager selective checkpointing would save every other op's output and run the packer
             # calls again with their fold-window count (counted twice); see mxflux.nn.recompute.
-            raise ValueError("activation_checkpointing: mx_packers needs model.compile: true (the "
+            raise ValueError(f"activation_checkpointing: {mode} needs model.compile: true (the "
                              "selective recompute is the compiled partitioner's); set "
                              "model.compile=true or use activation_checkpointing: full")
         return self

@@ -83,19 +83,20 @@ def mx_packer_rebuilt_ops(block: nn.Module) -> tuple[torch._ops.OpOverload, ...]
 
 
 def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
-    """`block` wrapped for `model.activation_checkpointing` `mode` ("full" or "mx_packers"), in a
-    non-reentrant `torch.utils.checkpoint` (`checkpoint_wrapper`: the parameter names do not
-    change)."""
+    """`block` wrapped for `model.activation_checkpointing` `mode` ("full", "mx_packers" or
+    "elementwise"), in a non-reentrant `torch.utils.checkpoint` (`checkpoint_wrapper`: the
+    parameter names do not change)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    if mode not in ("full", "mx_packers"):
-        raise ValueError(f"activation_checkpointing: expected 'full' or 'mx_packers', got {mode!r}")
-    # Either way forward's packer calls run again in backward; marked, they count their
+    if mode not in ("full", "mx_packers", "elementwise"):
+        raise ValueError(f"activation_checkpointing: expected 'full', 'mx_packers' or 'elementwise', got {mode!r}")
+    # In every mode forward's packer calls run again in backward; marked, they count their
     # fold-window blocks once (`mxflux.nn.functional._forward_counter`).
     mark_recomputed(block)
     if mode == "full":
         return checkpoint_wrapper(block)
-    return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context(mx_packer_rebuilt_ops(block)))
+    return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context(
+        mx_packer_rebuilt_ops(block), elementwise=mode == "elementwise"))
 
 
 def _fully_shard(model: nn.Module, cfg: DistributedSection, *, param_dtype: torch.dtype) -> None:
