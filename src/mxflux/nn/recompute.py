@@ -100,7 +100,8 @@ class MXPackerRecompute:
                 raise RuntimeError(
                     "selective recompute of the MX packers runs only under torch.compile (eager it "
                     "would count fold-window blocks twice and save every other op's output); in a "
-                    "recipe: model.activation_checkpointing=mx_packers needs model.compile=true")
+                    "recipe: model.activation_checkpointing=mx_packers or elementwise needs "
+                    "model.compile=true")
             if args[0].dtype == torch.bfloat16:
                 return CheckpointPolicy.MUST_RECOMPUTE
         elif op in self.rebuilt or (self.elementwise and op not in _GEMM_AND_ATTENTION and not op._schema.is_mutable

@@ -8,7 +8,8 @@ training"). The order is the one that composes:
    the block's activations are recomputed in backward instead of kept; with "mx_packers" the
    block runs under a selective-checkpointing policy by which the compiled partitioner recomputes
    the MX packer calls on activations instead of keeping their FP8 column operands
-   (`mxflux.nn.recompute`; `mx_packer_rebuilt_ops` says what else, and why).
+   (`mxflux.nn.recompute`; `mx_packer_rebuilt_ops` says what else, and why); with "elementwise"
+   the policy recomputes every op but the GEMMs and attention.
 2. torch.compile compiles each (wrapped) block in place (`module.compile`), so the recompute
    runs the compiled code too and the parameter names do not change.
 3. FSDP2 (`fully_shard`) shards each unit of blocks and then the root, or DDP replicates the
