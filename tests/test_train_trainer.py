@@ -273,24 +273,25 @@ def test_activation_checkpointing_gives_the_same_step(demo_root, tmp_path):
     assert torch.equal(grads[0], grads[1])  # weights after one AdamW step: recompute is exact
 
 
-def test_mx_packer_checkpointing_gives_the_same_compiled_step(demo_root, tmp_path):
-    """`model.activation_checkpointing: mx_packers` through the Trainer (compiled blocks; the
-    unfused MLP, as the benchmark settings run it): the same loss, weights and fold-window count
-    as the compiled model without it, and fewer FP8 operands kept for backward
+@pytest.mark.parametrize("mode", ["mx_packers", "elementwise"])
+def test_selective_checkpointing_gives_the_same_compiled_step(demo_root, tmp_path, mode):
+    """`model.activation_checkpointing: mx_packers` or `elementwise` through the Trainer (compiled
+    blocks; the unfused MLP, as the benchmark settings run it): the same loss, weights and
+    fold-window count as the compiled model without it, and fewer FP8 operands kept for backward
     (tests/test_nn_recompute.py checks the blocks in detail)."""
     from mxflux.bench.memory import record_saved_tensors
 
     results = []
-    for ac in ("none", "mx_packers"):
+    for ac in ("none", mode):
         torch._dynamo.reset()
         tr = make_trainer(demo_root, tmp_path / ac, f"model.activation_checkpointing={ac}", "model.compile=true",
                           "model.overrides={depth: 1, depth_single_blocks: 1}", 'precision.fused_mlp="off"')
-        assert all(m.cfg.recomputed == (ac == "mx_packers") for m in tr.mx_modules())
+        assert all(m.cfg.recomputed == (ac == mode) for m in tr.mx_modules())
         b = tr.batches()
         with record_saved_tensors(tr.model) as saved:
             loss = tr.train_step([next(b) for _ in range(2)]).read()["loss"]
         weights = torch.cat([p.detach().flatten() for p in tr.model.parameters()])
-        results.append((loss, weights, tr.blocks_outside_window(), saved.by_dtype["float8_e4m3fn"]))
+        results.append((loss, weights, tr.blocks_outside_window(), saved.by_dtype.get("float8_e4m3fn", 0)))
     torch._dynamo.reset()
     (loss0, w0, n0, fp8_0), (loss1, w1, n1, fp8_1) = results
     assert loss0 == loss1
