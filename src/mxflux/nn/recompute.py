@@ -1,6 +1,7 @@
 """Selective activation checkpointing of the MX packers: recompute the packer calls on activations
 in backward instead of keeping their FP8 column operands (`model.activation_checkpointing:
-mx_packers`; docs/design.md, "The three GEMMs and their operands").
+mx_packers`), or everything but the GEMMs and attention (`elementwise`); docs/design.md, "The
+three GEMMs and their operands".
 
 Why. For wgrad an MX linear keeps Xᵀ, the E4M3 column operand of its input (1 B per element).
 torchao's FP8 linears keep no such copy: their casts are ordinary ops, which inductor's
@@ -32,8 +33,8 @@ never recomputed (a mutation would happen twice, a random op would differ).
 
 Only under torch.compile. The policy is meant for the partitioner, which saves what backward
 needs and no more; eager selective checkpointing instead saves the output of every op the
-policy does not mark for recompute (all of them, here). The policy refuses to run outside
-torch.compile, and the recipe validation says so before a run starts.
+policy does not mark for recompute. The policy refuses packer calls on real (eager) tensors, and
+the recipe validation refuses both modes without compile before a run starts.
 
 The fold-window counters. A packer call adds the blocks it finds outside the fold window to its
 module's `blocks_outside_window` in place. Re-run in backward with the same arguments it would
