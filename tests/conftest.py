@@ -1,4 +1,5 @@
-"""Shared fixtures: fresh random inputs every run, with the seed printed so a failure can be replayed."""
+"""Shared fixtures: fresh random inputs every run, with the seed printed so a failure can be replayed;
+a call counter for dispatch tests."""
 
 from __future__ import annotations
 
@@ -14,3 +15,21 @@ def gen(request) -> torch.Generator:
     seed = int(os.environ.get("MXFLUX_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
     print(f"[{request.node.name}] MXFLUX_TEST_SEED={seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def count_calls(monkeypatch):
+    """`count_calls(module, name)` replaces `module.name` by a wrapper that still calls it and
+    appends 1 to the returned list per call: which kernel a dispatcher picked."""
+
+    def spy(module, name: str) -> list[int]:
+        calls, real = [], getattr(module, name)
+
+        def counting(*args, **kw):
+            calls.append(1)
+            return real(*args, **kw)
+
+        monkeypatch.setattr(module, name, counting)
+        return calls
+
+    return spy

@@ -67,14 +67,8 @@ def test_scaled_gemm_cpu_matches_reference_on_packed_operands(granularity, out_d
         assert bool(got.isfinite().any())
 
 
-def test_scaled_gemm_op_runs_the_cpu_kernel_unless_reference_is_forced(gen, monkeypatch):
-    calls = []
-
-    def counting(*args, **kw):
-        calls.append(1)
-        return scaled_gemm_cpu(*args, **kw)
-
-    monkeypatch.setattr(custom_ops, "scaled_gemm_cpu", counting)
+def test_scaled_gemm_op_runs_the_cpu_kernel_unless_reference_is_forced(gen, monkeypatch, count_calls):
+    calls = count_calls(custom_ops, "scaled_gemm_cpu")
     a_data, a_scale = _random_operand(64, 128, 1, gen)
     b_data, b_scale = _random_operand(32, 128, 1, gen)
     want = scaled_gemm_reference(a_data, a_scale, b_data, b_scale, None, torch.bfloat16)

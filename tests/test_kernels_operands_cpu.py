@@ -67,14 +67,8 @@ def test_pack_cpu_float32_and_strided_input(gen):
     check(x[:128].bfloat16().t(), granularity=G.ROWWISE)  # a transposed view: [256, 128]
 
 
-def test_mx_operands_op_runs_the_cpu_kernel_unless_reference_is_forced(gen, monkeypatch):
-    calls = []
-
-    def counting(*args, **kw):
-        calls.append(1)
-        return mx_operands_cpu(*args, **kw)
-
-    monkeypatch.setattr(custom_ops, "mx_operands_cpu", counting)
+def test_mx_operands_op_runs_the_cpu_kernel_unless_reference_is_forced(gen, monkeypatch, count_calls):
+    calls = count_calls(custom_ops, "mx_operands_cpu")
     x = adversarial(96, 128, gen)
     outside = torch.zeros(1, dtype=torch.int64)
     outs = torch.ops.mxflux.mx_operands(x, None, outside, True, True, "rowwise", True, "none", True)

@@ -51,8 +51,8 @@ class MXConfig(NamedTuple):
     from the parameter, instead of keeping Wᵀ from forward (one more read of each weight per
     step, 1 B per weight element less kept; docs/design.md, "The three GEMMs and their operands").
     `recomputed`: forward's packer calls may run again in backward (the module is inside a block
-    under `activation_checkpointing` full or mx_packers), so they count into a fresh counter
-    that is added to the module's once (`_forward_counter`).
+    under any `activation_checkpointing` but none), so they count into a fresh counter that is
+    added to the module's once (`_forward_counter`).
     """
 
     mx_gemm: str = "rowwise"
