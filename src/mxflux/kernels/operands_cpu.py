@@ -3,12 +3,12 @@
 
 The reference is ~45 whole-tensor PyTorch ops per orientation; on a small CPU that is most of a
 training step of the demo model. This kernel does the same arithmetic (docs/design.md, "Element
-formats and E8M0 scales" and "The exact FP8 fold and its window") per MX block in registers,
-compiled by numba: rotate (butterflies h = 1..16,
-then × fp32 1/√32), E8M0 exponent from the fp32 bits of the block amax, E2M3 codes by the
-same integer round-half-even on the fp32 bits, then the FP8 fold per group (row or 1×g) and
-the E4M3 byte of every element, written directly. Prologues and column sums stay in PyTorch
-(they are single ops there, and their exact torch rounding is part of the reference).
+formats and E8M0 scales" and "The exact FP8 fold and its window") in one pass compiled by numba,
+16 rows at a time so that every step vectorizes: rotate (butterflies h = 1..16, then × fp32
+1/√32), E8M0 exponent from the fp32 bits of the block amax, E2M3 codes by the same integer
+round-half-even on the fp32 bits, then the FP8 fold per group (row or 1×g) and the E4M3 byte of
+every element, written directly. Prologues and column sums stay in PyTorch (they are single ops
+there, and their exact torch rounding is part of the reference).
 
 numba is optional: `cpu_kernel_available()` says whether this path can run; the custom ops
 (`mxflux.ops`) fall back to the reference otherwise.
@@ -31,6 +31,8 @@ from ..mx.quantize import max_code
 try:  # numba is a declared dependency, but the package must import without it
     from numba import njit, prange
 
+    from .cpu_bits import bits_f32, f32_bits
+
     HAS_NUMBA = True
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     HAS_NUMBA = False
@@ -46,36 +48,41 @@ def cpu_kernel_available() -> bool:
     return HAS_NUMBA
 
 
+# Rows quantized together by one kernel iteration: the vector lanes. Element i of the 16 rows' blocks
+# is one contiguous run of the tile, so each step of the per-block arithmetic (butterflies, amax,
+# rounding) is one loop over contiguous fp32 values that LLVM vectorizes (AVX2/AVX-512), instead of
+# a scalar pass per block.
+LANES = 16
+_TILE = MX_BLOCK * LANES
+
 if HAS_NUMBA:
 
     @njit(cache=True, inline="always")
-    def _round_code(ybits, ebits, mbits, bias, min_normal_bits, sub_mul, max_code, y):
-        """`mxflux.mx.quantize.round_to_format` for one fp32 value (its bits and its value)."""
-        magbits = ybits & 0x7FFFFFFF
-        sh = 23 - mbits
-        if magbits < min_normal_bits:  # the format's subnormal range: count subnormal steps
-            code = np.int32(np.rint(np.float32(abs(y)) * sub_mul))
-        else:
-            rounded = (magbits + ((1 << (sh - 1)) - 1) + ((magbits >> sh) & 1)) >> sh
-            code = rounded - ((127 - bias) << mbits)
-        if code > max_code:
-            code = max_code
-        if ybits < 0:
-            code |= 1 << (ebits + mbits)
-        return code
+    def _code(y, sh, half, code_off, min_normal_bits, sub_mul, max_code):
+        """`mxflux.mx.quantize.round_to_format`'s magnitude code of fp32 `y` (the sign is added by
+        the caller): integer round-half-even on the bits for normals, counted subnormal steps below."""
+        magbits = f32_bits(y) & np.int32(0x7FFFFFFF)
+        # |y| * sub_mul < 2^22 here, where adding and subtracting 2^23 rounds half to even (= np.rint)
+        # with plain fp32 adds, which vectorize where np.rint's call does not
+        sub = np.int32((abs(y) * sub_mul + np.float32(8388608.0)) - np.float32(8388608.0))
+        nrm = ((magbits + half + ((magbits >> sh) & 1)) >> sh) - code_off
+        return min(sub if magbits < min_normal_bits else nrm, max_code)
 
     @njit(cache=True, inline="always")
     def _butterflies(src, dst, h):
-        """One Hadamard stage over one block (numba freezes the global MX_BLOCK as a constant): dst[j] = a + b, dst[j + h] = a - b in groups of 2h."""
+        """One Hadamard stage over a tile: dst = a + b, a - b for the elements h apart in groups of
+        2h (numba freezes the globals MX_BLOCK and LANES as constants)."""
         for g in range(0, MX_BLOCK, 2 * h):
-            for j in range(h):
-                a = src[g + j]
-                c = src[g + h + j]
-                dst[g + j] = a + c
-                dst[g + h + j] = a - c
+            lo = g * LANES
+            hi = (g + h) * LANES
+            for t in range(h * LANES):
+                a = src[lo + t]
+                c = src[hi + t]
+                dst[lo + t] = a + c
+                dst[hi + t] = a - c
 
     @njit(cache=True, parallel=True)
-    def _pack_rows(v, bf16_bits, group, hadamard, hscale, ebits, mbits, bias, emax, min_normal_bits, sub_mul,
+    def _pack_rows(v, transposed, bf16_bits, group, hadamard, hscale, ebits, mbits, bias, emax, min_normal_bits, sub_mul,
                    max_code, table, shift, window, in_window_bytes, out, out_scale, outside):
         """Quantize every row of `v` [R, C_v] along its columns in blocks of MX_BLOCK and fold it:
         E4M3 bytes into `out` [R, C] (uint8), fp32 group scales into `out_scale` [R, C/group],
@@ -84,111 +91,136 @@ if HAS_NUMBA:
         binades below its group's reference, for the blocks the fold keeps exact (a table lookup
         instead of scaling and rounding each element; the others are rounded here).
 
-        `v` is fp32, or (`bf16_bits`) the int16 bits of bf16 values, widened here as they are
-        read, so that no fp32 copy of a bf16 input is made. It may be a strided view (the col
-        orientation reads the transpose of the input in place), and it may be narrower than
-        `out`: columns C_v..C-1 read as zeros (the col orientation's padded rows)."""
+        `v` is C-contiguous, fp32 or (`bf16_bits`) the int16 bits of bf16 values, widened here as
+        they are read, so that no fp32 copy of a bf16 input is made. With `transposed` the rows
+        quantized are those of vᵀ (the col orientation, read in place). The quantized rows may be
+        shorter than `out`'s: columns past them read as zeros (the col orientation's padded rows).
+
+        Rows are quantized LANES at a time (a tile, element i of every row's block contiguous);
+        then each row of the tile is folded and written."""
         R, C = out.shape
-        c_valid = v.shape[1]
+        c_valid = v.shape[0] if transposed else v.shape[1]
         nb = C // MX_BLOCK
         bpg = group // MX_BLOCK
-        sign_mask = 1 << (ebits + mbits)
+        sign_mask = np.int32(1 << (ebits + mbits))
+        sh = 23 - mbits
+        half = np.int32((1 << (sh - 1)) - 1)
+        code_off = np.int32((127 - bias) << mbits)
+        min_normal_bits = np.int32(min_normal_bits)
+        max_code = np.int32(max_code)
         e4_min_normal_bits = np.int32(121 << 23)  # 2^-6
         e4_sub_mul = np.float32(512.0)  # 2^9
-        for r in prange(R):
-            buf = np.empty(MX_BLOCK, np.float32)
-            nxt = np.empty(MX_BLOCK, np.float32)
-            bufi = buf.view(np.int32)  # the fp32 bits of buf
-            one = np.empty(1, np.float32)
-            codes = np.empty(C, np.int32)
-            eblk = np.empty(nb, np.int32)
-            live = np.empty(nb, np.bool_)
-            bad = np.empty(nb, np.bool_)
+        half_tile = (MX_BLOCK // 2) * LANES
+        for t in prange((R + LANES - 1) // LANES):
+            r0 = t * LANES
+            rows = min(LANES, R - r0)
+            buf = np.empty(_TILE, np.float32)
+            nxt = np.empty(_TILE, np.float32)
+            red = np.empty(half_tile, np.int32)
+            scale = np.empty(LANES, np.float32)  # 2^-e_blk per row of the tile
+            codes = np.empty(C * LANES, np.uint8)  # [block, element, lane]
+            eblk = np.empty((nb, LANES), np.int32)
+            live = np.empty((nb, LANES), np.bool_)
+            bad = np.empty((nb, LANES), np.bool_)
             for b in range(nb):
-                for i in range(MX_BLOCK):
-                    j = b * MX_BLOCK + i
-                    if j >= c_valid:
-                        buf[i] = 0.0
-                    elif bf16_bits:
-                        bufi[i] = np.int32(v[r, j]) << 16  # a bf16 is the high half of its fp32
-                    else:
-                        buf[i] = v[r, j]
-                if hadamard:
+                # load the tile (rows past R and columns past C_v read as 0); a bf16 is the high
+                # half of its fp32
+                j0 = b * MX_BLOCK
+                n_valid = min(max(c_valid - j0, 0), MX_BLOCK)
+                if rows < LANES or n_valid < MX_BLOCK:
+                    buf[:] = 0.0
+                if not transposed:  # each row's block is contiguous in v: read along the row
+                    for k in range(rows):
+                        if bf16_bits:
+                            for i in range(n_valid):
+                                buf[i * LANES + k] = bits_f32(np.int32(np.int32(v[r0 + k, j0 + i]) << 16))
+                        else:
+                            for i in range(n_valid):
+                                buf[i * LANES + k] = v[r0 + k, j0 + i]
+                else:  # element i of the tile's rows is one contiguous run of v: vector loads
+                    for i in range(n_valid):
+                        if bf16_bits:
+                            for k in range(rows):
+                                buf[i * LANES + k] = bits_f32(np.int32(np.int32(v[j0 + i, r0 + k]) << 16))
+                        else:
+                            for k in range(rows):
+                                buf[i * LANES + k] = v[j0 + i, r0 + k]
+                if hadamard:  # butterflies h = 1..16, then x 1/sqrt(32): two roundings, as the reference
                     _butterflies(buf, nxt, 1)
                     _butterflies(nxt, buf, 2)
                     _butterflies(buf, nxt, 4)
                     _butterflies(nxt, buf, 8)
-                    _butterflies(buf, nxt, 16)
-                    for i in range(MX_BLOCK):
-                        buf[i] = nxt[i] * hscale
-                amax = np.float32(0.0)
-                finite = True
+                    for u in range(half_tile):
+                        a = buf[u]
+                        c = buf[u + half_tile]
+                        nxt[u] = (a + c) * hscale
+                        nxt[u + half_tile] = (a - c) * hscale
+                    buf, nxt = nxt, buf
+                # Block amax as the largest magnitude bit pattern (for non-negative floats integer
+                # order is float order), a tree over contiguous runs; inf and NaN bits lie above
+                # every finite one, so the same maximum flags a non-finite block.
+                for u in range(half_tile):
+                    a = f32_bits(buf[u]) & np.int32(0x7FFFFFFF)
+                    c = f32_bits(buf[u + half_tile]) & np.int32(0x7FFFFFFF)
+                    red[u] = a if a > c else c
+                w = half_tile // 2
+                while w >= LANES:
+                    for u in range(w):
+                        a = red[u]
+                        c = red[u + w]
+                        red[u] = a if a > c else c
+                    w //= 2
+                for k in range(LANES):
+                    amax_bits = red[k]
+                    e = min(max(((amax_bits >> 23) & 0xFF) - 127 - emax, -127), 127)
+                    # 2^-e, exact (0 only for e = 127, which no finite amax reaches)
+                    scale[k] = bits_f32(np.int32((127 - e) << 23))
+                    bad[b, k] = amax_bits >= np.int32(0x7F800000)
+                    # rounding is monotonic: a block has a nonzero code iff its amax has one
+                    live[b, k] = not bad[b, k] and _code(bits_f32(amax_bits) * scale[k], sh, half, code_off,
+                                                         min_normal_bits, sub_mul, max_code) != 0
+                    eblk[b, k] = 128 if bad[b, k] else e
+                cb = b * _TILE
                 for i in range(MX_BLOCK):
-                    x = buf[i]
-                    if not np.isfinite(x):
-                        finite = False
-                    ax = abs(x)
-                    if ax > amax:
-                        amax = ax
-                bad[b] = not finite
-                if not finite:
-                    for i in range(MX_BLOCK):
-                        codes[b * MX_BLOCK + i] = 0
-                    eblk[b] = 128
-                    live[b] = False
-                    continue
-                one[0] = amax
-                abits = one.view(np.int32)[0]
-                e = ((abits >> 23) & 0xFF) - 127 - emax
-                e = min(max(e, -127), 127)
-                eblk[b] = e
-                one[0] = 0.0
-                one.view(np.int32)[0] = (127 - e) << 23
-                p = one[0]  # 2^-e, exact (0 only for e = 127, which no finite amax reaches)
-                for i in range(MX_BLOCK):
-                    buf[i] = buf[i] * p
-                nz = False
-                for i in range(MX_BLOCK):
-                    code = _round_code(bufi[i], ebits, mbits, bias, min_normal_bits, sub_mul, max_code, buf[i])
-                    codes[b * MX_BLOCK + i] = code
-                    if (code & (sign_mask - 1)) != 0:
-                        nz = True
-                live[b] = nz
-            n_out = 0
-            for gi in range(C // group):
-                e_ref = -(1 << 20)
-                for b in range(gi * bpg, (gi + 1) * bpg):
-                    if live[b] and eblk[b] > e_ref:
-                        e_ref = eblk[b]
-                if e_ref == -(1 << 20):
-                    e_ref = 0  # an empty group: any scale is exact
-                k = e_ref - shift  # the group's fp32 scale 2^k, subnormal below 2^-126
-                if k >= -126:
-                    one.view(np.int32)[0] = (k + 127) << 23
-                else:
-                    one.view(np.int32)[0] = 1 << (k + 149)
-                out_scale[r, gi] = one[0]
-                for b in range(gi * bpg, (gi + 1) * bpg):
-                    if bad[b]:
+                    base = i * LANES
+                    for k in range(LANES):
+                        y = buf[base + k] * scale[k]
+                        code = _code(y, sh, half, code_off, min_normal_bits, sub_mul, max_code)
+                        codes[cb + base + k] = code | (sign_mask if f32_bits(y) < 0 else 0)
+            for k in range(rows):
+                r = r0 + k
+                n_out = 0
+                for gi in range(C // group):
+                    e_ref = -(1 << 20)
+                    for b in range(gi * bpg, (gi + 1) * bpg):
+                        if live[b, k] and eblk[b, k] > e_ref:
+                            e_ref = eblk[b, k]
+                    if e_ref == -(1 << 20):
+                        e_ref = 0  # an empty group: any scale is exact
+                    s = e_ref - shift  # the group's fp32 scale 2^s, subnormal below 2^-126
+                    out_scale[r, gi] = bits_f32(np.int32((s + 127) << 23 if s >= -126 else 1 << (s + 149)))
+                    for b in range(gi * bpg, (gi + 1) * bpg):
+                        cb = b * _TILE + k
+                        ob = b * MX_BLOCK
+                        if bad[b, k]:
+                            for i in range(MX_BLOCK):
+                                out[r, ob + i] = _E4M3_NAN
+                            continue
+                        d = eblk[b, k] - e_ref
+                        if -window <= d <= 0:  # exact in E4M3: the byte is a function of (code, d)
+                            lut = in_window_bytes[d + window]
+                            for i in range(MX_BLOCK):
+                                out[r, ob + i] = lut[codes[cb + i * LANES]]
+                            continue
+                        if live[b, k] and d < -window:
+                            n_out += 1
+                        p = bits_f32(np.int32((max(d + shift, -126) + 127) << 23))
                         for i in range(MX_BLOCK):
-                            out[r, b * MX_BLOCK + i] = _E4M3_NAN
-                        continue
-                    d = eblk[b] - e_ref
-                    if -window <= d <= 0:  # exact in E4M3: the byte is a function of (code, d)
-                        for i in range(MX_BLOCK):
-                            out[r, b * MX_BLOCK + i] = in_window_bytes[d + window, codes[b * MX_BLOCK + i]]
-                        continue
-                    if live[b] and d < -window:
-                        n_out += 1
-                    m = max(d + shift, -126)
-                    one.view(np.int32)[0] = (m + 127) << 23
-                    p = one[0]
-                    for i in range(MX_BLOCK):
-                        buf[i] = table[codes[b * MX_BLOCK + i]] * p
-                    for i in range(MX_BLOCK):
-                        out[r, b * MX_BLOCK + i] = _round_code(bufi[i], 4, 3, 7, e4_min_normal_bits, e4_sub_mul,
-                                                         0x7E, buf[i])
-            outside[r] = n_out
+                            y = table[codes[cb + i * LANES]] * p
+                            code = _code(y, 20, np.int32((1 << 19) - 1), np.int32(120 << 3), e4_min_normal_bits,
+                                         e4_sub_mul, np.int32(0x7E))
+                            out[r, ob + i] = code | (0x80 if f32_bits(y) < 0 else 0)
+                outside[r] = n_out
 
 
 @lru_cache(maxsize=None)
@@ -227,24 +259,26 @@ def numpy_view(t: torch.Tensor) -> np.ndarray:
 
 
 def _kernel_view(v: torch.Tensor) -> tuple[np.ndarray, bool]:
-    """`v` as the kernel reads it, without a copy where possible: the int16 bits of a bf16 tensor
-    (any strides), or fp32 values."""
+    """`v` as the kernel reads it, C-contiguous (without a copy where it is): the int16 bits of a
+    bf16 tensor, or fp32 values."""
+    v = v.contiguous()
     if v.dtype == torch.bfloat16:
         return numpy_view(v.view(torch.int16)), True
     return numpy_view(v.float()), False
 
 
 def _fold_rows(v: torch.Tensor, fmt: str, granularity: FoldGranularity, hadamard: bool, poison: bool,
-               c: int | None = None):
-    """(E4M3 data, fp32 scales, blocks outside the window) of [R, C_v] `v` quantized along its
-    columns, zero-padded to `c` columns (default C_v). `v` is bf16 or fp32, any strides."""
+               transposed: bool = False, c: int | None = None):
+    """(E4M3 data, fp32 scales, blocks outside the window) of the rows of `v` (of vᵀ with
+    `transposed`) quantized along their length C_v, zero-padded to `c` (default C_v).
+    `v` is bf16 or fp32, any strides."""
     f = get_format(fmt)
     if f.fold_shift is None:
         raise ValueError(f"fmt: elements of format {f.name!r} are not exactly representable in E4M3")
     if not isinstance(granularity, FoldGranularity):
         raise ValueError(f"granularity: expected a FoldGranularity, got {granularity!r}")
-    r = v.shape[0]
-    c = v.shape[1] if c is None else c
+    r, c_v = (v.shape[1], v.shape[0]) if transposed else v.shape
+    c = c_v if c is None else c
     if c % granularity.row_multiple:
         raise ValueError(f"x: {c} columns do not split into blocks of {MX_BLOCK} and {granularity.value} "
                          f"groups (a multiple of {granularity.row_multiple})")
@@ -259,7 +293,7 @@ def _fold_rows(v: torch.Tensor, fmt: str, granularity: FoldGranularity, hadamard
     else:
         out, out_scale, outside = np.empty((r, c), np.uint8), np.empty((r, c // group), np.float32), np.empty(r, np.int64)
     if r and c:
-        _pack_rows(vn, bf16_bits, group, hadamard, np.float32(HADAMARD_SCALE), *_format_args(f.name), out,
+        _pack_rows(vn, transposed, bf16_bits, group, hadamard, np.float32(HADAMARD_SCALE), *_format_args(f.name), out,
                    out_scale, outside)
     else:
         outside[:] = 0
@@ -294,7 +328,7 @@ def mx_operands_cpu(
         row_data, row_scale, n = _fold_rows(v, fmt, granularity, hadamard, _poison)
         outside = outside + n
     if col:  # the transpose, read in place, its rows zero-padded by the kernel
-        col_data, col_scale, n = _fold_rows(v.t(), fmt, granularity, hadamard, _poison,
+        col_data, col_scale, n = _fold_rows(v, fmt, granularity, hadamard, _poison, transposed=True,
                                             c=padded_rows(v.shape[0], granularity))
         outside = outside + n
     if colsum:
