@@ -14,25 +14,22 @@ from numba.extending import intrinsic
 __all__ = ["bits_f32", "f32_bits"]
 
 
-@intrinsic
-def f32_bits(typingctx, x):
-    """The int32 bits of an fp32 value."""
-    if x != types.float32:
-        return None
+def _bitcast(src, dst, doc: str):
+    """A numba intrinsic reinterpreting a `src` value's bits as `dst` (same width)."""
 
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], context.get_value_type(types.int32))
+    @intrinsic
+    def cast(typingctx, x):
+        if x != src:
+            return None
 
-    return types.int32(types.float32), codegen
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], context.get_value_type(dst))
+
+        return dst(src), codegen
+
+    cast.__doc__ = doc
+    return cast
 
 
-@intrinsic
-def bits_f32(typingctx, x):
-    """The fp32 value of int32 bits."""
-    if x != types.int32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-
-    return types.float32(types.int32), codegen
+f32_bits = _bitcast(types.float32, types.int32, "The int32 bits of an fp32 value.")
+bits_f32 = _bitcast(types.int32, types.float32, "The fp32 value of int32 bits.")

@@ -69,6 +69,11 @@ if HAS_NUMBA:
         return min(sub if magbits < min_normal_bits else nrm, max_code)
 
     @njit(cache=True, inline="always")
+    def _widen(x, bf16_bits):
+        """An element of `v` as fp32: bf16 bits (int16) are the high half of their fp32."""
+        return bits_f32(np.int32(np.int32(x) << 16)) if bf16_bits else np.float32(x)
+
+    @njit(cache=True, inline="always")
     def _butterflies(src, dst, h):
         """One Hadamard stage over a tile: dst = a + b, a - b for the elements h apart in groups of
         2h (numba freezes the globals MX_BLOCK and LANES as constants)."""
@@ -123,28 +128,19 @@ if HAS_NUMBA:
             live = np.empty((nb, LANES), np.bool_)
             bad = np.empty((nb, LANES), np.bool_)
             for b in range(nb):
-                # load the tile (rows past R and columns past C_v read as 0); a bf16 is the high
-                # half of its fp32
+                # load the tile (rows past R and columns past C_v read as 0)
                 j0 = b * MX_BLOCK
                 n_valid = min(max(c_valid - j0, 0), MX_BLOCK)
                 if rows < LANES or n_valid < MX_BLOCK:
                     buf[:] = 0.0
                 if not transposed:  # each row's block is contiguous in v: read along the row
                     for k in range(rows):
-                        if bf16_bits:
-                            for i in range(n_valid):
-                                buf[i * LANES + k] = bits_f32(np.int32(np.int32(v[r0 + k, j0 + i]) << 16))
-                        else:
-                            for i in range(n_valid):
-                                buf[i * LANES + k] = v[r0 + k, j0 + i]
+                        for i in range(n_valid):
+                            buf[i * LANES + k] = _widen(v[r0 + k, j0 + i], bf16_bits)
                 else:  # element i of the tile's rows is one contiguous run of v: vector loads
                     for i in range(n_valid):
-                        if bf16_bits:
-                            for k in range(rows):
-                                buf[i * LANES + k] = bits_f32(np.int32(np.int32(v[j0 + i, r0 + k]) << 16))
-                        else:
-                            for k in range(rows):
-                                buf[i * LANES + k] = v[j0 + i, r0 + k]
+                        for k in range(rows):
+                            buf[i * LANES + k] = _widen(v[j0 + i, r0 + k], bf16_bits)
                 if hadamard:  # butterflies h = 1..16, then x 1/sqrt(32): two roundings, as the reference
                     _butterflies(buf, nxt, 1)
                     _butterflies(nxt, buf, 2)
