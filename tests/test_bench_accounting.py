@@ -173,3 +173,21 @@ def test_allocator_replay_finds_what_is_alive_at_the_peak():
     # 0x5000 at the peak is the freed activation, not the later block at its address
     assert groups == [{"holder": label, "bytes": 4100, "blocks": 2}, {"holder": NO_FRAME, "bytes": 2000, "blocks": 1},
                       {"holder": "parameters", "bytes": 1000, "blocks": 1}]
+
+
+def test_host_ops_inside_attention_are_attention():
+    """On the CPU the eager attention is matmuls and a softmax inside one autograd node: its ops
+    count as attention, not as GEMMs; elsewhere the op's own name decides first."""
+    from types import SimpleNamespace as Event
+
+    from mxflux.bench.device_time import _host_op_category
+
+    fwd = Event(name="_ExplicitAttention", cpu_parent=Event(name="aten::linear", cpu_parent=None))
+    bwd = Event(name="autograd::engine::evaluate_function: _ExplicitAttentionBackward", cpu_parent=None)
+    mlp = Event(name="_MXLinear", cpu_parent=None)
+    assert _host_op_category(Event(name="aten::bmm", cpu_parent=fwd)) == "attention"
+    assert _host_op_category(Event(name="aten::_softmax", cpu_parent=fwd)) == "attention"
+    assert _host_op_category(Event(name="aten::bmm", cpu_parent=bwd)) == "attention"
+    assert _host_op_category(Event(name="aten::mm", cpu_parent=mlp)) == "gemm"
+    assert _host_op_category(Event(name="mxflux::mx_operands", cpu_parent=mlp)) == "mx_quant"
+    assert _host_op_category(Event(name="aten::add", cpu_parent=mlp)) == "other"

@@ -8,7 +8,8 @@ from torch import nn
 
 from mxflux.model import (FLUX_CONFIGS, DEFAULT_PRECISION_INCLUDE, Flux, flops_per_sample, flux_config,
                           forward_flops, image_ids, patchify, text_ids, unpatchify)
-from mxflux.model.layers import EmbedND, apply_rope, timestep_embedding
+from mxflux.model import layers
+from mxflux.model.layers import EmbedND, apply_rope, explicit_attention, timestep_embedding
 
 
 def make_inputs(config, gen, batch=2, h=4, w=3, txt_len=5, dtype=torch.float32):
@@ -227,6 +228,42 @@ def test_rope_shape_and_rotation():
     angle = torch.tensor(1.0)
     expected = torch.stack([torch.cos(angle), -torch.sin(angle), torch.sin(angle), torch.cos(angle)])
     torch.testing.assert_close(pe[0, 0, 5 + 1, 18].flatten(), expected)
+
+
+def test_explicit_attention_matches_sdpa_in_fp64_with_its_gradients(gen):
+    """The CPU's eager attention of bf16 inputs: output and dq, dk, dv as close to the fp64 truth
+    (of the unrounded inputs) as PyTorch's SDPA on the same bf16 inputs, to within 10 %."""
+    q, k, v, dout = (torch.randn(3, 2, 40, 64, generator=gen) for _ in range(4))
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*exact)
+    want.backward(dout.double())
+
+    def errors(fn):
+        low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+        got = fn(*low)
+        got.backward(dout.bfloat16())
+        assert got.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in low)
+        pairs = [(got, want)] + [(x.grad, y.grad) for x, y in zip(low, exact)]
+        return [float((a.double() - b.detach()).norm() / b.detach().norm()) for a, b in pairs]
+
+    ours, sdpa = errors(explicit_attention), errors(torch.nn.functional.scaled_dot_product_attention)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, sdpa):
+        assert a < 1.1 * b and a < 2.0**-7, (name, a, b)
+
+
+def test_attention_is_explicit_in_eager_cpu_and_sdpa_when_compiled_or_long(monkeypatch, gen):
+    calls = []
+    real = layers.explicit_attention
+    monkeypatch.setattr(layers, "explicit_attention", lambda *a: calls.append(a[0].shape[-2]) or real(*a))
+    pe = torch.eye(2).expand(1, 1, 600, 32, 2, 2)
+    q = torch.randn(1, 2, 600, 64, generator=gen)
+    short = layers.attention(q[:, :, :40], q[:, :, :40], q[:, :, :40], pe[:, :, :40])
+    assert calls == [40] and short.shape == (1, 40, 128)
+    torch.testing.assert_close(short, layers.attention(q[:, :, :40], q[:, :, :40], q[:, :, :40], pe[:, :, :40]))
+    layers.attention(q, q, q, pe)  # longer than CPU_EXPLICIT_ATTENTION_MAX_LEN: SDPA
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    layers.attention(q[:, :, :40], q[:, :, :40], q[:, :, :40], pe[:, :, :40])
+    assert calls == [40, 40]
 
 
 def test_ids_layout():

@@ -1,8 +1,9 @@
 """The first 20 training losses of the CPU recipes, pinned bit for bit.
 
-The values in `data/first20_losses.json` were recorded (float.hex) from the code before the
-layering/precision/trainer redesign; any refactor that claims "behaviour unchanged" must keep
-them. A change that is meant to alter numerics must re-record them and say why in its commit:
+The values in `data/first20_losses.json` (float.hex) were recorded from the code before the
+layering/precision/trainer redesign, and re-recorded on 2026-12-02 when the CPU path changed its
+summation orders (MKL's bf16 GEMM for the MX products, the eager CPU attention, the fused AdamW);
+any refactor that claims "behaviour unchanged" must keep them. A change that is meant to alter numerics must re-record them and say why in its commit:
 `PYTHONPATH=src python tests/test_regression_losses.py --record` runs `first_20_losses` (the
 function the test runs) for every recipe in the file and rewrites it.
 """

@@ -21,17 +21,7 @@ from ..train.config import RunConfig
 from ..train.distributed import DistContext
 from ..train.flow import per_sample_mse
 
-__all__ = ["BareLoop", "adamw"]
-
-
-def adamw(cfg: RunConfig, model: nn.Module, device: torch.device) -> torch.optim.AdamW:
-    """The recipe's AdamW, built as the trainer builds it (fused on CUDA for `implementation: auto`)."""
-    o = cfg.optim
-    impl = o.implementation
-    if impl == "auto":
-        impl = "fused" if device.type == "cuda" else None
-    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                             weight_decay=o.weight_decay, **({impl: True} if impl else {}))
+__all__ = ["BareLoop"]
 
 
 class BareLoop:
@@ -39,13 +29,13 @@ class BareLoop:
 
     def __init__(self, cfg: RunConfig, ctx: DistContext, device: torch.device, *, latent_hw: tuple[int, int],
                  text_tokens: int):
-        from ..train.build import build_model
+        from ..train.build import build_model, build_optimizer
         from ..train.parallelize import parallelize
 
         self.cfg, self.device = cfg, device
         self.model, _ = build_model(cfg, device)
         self.train_model = parallelize(self.model, cfg, ctx)
-        self.optimizer = adamw(cfg, self.model, device)
+        self.optimizer = build_optimizer(cfg, self.model)
         self.accum = cfg.batch.accumulation_steps(ctx.world_size)
         self.compute_dtype = getattr(torch, cfg.train.compute_dtype)
         mc = cfg.model.flux_config()

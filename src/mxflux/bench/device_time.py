@@ -249,7 +249,15 @@ _OP_RULES = (
 
 
 def _host_op_category(event) -> str:
-    """A host op's category: the first op (walking outward from it) that matches an _OP_RULES rule."""
+    """A host op's category: attention when it runs inside an attention op or autograd node (the
+    CPU's explicit attention is matmuls and a softmax under one); otherwise the first op, walking
+    outward from it, that matches an _OP_RULES rule."""
+    attention = dict(_OP_RULES)["attention"]
+    e = event
+    while e is not None:
+        if attention.search(e.name):
+            return "attention"
+        e = e.cpu_parent
     e = event
     while e is not None:
         for category, rule in _OP_RULES:

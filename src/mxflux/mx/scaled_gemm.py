@@ -14,7 +14,7 @@ import torch
 
 from .matmul import true_fp32
 
-__all__ = ["dequantize_operand", "dequantized_gemm", "scaled_gemm_reference"]
+__all__ = ["add_bias_and_round", "dequantize_operand", "dequantized_gemm", "scaled_gemm_reference"]
 
 
 def dequantize_operand(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -42,6 +42,12 @@ def dequantized_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
     scaled GEMM after dequantization (shared with the CPU kernel, which dequantizes faster)."""
     with true_fp32(a.device.type):
         out = a @ b.t()
+    return add_bias_and_round(out, bias, out_dtype)
+
+
+def add_bias_and_round(out: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The GEMM's epilogue on its fp32 sums `out` (a temporary: the bias is added in place), bias
+    added in fp32, then the one rounding to `out_dtype`."""
     if bias is not None:
-        out = out + bias.float()
+        out.add_(bias.float())
     return out.to(out_dtype)

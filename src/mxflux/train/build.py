@@ -1,4 +1,5 @@
-"""Build the model a recipe describes: seeded fp32 init on the training device, then precision.
+"""Build the model a recipe describes (seeded fp32 init on the training device, then precision),
+and its optimizer.
 
 The order is fixed because the weights must not depend on anything but the recipe: the seed is
 set first, the model is initialised where it will train (a 12B model's CPU init takes minutes),
@@ -14,7 +15,7 @@ from ..model import Flux
 from ..nn import PrecisionReport, apply_precision
 from .config import RunConfig
 
-__all__ = ["build_model"]
+__all__ = ["build_model", "build_optimizer"]
 
 
 def build_model(cfg: RunConfig, device: torch.device | str) -> tuple[Flux, PrecisionReport]:
@@ -25,3 +26,14 @@ def build_model(cfg: RunConfig, device: torch.device | str) -> tuple[Flux, Preci
         model = Flux(cfg.model.flux_config())
     report = apply_precision(model, cfg.precision)
     return model, report
+
+
+def build_optimizer(cfg: RunConfig, model: torch.nn.Module) -> torch.optim.AdamW:
+    """The recipe's AdamW over `model`'s parameters. `implementation: auto` is the fused kernel on
+    every device: one kernel per dtype and device group of parameters on CUDA instead of a launch
+    per update term, and on the CPU 4x faster than the per-parameter loop (the demo model, 2 cores:
+    2.0 against 8.6 ms per step)."""
+    o = cfg.optim
+    impl = "fused" if o.implementation == "auto" else o.implementation
+    return torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             weight_decay=o.weight_decay, **{impl: True})

@@ -116,7 +116,7 @@ class OptimSection(_Section):
     grad_clip: float = Field(1.0, gt=0)
     # AdamW kernels: "fused" updates every parameter in one kernel per dtype/device group (about
     # half the memory traffic of "foreach", which launches one kernel per update term); "auto" is
-    # fused on CUDA and torch's default on the CPU (the documented demo-run numbers use it).
+    # fused (train.build.build_optimizer).
     implementation: Literal["auto", "foreach", "fused"] = "auto"
 
 

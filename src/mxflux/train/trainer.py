@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from ..model import image_ids, init_from_checkpoint, patchify, text_ids
 from ..nn.linear import MXFP6Linear
-from .build import build_model
+from .build import build_model, build_optimizer
 from .callbacks import Callback
 from .checkpoint import (LATEST, LATEST_SHARDED, load_checkpoint, load_model_optimizer_state, load_sharded_checkpoint,
                          model_optimizer_state, resolve_checkpoint, rng_state, save_checkpoint,
@@ -85,11 +85,7 @@ class Trainer:
                                                               dtype=self.compute_dtype)
 
         o = cfg.optim
-        impl = "fused" if o.implementation == "auto" and self.device.type == "cuda" else o.implementation
-        impl = None if impl == "auto" else impl  # torch's own default elsewhere
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2),
-                                           eps=o.eps, weight_decay=o.weight_decay,
-                                           **({impl: True} if impl else {}))
+        self.optimizer = build_optimizer(cfg, self.model)
         # A partial, not a bound method: no Trainer <-> scheduler reference cycle, so a dropped
         # Trainer frees its (GPU) memory at once instead of at the next garbage collection.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
