@@ -1,6 +1,6 @@
 """Convergence study: the same small Flux trained in bf16 and in MXFP6 from the same seed.
 
-    PYTHONPATH=src python benchmarks/convergence.py [--steps 3000] [--width 768] [--out benchmarks]
+    PYTHONPATH=src python benchmarks/convergence.py [--steps 3000] [--width 768] [--out benchmarks] [--runs DIR]
 
 Data: the built-in demo dataset (real captions, learnable; docs/DATA_FORMAT.md), so the
 validation loss falls far below its start. Model: `flux-tiny` widened by `model.overrides`
@@ -70,6 +70,9 @@ def main(argv=None):
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--precisions", nargs="+", default=["bf16", "mxfp6"], choices=sorted(RECIPES))
     ap.add_argument("--out", default="benchmarks")
+    ap.add_argument("--runs", help="keep each precision's run directory (metrics.csv, logs) under this "
+                                   "directory; by default they go to a temporary one. On a machine with a "
+                                   "time limit, put it where the files come back: a cut run's curve so far")
     ap.add_argument("--worker", choices=sorted(RECIPES), help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -80,7 +83,7 @@ def main(argv=None):
     from mxflux.train.trainer import DEMO_DATA_DIR
 
     ensure_demo_dataset(DEMO_DATA_DIR)  # once, before the workers start
-    base = Path(tempfile.mkdtemp(prefix="convergence-"))
+    base = Path(args.runs) if args.runs else Path(tempfile.mkdtemp(prefix="convergence-"))
     procs = {}
     for prec in args.precisions:
         run_dir = base / prec
