@@ -1,6 +1,6 @@
 """Convergence study: the same small Flux trained in bf16 and in MXFP6 from the same seed.
 
-    PYTHONPATH=src python benchmarks/convergence.py [--steps 3000] [--width 768] [--out benchmarks] [--runs DIR]
+    PYTHONPATH=src python benchmarks/convergence.py [--steps 3000] [--width 768] [--out benchmarks]
 
 Data: the built-in demo dataset (real captions, learnable; docs/DATA_FORMAT.md), so the
 validation loss falls far below its start. Model: `flux-tiny` widened by `model.overrides`
@@ -18,9 +18,11 @@ import csv
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 RECIPES = {"bf16": "tiny-bf16", "mxfp6": "tiny-mxfp6"}
@@ -38,6 +40,7 @@ def _overrides(args, out_dir: str) -> list[str]:
         f"train.eval_every_samples={args.eval_every * args.batch}",
         f"train.eval_samples={args.eval_samples}", "train.log_every=50", "train.sample_prompts=[]",
         f"train.seed={args.seed}", "data.num_workers=2", f"train.out_dir={out_dir}",
+        "train.checkpoint_every=null",  # the demo recipes' periodic checkpoints: gigabytes each at width 3072
     ]
 
 
@@ -55,6 +58,13 @@ def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
         return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f) if r["split"] == "eval"]
 
 
+def _copy_metrics(base: Path, dest: Path, precisions) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for p in precisions:
+        if (base / p / "metrics.csv").exists():
+            shutil.copyfile(base / p / "metrics.csv", dest / f"{p}.csv")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3000)
@@ -70,9 +80,8 @@ def main(argv=None):
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--precisions", nargs="+", default=["bf16", "mxfp6"], choices=sorted(RECIPES))
     ap.add_argument("--out", default="benchmarks")
-    ap.add_argument("--runs", help="keep each precision's run directory (metrics.csv, logs) under this "
-                                   "directory; by default they go to a temporary one. On a machine with a "
-                                   "time limit, put it where the files come back: a cut run's curve so far")
+    ap.add_argument("--runs", help="copy each precision's metrics.csv to DIR/<precision>.csv every 30 s while "
+                                   "the runs train (on a machine with a time limit: a cut run's curve so far)")
     ap.add_argument("--worker", choices=sorted(RECIPES), help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -83,14 +92,20 @@ def main(argv=None):
     from mxflux.train.trainer import DEMO_DATA_DIR
 
     ensure_demo_dataset(DEMO_DATA_DIR)  # once, before the workers start
-    base = Path(args.runs) if args.runs else Path(tempfile.mkdtemp(prefix="convergence-"))
+    base = Path(tempfile.mkdtemp(prefix="convergence-"))
     procs = {}
     for prec in args.precisions:
         run_dir = base / prec
         cmd = [sys.executable, __file__, "--worker", prec, "--run-dir", str(run_dir),
                *(argv if argv is not None else sys.argv[1:])]
         procs[prec] = subprocess.Popen(cmd, env=os.environ.copy())
-    failed = [p for p, proc in procs.items() if proc.wait() != 0]
+    while any(proc.poll() is None for proc in procs.values()):
+        if args.runs:
+            _copy_metrics(base, Path(args.runs), procs)
+        time.sleep(30 if args.runs else 1)
+    if args.runs:
+        _copy_metrics(base, Path(args.runs), procs)
+    failed = [p for p, proc in procs.items() if proc.returncode != 0]
     if failed:
         raise SystemExit(f"convergence: the {failed} run(s) failed")
 

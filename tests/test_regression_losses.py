@@ -20,14 +20,10 @@ from mxflux.train.trainer import Trainer
 
 PINNED_FILE = Path(__file__).parent / "data" / "first20_losses.json"
 PINNED = json.loads(PINNED_FILE.read_text())
-# Recipe fields changed since the values were pinned, set back to what they were then: the pins
-# check the code, and a recipe retuned for its samples (tiny-mxfp6's peak LR, 2026-12-02) is not a
-# code change. (The run length is not here: it does not reach the first 20 steps, all warm-up.)
-RECIPE_AS_PINNED = {"tiny-mxfp6": ["optim.lr=3.0e-3"]}
 
 
 def first_20_losses(recipe: str, out_dir, overrides=(), steps: int = 20) -> list[float]:
-    cfg = load_recipe(recipe, [f"train.out_dir={out_dir}", *RECIPE_AS_PINNED.get(recipe, []), *overrides])
+    cfg = load_recipe(recipe, [f"train.out_dir={out_dir}", *overrides])
     tr = Trainer(cfg, device="cpu")
     batches = tr.batches()
     return [tr.train_step([next(batches) for _ in range(tr.accum)]).read()["loss"] for _ in range(steps)]
