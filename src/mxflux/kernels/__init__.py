@@ -1,6 +1,7 @@
 """Fast paths of the MX numerics (docs/design.md, "Kernels, backends and the reference"): the
 Triton MX operand packers, the saved-operand compaction kernels and cuBLAS FP8 GEMMs for Hopper, and the compiled CPU packer and
-GEMM dequantization (numba) that the CPU training path uses. Each one is a bit-exact twin of a reference in `mxflux.mx`.
+GEMM (numba dequantization, MKL's bf16 GEMM) that the CPU training path uses. The packers are bit-exact twins of a
+reference in `mxflux.mx`; the GEMMs equal theirs up to the fp32 summation order.
 
 This package imports only `mxflux.mx` (plus torch, triton, numba); `mxflux.ops` picks between
 these and the references. Importing it never needs CUDA or Triton: `mx_operands_cuda` raises a

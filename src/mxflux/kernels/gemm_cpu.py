@@ -8,12 +8,13 @@ a third of a step. Here one vectorized numba pass per operand decodes each E4M3 
 value torch gives it (NaNs and signed zeros included; tested over all 256 bytes) and multiplies
 it by its group's scale.
 
-The values have at most 4 significant bits, so where every scale is a power of two no smaller
-than 2^-117 (the MX operands' always are) each one is also exactly a bf16, and the product runs
-as MKL's bf16 GEMM with fp32 accumulation (`cpu_blas`), ~3x the fp32 matmul: the contract of the
-GEMM (exact values, fp32 sums, one rounding) with another summation order, as cuBLAS has on the
-GPU. Other scales, or a PyTorch without that GEMM, take the reference's own fp32 matmul on the
-fp32 values: the reference bit for bit.
+The values have at most 4 significant bits and the MX scales are powers of two, so each value is
+also exactly a bf16 (unless a scale below 2^-117 makes an fp32 subnormal of it; such groups are
+checked value by value). Then the product runs as MKL's bf16 GEMM with fp32 accumulation
+(`cpu_blas`), ~3x the fp32 matmul: the contract of the GEMM (exact values, fp32 sums, one
+rounding) with another summation order, as cuBLAS has on the GPU. Operands with a value that is not
+a bf16, or a PyTorch without that GEMM, take the reference's own fp32 matmul on the fp32 values:
+the reference bit for bit.
 
 numba is optional (`cpu_kernel_available()`); the custom ops fall back to the reference without it.
 """
