@@ -133,14 +133,19 @@ if HAS_NUMBA:
                 n_valid = min(max(c_valid - j0, 0), MX_BLOCK)
                 if rows < LANES or n_valid < MX_BLOCK:
                     buf[:] = 0.0
+                # (through 1-D slices: LLVM vectorizes the loops over them, not those over 2-D
+                # indexing; this and the same in the fold below made the kernel 1.3-1.6x faster)
                 if not transposed:  # each row's block is contiguous in v: read along the row
                     for k in range(rows):
+                        src = v[r0 + k, j0:j0 + n_valid]
                         for i in range(n_valid):
-                            buf[i * LANES + k] = _widen(v[r0 + k, j0 + i], bf16_bits)
+                            buf[i * LANES + k] = _widen(src[i], bf16_bits)
                 else:  # element i of the tile's rows is one contiguous run of v: vector loads
                     for i in range(n_valid):
+                        src = v[j0 + i, r0:r0 + rows]
+                        dst = buf[i * LANES:i * LANES + rows]
                         for k in range(rows):
-                            buf[i * LANES + k] = _widen(v[j0 + i, r0 + k], bf16_bits)
+                            dst[k] = _widen(src[k], bf16_bits)
                 if hadamard:  # butterflies h = 1..16, then x 1/sqrt(32): two roundings, as the reference
                     _butterflies(buf, nxt, 1)
                     _butterflies(nxt, buf, 2)
@@ -205,17 +210,21 @@ if HAS_NUMBA:
                         d = eblk[b, k] - e_ref
                         if -window <= d <= 0:  # exact in E4M3: the byte is a function of (code, d)
                             lut = in_window_bytes[d + window]
+                            o = out[r, ob:ob + MX_BLOCK]
+                            cc = codes[cb:cb + MX_BLOCK * LANES:LANES]  # element i of lane k's block
                             for i in range(MX_BLOCK):
-                                out[r, ob + i] = lut[codes[cb + i * LANES]]
+                                o[i] = lut[cc[i]]
                             continue
                         if live[b, k] and d < -window:
                             n_out += 1
                         p = bits_f32(np.int32((max(d + shift, -126) + 127) << 23))
+                        o = out[r, ob:ob + MX_BLOCK]
+                        cc = codes[cb:cb + MX_BLOCK * LANES:LANES]
                         for i in range(MX_BLOCK):
-                            y = table[codes[cb + i * LANES]] * p
+                            y = table[cc[i]] * p
                             code = _code(y, 20, np.int32((1 << 19) - 1), np.int32(120 << 3), e4_min_normal_bits,
                                          e4_sub_mul, np.int32(0x7E))
-                            out[r, ob + i] = code | (0x80 if f32_bits(y) < 0 else 0)
+                            o[i] = code | (0x80 if f32_bits(y) < 0 else 0)
                 outside[r] = n_out
 
 
