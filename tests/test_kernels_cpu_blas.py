@@ -35,3 +35,5 @@ def test_mkl_bf16_gemm_rejects_bad_operands():
         cpu_blas.gemm_bf16_f32(a, torch.zeros(32, 8, dtype=torch.bfloat16).t())
     with pytest.raises(ValueError, match=r"b: expected K=32 columns like a, got \(8, 16\)"):
         cpu_blas.gemm_bf16_f32(a, b[:, :16].contiguous())
+    assert cpu_blas.bf16_gemm_fits(2**16, 2**15 - 1, 2**15 - 1)  # every product of sizes below 2^31
+    assert not cpu_blas.bf16_gemm_fits(2**16, 2**15, 1) and not cpu_blas.bf16_gemm_fits(1, 2**16, 2**15)

@@ -117,8 +117,10 @@ def test_scaled_gemm_cpu_on_packed_operands_runs_mkl_within_the_summation_bound(
 
 
 @pytest.mark.parametrize("granularity", list(G))
-def test_scaled_gemm_cpu_without_mkl_is_the_reference_bit_for_bit(granularity, gen, monkeypatch):
-    monkeypatch.setattr(gemm_cpu, "bf16_gemm_available", lambda: False)
+@pytest.mark.parametrize("why", ["no MKL GEMM", "too large for it"])
+def test_scaled_gemm_cpu_without_mkl_is_the_reference_bit_for_bit(granularity, why, gen, monkeypatch):
+    monkeypatch.setattr(gemm_cpu, "bf16_gemm_available" if why == "no MKL GEMM" else "bf16_gemm_fits",
+                        lambda *shape: False)
     a = mx_operands_cpu(adversarial(200, 256, gen), col=False, granularity=granularity)
     b = mx_operands_cpu(adversarial(96, 256, gen), col=False, granularity=granularity)
     bias = torch.randn(96, generator=dev_gen(gen, "cpu"))

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["bf16_gemm_available", "gemm_bf16_f32"]
+__all__ = ["bf16_gemm_available", "bf16_gemm_fits", "gemm_bf16_f32"]
 
 _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS enum values
 _INT32_MAX = 2**31 - 1  # the LP64 interface's MKL_INT
@@ -43,6 +43,11 @@ def bf16_gemm_available() -> bool:
     return _cblas_gemm_bf16bf16f32() is not None
 
 
+def bf16_gemm_fits(m: int, n: int, k: int) -> bool:
+    """True when an [m, k] x [n, k] product fits the 32-bit indexing of MKL's LP64 interface."""
+    return max(m * k, n * k, m * n) <= _INT32_MAX
+
+
 def gemm_bf16_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """fp32 a · bᵀ for contiguous CPU bf16 `a` [M, K] and `b` [N, K]: every product exact, summed in
     fp32 in MKL's order (which, like a tensor core's, may flush products below fp32's normal range)."""
@@ -56,7 +61,7 @@ def gemm_bf16_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (m, k), (n, kb) = a.shape, b.shape
     if k != kb:
         raise ValueError(f"b: expected K={k} columns like a, got {tuple(b.shape)}")
-    if max(m * k, n * k, m * n) > _INT32_MAX:
+    if not bf16_gemm_fits(m, n, k):
         raise ValueError(f"gemm_bf16_f32: [{m}, {k}] x [{n}, {k}] exceeds MKL's 32-bit indexing")
     out = torch.empty(m, n, dtype=torch.float32)
     if m and n:

@@ -14,7 +14,7 @@ checked value by value). Then the product runs as MKL's bf16 GEMM with fp32 accu
 (`cpu_blas`), ~3x the fp32 matmul: the contract of the GEMM (exact values, fp32 sums, one
 rounding) with another summation order, as cuBLAS has on the GPU. Operands with a value that is not
 a bf16, or a PyTorch without that GEMM, take the reference's own fp32 matmul on the fp32 values:
-the reference bit for bit.
+the reference bit for bit (as do products too large for MKL's 32-bit indexing).
 
 numba is optional (`cpu_kernel_available()`); the custom ops fall back to the reference without it.
 """
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..mx.scaled_gemm import add_bias_and_round, dequantized_gemm
-from .cpu_blas import bf16_gemm_available, gemm_bf16_f32
+from .cpu_blas import bf16_gemm_available, bf16_gemm_fits, gemm_bf16_f32
 from .operands_cpu import HAS_NUMBA, numpy_view
 
 __all__ = ["dequantize_operand_bf16_cpu", "dequantize_operand_cpu", "scaled_gemm_cpu"]
@@ -143,7 +143,7 @@ def scaled_gemm_cpu(
 ) -> torch.Tensor:
     """`scaled_gemm_reference` on CPU tensors (same arguments): through MKL's bf16 GEMM where the
     operands' values are exact bf16s, otherwise bit for bit."""
-    if bf16_gemm_available():
+    if bf16_gemm_available() and bf16_gemm_fits(a_data.shape[0], b_data.shape[0], a_data.shape[-1]):
         a = dequantize_operand_bf16_cpu(a_data, a_scale)
         b = dequantize_operand_bf16_cpu(b_data, b_scale) if a is not None else None
         if b is not None:

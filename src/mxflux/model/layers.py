@@ -56,15 +56,14 @@ def apply_rope(xq: Tensor, xk: Tensor, pe: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # In eager mode on the CPU, sequences up to this long take `explicit_attention`: PyTorch's CPU
-# flash-attention backward is ~3x slower there (2 cores, the demo model's 16 x 2 heads x 96 tokens
-# x 64: 7.4 ms forward + backward against 2.6 ms), and the [L, L] scores of a short sequence are
-# small. Compiled graphs keep SDPA: it is the op the activation-checkpointing policies keep as
+# flash-attention backward is slow there (2 cores, the demo model's 16 x 2 heads x 96 tokens x 64:
+# 8.6 ms forward + backward against 3.7 ms), and the [L, L] scores of a short sequence are small. Compiled graphs keep SDPA: it is the op the activation-checkpointing policies keep as
 # attention's output.
 CPU_EXPLICIT_ATTENTION_MAX_LEN = 512
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, pe: Tensor) -> Tensor:
-    """RoPE, then SDPA: q, k, v [B, H, L, D] -> [B, L, H·D]."""
+    """RoPE, then SDPA (or, eager on the CPU, `explicit_attention`): q, k, v [B, H, L, D] -> [B, L, H·D]."""
     q, k = apply_rope(q, k, pe)
     if (q.device.type == "cpu" and q.shape[-2] <= CPU_EXPLICIT_ATTENTION_MAX_LEN
             and not torch.compiler.is_compiling()):
