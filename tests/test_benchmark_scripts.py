@@ -15,7 +15,7 @@ def test_convergence_study_runs_both_precisions_and_writes_curves(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--steps", "4", "--width", "128",
            "--depth", "1", "--single", "1", "--batch", "4", "--eval-every", "2", "--eval-samples", "8",
-           "--warmup", "1", "--no-compile", "--out", str(tmp_path)]
+           "--warmup", "1", "--no-compile", "--out", str(tmp_path), "--runs", str(tmp_path / "curves")]
     subprocess.run(cmd, check=True, cwd=tmp_path, env=env, timeout=600)
     (result,) = tmp_path.glob("convergence_*.json")
     r = json.loads(result.read_text())
@@ -24,6 +24,12 @@ def test_convergence_study_runs_both_precisions_and_writes_curves(tmp_path):
     assert last < first  # the loss falls
     assert abs(r["final_ratio_mxfp6_over_bf16"] - r["curves"]["mxfp6"][-1][1] / r["curves"]["bf16"][-1][1]) < 1e-12
     assert (tmp_path / result.name.replace(".json", ".png")).stat().st_size > 1000
+    # --runs: each run's metrics.csv as it trained (the curves above are its eval rows), nothing else
+    for p in ("bf16", "mxfp6"):
+        rows = (tmp_path / "curves" / f"{p}.csv").read_text().splitlines()
+        evals = [r.split(",") for r in rows if ",eval," in r]
+        assert [(int(e[0]), float(e[3])) for e in evals] == [tuple(x) for x in r["curves"][p]]
+    assert sorted(q.name for q in (tmp_path / "curves").iterdir()) == ["bf16.csv", "mxfp6.csv"]
 
 
 def test_comm_sweep_runs_every_setting_on_two_ranks(tmp_path):
