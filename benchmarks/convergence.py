@@ -99,13 +99,12 @@ def main(argv=None):
         cmd = [sys.executable, __file__, "--worker", prec, "--run-dir", str(run_dir),
                *(argv if argv is not None else sys.argv[1:])]
         procs[prec] = subprocess.Popen(cmd, env=os.environ.copy())
-    while any(proc.poll() is None for proc in procs.values()):
-        if args.runs:
-            _copy_metrics(base, Path(args.runs), procs)
-        time.sleep(30 if args.runs else 1)
     if args.runs:
+        while any(proc.poll() is None for proc in procs.values()):
+            _copy_metrics(base, Path(args.runs), procs)
+            time.sleep(30)
         _copy_metrics(base, Path(args.runs), procs)
-    failed = [p for p, proc in procs.items() if proc.returncode != 0]
+    failed = [p for p, proc in procs.items() if proc.wait() != 0]
     if failed:
         raise SystemExit(f"convergence: the {failed} run(s) failed")
 

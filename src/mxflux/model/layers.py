@@ -91,7 +91,6 @@ class _ExplicitAttention(torch.autograd.Function):
             p = ((q.float() @ k.float().transpose(-1, -2)) * scale).softmax(dim=-1)
             out = (p.to(v.dtype) @ v).to(q.dtype)
         ctx.save_for_backward(q, k, v, p, out)
-        ctx.scale = scale
         return out
 
     @staticmethod
@@ -100,7 +99,7 @@ class _ExplicitAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             dv = (p.to(v.dtype).transpose(-1, -2) @ dout.to(v.dtype)).to(v.dtype)
             d = (dout.float() * out.float()).sum(dim=-1, keepdim=True)  # rowsum(dP ⊙ P), as flash
-            ds = p * (dout.float() @ v.float().transpose(-1, -2) - d) * ctx.scale
+            ds = p * (dout.float() @ v.float().transpose(-1, -2) - d) * q.shape[-1] ** -0.5
             dq = (ds @ k.float()).to(q.dtype)
             dk = (ds.transpose(-1, -2) @ q.float()).to(k.dtype)
         return dq, dk, dv
