@@ -362,3 +362,34 @@ def test_compiled_launch_calls_the_c_launcher_itself_when_no_scratch_is_needed()
     runner.global_scratch_size = 128  # needs Triton's allocator: the launcher object itself
     triton_common.CompiledLaunch(compiled, 0, ("K",), **env)((3, 2), (10, 11))
     assert calls[-1] == ("py", (3, 2, 1, 9, 5, (4, 1, 0), None, None, None, 10, 11, "K"))
+
+
+@pytest.mark.parametrize("n_col_tiles, n_row_tiles, resident", [
+    (48, 128, 264), (192, 128, 264), (144, 128, 264), (240, 256, 264), (48, 32, 264), (336, 24, 264),
+    (1, 1, 264), (500, 3, 264), (2, 1000, 8), (7, 13, 5)])
+def test_persistent_grid_minimises_waves_times_tiles_per_program(n_col_tiles, n_row_tiles, resident):
+    """Programs per column strip: at least one full wave where the tiles allow, at most 4 waves,
+    and among those the fewest (waves x row tiles of the busiest program), the smallest such p."""
+    p = oc.persistent_row_programs(n_col_tiles, n_row_tiles, resident)
+    assert 1 <= p <= n_row_tiles
+
+    def cost(q):
+        return -(-n_col_tiles * q // resident) * -(-n_row_tiles // q)
+
+    allowed = [q for q in range(1, n_row_tiles + 1)
+               if (n_col_tiles * q >= resident or q == n_row_tiles) and n_col_tiles * (q - 1) < 4 * resident]
+    assert p in allowed
+    assert cost(p) == min(cost(q) for q in allowed)
+    assert p == min(q for q in allowed if cost(q) == cost(p))
+
+
+def test_persistent_grid_of_the_measured_shapes():
+    """The H200 shapes of benchmarks/RESULTS.md (264 resident programs, 128-row tiles, 64-column
+    strips): X [16384 x 3072] keeps 11 programs per strip; [16384 x 12288] takes 4 (768 programs, 3
+    full waves) instead of the 3 (576, a fifth of a last wave) a fixed 2-wave grid gave; dY
+    [16384 x 9216] 7 instead of 4; [32768 x 15360] 2, one full wave at least."""
+    assert oc.persistent_row_programs(48, 128, 264) == 11
+    assert oc.persistent_row_programs(192, 128, 264) == 4
+    assert oc.persistent_row_programs(144, 128, 264) == 7
+    assert oc.persistent_row_programs(240, 256, 264) == 2
+    assert oc._grid(192, 128, torch.device("cpu"), 8) == (192, oc.persistent_row_programs(192, 128, 8))

@@ -59,7 +59,7 @@ def _ptx_aligned(fn, sig, consts, num_warps):
 
 
 _PACK_SIG = {"x_ptr": "*bf16", "aux_ptr": "*bf16", "stride_x": "i32", "stride_aux": "i32", "R": "i32", "C": "i32",
-             "Rp": "i32", "row_data_ptr": "*u8", "row_scale_ptr": "*fp32", "col_data_ptr": "*u8",
+             "Rp": "i32", "row_data_ptr": "*i32", "row_scale_ptr": "*fp32", "col_data_ptr": "*i32",
              "col_scale_ptr": "*fp32", "colsum_ptr": "*fp32", "outside_ptr": "*i64", "row_eref_ptr": "*i32",
              "col_eref_ptr": "*i32", "n_row_tiles": "i32", "n_prog_r": "i32"}
 

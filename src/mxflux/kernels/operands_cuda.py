@@ -104,6 +104,19 @@ if HAS_TRITON:
     _SHIFT = tl.constexpr(_E2M3.fold_shift)  # a group's fp32 scale is 2^(e_ref - shift)
     _WINDOW = tl.constexpr(_E2M3.fold_window)  # binades below e_ref that still fold exactly
     _SHUFFLE_LANE_PAIRS = tl.constexpr(_PAIR_SHUFFLE)
+    # Four folded bytes (one int32 word) from four fp32 values y·2^-e ($1..$4, in byte order) and
+    # F = 2^(d+11) as f16x2 ($5): the E2M3 rounding (cvt to E4M3: its first source lands in the high
+    # byte), E4M3 -> f16x2 (exact), E2M3 saturation at ±7.5·2^-6 and the re-scale by F in f16x2
+    # (Triton would widen f16 arithmetic to f32), the second conversion to E4M3, the two byte pairs
+    # merged. The interpreter runs `f32_to_e4m3` and `_refold` instead; the GPU tests check both.
+    _ENCODE4 = tl.constexpr(
+        "{ .reg .b16 p0, p1; .reg .b32 h0, h1, lo, hi; mov.b32 lo, 0xAF80AF80; mov.b32 hi, 0x2F802F80;"
+        " cvt.rn.satfinite.e4m3x2.f32 p0, $2, $1; cvt.rn.satfinite.e4m3x2.f32 p1, $4, $3;"
+        " cvt.rn.f16x2.e4m3x2 h0, p0; cvt.rn.f16x2.e4m3x2 h1, p1;"
+        " max.f16x2 h0, h0, lo; min.f16x2 h0, h0, hi; mul.rn.f16x2 h0, h0, $5;"
+        " max.f16x2 h1, h1, lo; min.f16x2 h1, h1, hi; mul.rn.f16x2 h1, h1, $5;"
+        " cvt.rn.satfinite.e4m3x2.f16x2 p0, h0; cvt.rn.satfinite.e4m3x2.f16x2 p1, h1;"
+        " mov.b32 $0, {p0, p1}; }")
 
     # ---------------------------------------------------------------- tuples of tensors
     @triton.jit
@@ -121,27 +134,13 @@ if HAS_TRITON:
 
     # ---------------------------------------------------------------- exact helpers
     @triton.jit
-    def _refold(b1, f16bits, HW: tl.constexpr):
-        """E4M3 byte of sat(b1)·F: b1 = E4M3 byte of q·2^-6 (unsaturated), F = f16 2^(d+11) or NaN."""
-        if HW:
-            h = b1.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-            f = f16bits.to(tl.int16).to(tl.float16, bitcast=True)
-            # f16x2: clamp to ±7.5·2^-6 (E2M3 saturation), then scale; Triton would widen to f32.
-            h = tl.inline_asm_elementwise(
-                "{ .reg .b32 lo, hi; mov.b32 lo, 0xAF80AF80; mov.b32 hi, 0x2F802F80; "
-                "max.f16x2 $0, $1, lo; min.f16x2 $0, $0, hi; mul.rn.f16x2 $0, $0, $2; }",
-                "=r,r,r",
-                [h, f],
-                dtype=tl.float16,
-                is_pure=True,
-                pack=2,
-            )
-            return h.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            v = e4m3_byte_to_f32(b1.to(tl.int32))
-            v = tl.minimum(tl.maximum(v, -0.1171875), 0.1171875)
-            f = f16bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            return f32_to_e4m3(v * f, False)
+    def _refold(b1, f16bits):
+        """E4M3 byte of sat(b1)·F in integer arithmetic (the interpreter's emulation of the fold
+        half of `_ENCODE4`): b1 = E4M3 byte of q·2^-6 (unsaturated), F = f16 2^(d+11) or NaN."""
+        v = e4m3_byte_to_f32(b1.to(tl.int32))
+        v = tl.minimum(tl.maximum(v, -0.1171875), 0.1171875)
+        f = f16bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return f32_to_e4m3(v * f, False)
 
     @triton.jit
     def _prologue_kernel(x_ptr, aux_ptr, out_ptr, n, PROLOGUE: tl.constexpr, HW: tl.constexpr,
@@ -197,64 +196,79 @@ if HAS_TRITON:
         return e, bad, live
 
     @triton.jit
-    def _encode(ys, e, e_ref, bad, HW: tl.constexpr):
-        """32-tuple of rotated fp32 -> 16-tuple of [..., 2] folded E4M3 byte pairs (elements 2i,
-        2i+1): every cast and the f16x2 asm work on two values per instruction, and the pair is
-        already two adjacent bytes of the output."""
+    def _encode_words(ys, e, e_ref, bad, HW: tl.constexpr):
+        """32-tuple of rotated fp32 -> 8-tuple of int32 words, word w holding the block's folded
+        E4M3 bytes 4w .. 4w + 3 (little-endian, as they lie in memory). On the GPU each word is one
+        inline-asm sequence (`_ENCODE4`): the E2M3 rounding of four values y·2^-e (`cvt` to E4M3 at
+        the shift where the grids coincide), the fold (saturate, re-scale by F = 2^(d+11), convert
+        again) in f16x2, and the two byte pairs merged into one register. Built from Triton's byte
+        tensors instead, every byte sat in a register of its own and was masked, shifted, selected
+        and permuted into place: a quarter of pass 2's instructions, most on the integer pipe
+        (benchmarks/NOTES.md)."""
         s = pow2_f32(-e - 6)
         fb = tl.where(bad, 0x7E00, f16_pow2_bits(e - e_ref + 11))
-        fb2 = tl.join(fb, fb)
         out = ()
-        for i in tl.static_range(16):
-            b1 = f32_to_e4m3(tl.join(ys[2 * i] * s, ys[2 * i + 1] * s), HW)  # E2M3 rounding of y·2^-e
-            out = out + (_refold(b1, fb2, HW),)
+        if HW:
+            f2 = fb | (fb << 16)  # F as f16x2
+            for w in tl.static_range(8):
+                out = out + (tl.inline_asm_elementwise(
+                    _ENCODE4, "=r,r,r,r,r,r",
+                    [ys[4 * w] * s, ys[4 * w + 1] * s, ys[4 * w + 2] * s, ys[4 * w + 3] * s, f2],
+                    dtype=tl.int32, is_pure=True, pack=1),)
+        else:
+            fb2 = tl.join(fb, fb)
+            for w in tl.static_range(8):
+                word = tl.zeros_like(fb)
+                for h in tl.static_range(2):  # E2M3 rounding of y·2^-e, two values at a time
+                    b1 = f32_to_e4m3(tl.join(ys[4 * w + 2 * h] * s, ys[4 * w + 2 * h + 1] * s), HW)
+                    lo, hi = tl.split(_refold(b1, fb2))
+                    word = word | ((lo.to(tl.int32) | (hi.to(tl.int32) << 8)) << (16 * h))
+                out = out + (word,)
         return out
 
     @triton.jit
-    def _halves(pairs):
-        """16-tuple of [..., 2] byte pairs -> two [..., 16] tensors (bytes 0-15, 16-31 of each
-        block): stored as 16 B per thread, the layout Triton's store coalescing picks, so the bytes
-        go straight from registers to memory with no shared-memory round trip."""
+    def _word_halves(words):
+        """8-tuple of [A, B] int32 words -> two [A, B, 4] tensors (bytes 0-15, 16-31 of each
+        block): 16 B per thread, stored by one vector instruction."""
         lo = ()
         hi = ()
-        for i in tl.static_range(8):
-            lo = lo + (pairs[i],)
-            hi = hi + (pairs[i + 8],)
-        zl = zip_tuple(lo, 3)  # [A, B, 2 (parity), i2, i1, i0]: byte 2i + parity
-        zh = zip_tuple(hi, 3)
-        zl = tl.reshape(tl.permute(zl, (0, 1, 3, 4, 5, 2)), (zl.shape[0], zl.shape[1], 16))
-        zh = tl.reshape(tl.permute(zh, (0, 1, 3, 4, 5, 2)), (zh.shape[0], zh.shape[1], 16))
-        return zl, zh
+        for i in tl.static_range(4):
+            lo = lo + (words[i],)
+            hi = hi + (words[i + 4],)
+        zl = zip_tuple(lo, 2)  # [A, B, i1, i0]: word 2·i1 + i0
+        zh = zip_tuple(hi, 2)
+        return (tl.reshape(zl, (zl.shape[0], zl.shape[1], 4)), tl.reshape(zh, (zh.shape[0], zh.shape[1], 4)))
 
     @triton.jit
     def _swap_lane_pairs(t, HW: tl.constexpr):
-        """[D0, D1, 16] uint8 -> the same tensor with dim-0 neighbours (d0 ^ 1) exchanged. On the
-        GPU one warp shuffle per 4 bytes: the block stores' layout puts d0 on the lanes, d0 bit 0
+        """[D0, D1, 4] int32 -> the same tensor with dim-0 neighbours (d0 ^ 1) exchanged. On the
+        GPU one warp shuffle per word: the block stores' layout puts d0 on the lanes, d0 bit 0
         on lane bit 0 (checked on each compiled kernel before its first launch:
-        `_paired_stores_hold`), so lane ^ 1 holds the neighbour's bytes in the same registers.
+        `_paired_stores_hold`), so lane ^ 1 holds the neighbour's words in the same registers.
         The interpreter swaps by reshaping (it has no lanes)."""
         if HW:
             return tl.inline_asm_elementwise(
-                _SHUFFLE_LANE_PAIRS, "=r,r", [t], dtype=tl.uint8, is_pure=True, pack=4)
+                _SHUFFLE_LANE_PAIRS, "=r,r", [t], dtype=tl.int32, is_pure=True, pack=1)
         else:
             D0: tl.constexpr = t.shape[0]
             D1: tl.constexpr = t.shape[1]
-            p = tl.permute(tl.reshape(t, (D0 // 2, 2, D1, 16)), (0, 2, 3, 1))
+            p = tl.permute(tl.reshape(t, (D0 // 2, 2, D1, 4)), (0, 2, 3, 1))
             even, odd = tl.split(p)
-            return tl.reshape(tl.permute(tl.join(odd, even), (0, 3, 1, 2)), (D0, D1, 16))
+            return tl.reshape(tl.permute(tl.join(odd, even), (0, 3, 1, 2)), (D0, D1, 4))
 
     @triton.jit
     def _store_block_pairs(ptr, d0, stride, n_d0, rest, zl, zh, mask_rest, HW: tl.constexpr):
-        """Store 32-byte blocks held as two 16-byte halves per thread (zl, zh: [D0, D1, 16] uint8,
-        block of (d0, d1) at ptr + d0·stride + rest) so that each store instruction writes whole
-        32-byte sectors: the lanes of a pair (d0 = 2k, 2k + 1) first write block 2k (the even lane
-        its low half, the odd lane its high half), then block 2k + 1. One 16-byte half per lane
-        crosses between them. Written as one half per store, every sector took two partial writes
-        (the packer's limiter, benchmarks/NOTES.md). Blocks exist where d0 < n_d0 and mask_rest;
-        d0 is [D0, 1, 1] (D0 even, tiles start at even d0), rest and mask_rest [1, D1, 16]."""
+        """Store 32-byte blocks held as two 16-byte halves per thread (zl, zh: [D0, D1, 4] int32
+        words, block of (d0, d1) at word ptr + d0·stride + rest) so that each store instruction
+        writes whole 32-byte sectors: the lanes of a pair (d0 = 2k, 2k + 1) first write block 2k
+        (the even lane its low half, the odd lane its high half), then block 2k + 1. One 16-byte
+        half per lane crosses between them. Written as one half per store, every sector took two
+        partial writes (the packer's limiter, benchmarks/NOTES.md). Blocks exist where d0 < n_d0
+        and mask_rest; d0 is [D0, 1, 1] (D0 even, tiles start at even d0), rest and mask_rest
+        [1, D1, 4]."""
         odd = (d0 & 1) == 1
         recv = _swap_lane_pairs(tl.where(odd, zl, zh), HW)  # even lanes send high halves, odd lanes low
-        half = tl.where(odd, 16, 0)
+        half = tl.where(odd, 4, 0)
         first = d0 - (d0 & 1)  # the even block of the pair
         tl.store(ptr + first.to(tl.int64) * stride + half + rest, tl.where(odd, recv, zl),
                  mask=(first < n_d0) & mask_rest)
@@ -271,7 +285,7 @@ if HAS_TRITON:
             o = ptr + d0.to(tl.int64) * stride + rest
             m = (d0 < n_d0) & mask_rest
             tl.store(o, zl, mask=m)
-            tl.store(o + 16, zh, mask=m)
+            tl.store(o + 4, zh, mask=m)
 
     @triton.jit
     def _blocks_of_rows(t, BR: tl.constexpr, NB: tl.constexpr, HW: tl.constexpr):
@@ -444,13 +458,14 @@ if HAS_TRITON:
                         g = tl.max(tl.reshape(tl.where(live, e, -1024), (NB // 4, 4, BR)), axis=1)
                         g = tl.reshape(tl.broadcast_to(g[:, None, :], (NB // 4, 4, BR)), (NB, BR))
                         e_ref = tl.where(g == -1024, 0, g)
-                    b2 = _encode(ys, e, e_ref, bad, HW)
+                    words = _encode_words(ys, e, e_ref, bad, HW)
                     row_cnt += (live & ((e - e_ref) < -_WINDOW)).to(tl.int32)
-                    zl, zh = _halves(b2)  # [NB, BR, 16] -> [BR, NB, 16]
+                    zl, zh = _word_halves(words)  # [NB, BR, 4] -> [BR, NB, 4]
                     zl = tl.permute(zl, (1, 0, 2))
                     zh = tl.permute(zh, (1, 0, 2))
-                    rest = (tl.arange(0, NB) * _BLOCK)[None, :, None] + tl.arange(0, 16)[None, None, :]
-                    _store_blocks(row_data_ptr + col0, row0 + r3, C, R, rest, zl, zh, cblk3 < C, PAIRS, HW)
+                    rest = (tl.arange(0, NB) * (_BLOCK // 4))[None, :, None] + tl.arange(0, 4)[None, None, :]
+                    _store_blocks(row_data_ptr + col0 // 4, row0 + r3, tl.multiple_of(C // 4, 8), R, rest, zl, zh,
+                                  cblk3 < C, PAIRS, HW)
                     if GRAN == 0:
                         if pid_c == 0:
                             tl.store(row_scale_ptr + rows[None, :], pow2_f32(e_ref - _SHIFT), mask=rows[None, :] < R)
@@ -499,16 +514,16 @@ if HAS_TRITON:
                             g = tl.max(tl.reshape(tl.where(live, e, -1024), (RB // 4, 4, BC)), axis=1)
                             g = tl.reshape(tl.broadcast_to(g[:, None, :], (RB // 4, 4, BC)), (RB, BC))
                             e_ref = tl.where(g == -1024, 0, g)
-                        b2 = _encode(ys, e, e_ref, bad, HW)
+                        words = _encode_words(ys, e, e_ref, bad, HW)
                         col_cnt += (live & ((e - e_ref) < -_WINDOW)).to(tl.int32)
-                        zl, zh = _halves(b2)
-                        # [BC, RB, 16] so that lanes run along columns, as in the data layout
+                        zl, zh = _word_halves(words)
+                        # [BC, RB, 4] so that lanes run along columns, as in the data layout
                         zl = tl.permute(zl, (1, 0, 2))
                         zh = tl.permute(zh, (1, 0, 2))
                         ct = col0 + tl.arange(0, BC)[:, None, None]
                         rt3 = row0 + tl.arange(0, RB)[None, :, None] * _BLOCK
-                        _store_blocks(col_data_ptr, ct, Rp, C, rt3 + tl.arange(0, 16)[None, None, :], zl, zh,
-                                      rt3 < Rp, PAIRS, HW)
+                        _store_blocks(col_data_ptr, ct, tl.multiple_of(Rp // 4, 8), C,
+                                      rt3 // 4 + tl.arange(0, 4)[None, None, :], zl, zh, rt3 < Rp, PAIRS, HW)
                         if GRAN != 0:
                             rbg = row0 + rb2
                             so = cc2.to(tl.int64) * (Rp // GRAN) + rbg // GRAN
@@ -541,11 +556,27 @@ def _check_input(x: torch.Tensor, name: str, dtypes=(torch.bfloat16,)) -> None:
 def _grid(n_col_tiles: int, n_row_tiles: int, device: torch.device, warps: int) -> tuple[int, int]:
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4
-    # persistent along rows (the loop prefetches the next tile); ~2 waves of resident CTAs
-    resident = 2 if warps <= 8 else 1
-    target = 2 * resident * sms
-    p = max(1, min(n_row_tiles, -(-target // n_col_tiles)))
-    return (n_col_tiles, p)
+    return (n_col_tiles, persistent_row_programs(n_col_tiles, n_row_tiles, (2 if warps <= 8 else 1) * sms))
+
+
+def persistent_row_programs(n_col_tiles: int, n_row_tiles: int, resident: int, max_waves: int = 4) -> int:
+    """Programs per column strip, p: each walks every p-th row tile of its strip (prefetching the
+    next one). All programs do about the same work, so a launch lasts about (waves of `resident`
+    programs) x (row tiles of the busiest program); this picks the p that minimises that product,
+    the smallest such p (fewer, longer programs keep the prefetch pipeline full), among grids of at
+    least one full wave (a partial single wave leaves SMs half used all along: [32768 x 15360] on
+    240 programs was 12 % slower than on 720) and at most `max_waves` waves. A fixed ~2 waves
+    left a partial wave at the end of wide tensors: [16384 x 12288] ran 576 programs on 264 slots
+    (3 waves, the last a fifth full) in 204 + 351 µs (pass 1 + 2), 4 programs per strip run 768 in
+    3 full waves of 32 tiles each in 183 + 319 µs (benchmarks/RESULTS.md)."""
+    best_cost, best_p = None, 1
+    p_min = min(n_row_tiles, -(-resident // n_col_tiles))
+    p_max = max(p_min, min(n_row_tiles, -(-max_waves * resident // n_col_tiles)))
+    for p in range(p_min, p_max + 1):
+        cost = -(-n_col_tiles * p // resident) * -(-n_row_tiles // p)
+        if best_cost is None or cost < best_cost:
+            best_cost, best_p = cost, p
+    return best_p
 
 
 def coalesced_loads(prologue: str, mode: str | None = None) -> bool:
@@ -832,11 +863,11 @@ def _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale,
         return ws if off is None else ws[off:off + n]
 
     R, C = plan.R, plan.C
-    u8 = torch.uint8
+    i32 = torch.int32  # the kernels store the E4M3 data as 4-byte words
     args = (
         xw, aw, xw.stride(0), aw.stride(0), R, C, plan.Rp,
-        row_data.view(u8) if plan.row else ws, row_scale if plan.row else ws,
-        col_data.view(u8) if plan.col else ws, col_scale if plan.col else ws,
+        row_data.view(i32) if plan.row else ws, row_scale if plan.row else ws,
+        col_data.view(i32) if plan.col else ws, col_scale if plan.col else ws,
         ws[plan.off_sums:plan.off_sums + C].view(torch.float32) if plan.colsum else ws,
         counter if plan.direct_counter else ws[plan.off_outside:plan.off_outside + 2].view(torch.int64),
         part(plan.off_row_eref, R), part(plan.off_col_eref, C), plan.n_rt, plan.grid[1],

@@ -1,0 +1,101 @@
+"""Time the ROWWISE packer's two passes apart, at several grid sizes, on one GPU.
+
+The row granularity (the recipes' `mx_gemm: rowwise`) runs two kernels per call: pass 1 (block
+exponents, per-row and per-column maxima by atomic max) and pass 2 (encode both orientations).
+This probe times each pass of one call with the torch profiler (median over calls, inputs
+rotating past L2), for activations (bf16), gradients (bf16 with column sums) and master weights
+(fp32), under the packer's own grid (`auto`) and under fixed grids of about N waves of resident
+programs per column strip (`--grids auto,2,4`: the rule before `persistent_row_programs`), so a
+change to either pass or to the grid can be judged per pass. Prints a table; `--json PATH` writes
+the numbers.
+
+    PYTHONPATH=src python3 benchmarks/probe_pack_passes.py --grids auto,2 --json $OUT/pack_passes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+CASES = (  # (name, rows, cols, dtype, colsum)
+    ("X bf16", 16384, 3072, torch.bfloat16, False),
+    ("X bf16 wide", 16384, 12288, torch.bfloat16, False),
+    ("X bf16 widest", 32768, 15360, torch.bfloat16, False),
+    ("dY bf16 +colsum", 16384, 9216, torch.bfloat16, True),
+    ("W fp32", 9216, 3072, torch.float32, False),
+)
+
+
+def _pass_times(fn, calls: int) -> tuple[list[float], list[float]]:
+    """µs of every pass-1 and pass-2 kernel over `calls` calls of fn (two `_pack_kernel` launches each)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.name == "_pack_kernel" and e.device_type.name == "CUDA"),
+                key=lambda e: e.time_range.start)
+    durs = [e.time_range.end - e.time_range.start for e in ev]
+    return durs[0::2], durs[1::2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grids", default="auto", help="comma-separated: auto (the packer's grid) or N, a fixed "
+                    "~N waves of resident programs (programs per strip = ceil(N x resident / strips))")
+    ap.add_argument("--calls", type=int, default=12)
+    ap.add_argument("--json", help="write the numbers here")
+    args = ap.parse_args()
+
+    import mxflux.kernels.operands_cuda as oc
+    from mxflux.kernels import mx_operands_cuda
+    from mxflux.mx import FoldGranularity
+
+    grid0 = oc._grid
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    rows = []
+    for waves in args.grids.split(","):
+        def grid(n_col_tiles, n_row_tiles, device, warps, waves=waves):
+            if waves == "auto":
+                return grid0(n_col_tiles, n_row_tiles, device, warps)
+            sms = oc.num_sms(device.index if device.index is not None else torch.cuda.current_device())
+            resident = 2 if warps <= 8 else 1
+            p = max(1, min(n_row_tiles, -(-int(float(waves) * resident * sms) // n_col_tiles)))
+            return (n_col_tiles, p)
+
+        oc._grid = grid
+        oc.clear_launch_plans()
+        for name, r, c, dtype, colsum in CASES:
+            nbuf = max(2, -(-3 * l2 // (r * c * dtype.itemsize)))
+            xs = [torch.randn(r, c, device="cuda").to(dtype) for _ in range(nbuf)]
+            i = [0]
+
+            def fn():
+                i[0] = (i[0] + 1) % nbuf
+                return mx_operands_cuda(xs[i[0]], granularity=FoldGranularity.ROWWISE, colsum=colsum)
+
+            for _ in range(3):
+                fn()
+            p1, p2 = _pass_times(fn, args.calls)
+            m1, m2 = statistics.median(p1), statistics.median(p2)
+            floor1 = r * c * dtype.itemsize / 4.2e6  # µs at 4.2 TB/s: pass 1 reads x once
+            floor2 = r * c * (dtype.itemsize + 2) / 4.2e6  # pass 2 reads x, writes 1 B per orientation
+            rows.append(dict(waves=waves, case=name, rows=r, cols=c, pass1_us=m1, pass2_us=m2,
+                             pass1_floor_us=floor1, pass2_floor_us=floor2, grid=list(oc._PLANS[next(reversed(
+                                 oc._PLANS))].grid)))
+            print(f"grid {waves:>4s} {name:16s} [{r}x{c}] grid {rows[-1]['grid']}: pass 1 {m1:7.1f} µs "
+                  f"({100 * floor1 / m1:4.1f} % of floor), pass 2 {m2:7.1f} µs ({100 * floor2 / m2:4.1f} %)",
+                  flush=True)
+            del xs
+    oc._grid = grid0
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
