@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 
 import torch
 
@@ -50,6 +51,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=12)
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("probe_pack_passes: needs a CUDA device")
 
     import mxflux.kernels.operands_cuda as oc
     from mxflux.kernels import mx_operands_cuda

@@ -11,7 +11,8 @@ outside the fold window.
 Design (numbers and measurements in benchmarks/NOTES.md and RESULTS.md):
 
 - Persistent programs walk a column strip in tiles of 128 rows x 64 columns (x 128 columns and
-  16 warps for 1x128 groups), prefetching the next tile while computing this one. Each tile is
+  16 warps for 1x128 groups), prefetching the next tile while computing this one; how many
+  programs share a strip is sized to whole waves (`persistent_row_programs`). Each tile is
   read from DRAM once. Every thread then holds one whole row block and one whole column block in
   registers (a tuple of MX_BLOCK tensors): the butterflies, the amax and the encoding are
   register code with no shuffles. Getting there costs one re-layout of the bf16 tile through
@@ -27,8 +28,11 @@ Design (numbers and measurements in benchmarks/NOTES.md and RESULTS.md):
   and both have 3 mantissa bits above it). The byte is decoded to f16 (exact), clamped to
   ±7.5·2^-6 (E2M3 saturation), multiplied by 2^(d+11) (d = e_block - e_ref; NaN for NaN blocks)
   and converted to E4M3 again: q·2^(d+5), the folded element, rounded to nearest even when the
-  block lies below the exact window, as `fold_to_e4m3` does. Under the CPU interpreter the
-  conversions are emulated bit for bit in integer arithmetic (`triton_common`).
+  block lies below the exact window, as `fold_to_e4m3` does. On the GPU that is one inline-asm
+  sequence per four elements whose result is the four bytes as one int32 word; the blocks are
+  stored as words (the kernels are issue-bound: byte tensors cost a quarter more instructions).
+  Under the CPU interpreter the conversions are emulated bit for bit in integer arithmetic
+  (`triton_common`).
 - The register layout (5 butterfly stages, 5 binary splits of a block, 16-byte quarters) is
   written for the OCP MX block of 32 elements; importing this module with another MX_BLOCK fails.
 
