@@ -4,8 +4,9 @@ The row granularity (the recipes' `mx_gemm: rowwise`) runs two kernels per call:
 exponents, per-row and per-column maxima by atomic max) and pass 2 (encode both orientations).
 This probe times each pass of one call with the torch profiler (median over calls, inputs
 rotating past L2), for activations (bf16), gradients (bf16 with column sums) and master weights
-(fp32), under the packer's own grid (`auto`) and under fixed grids of about N waves of resident
-programs per column strip (`--grids auto,2,4`: the rule before `persistent_row_programs`), so a
+(fp32), under the packer's own grids (`auto`: each pass sized for its own occupancy) and under one
+fixed grid of about N waves of two resident programs per SM for both passes (`--grids auto,2,4`:
+the rule before `persistent_row_programs`), so a
 change to either pass or to the grid can be judged per pass. Prints a table; `--json PATH` writes
 the numbers.
 
@@ -58,7 +59,7 @@ def main() -> None:
     from mxflux.kernels import mx_operands_cuda
     from mxflux.mx import FoldGranularity
 
-    grid0 = oc._grid
+    grid0, size0 = oc._grid, oc._size_grids_per_pass
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     for waves in args.grids.split(","):
@@ -71,6 +72,8 @@ def main() -> None:
             return (n_col_tiles, p)
 
         oc._grid = grid
+        # a fixed grid for both passes; auto: each pass sized for its own occupancy
+        oc._size_grids_per_pass = size0 if waves == "auto" else (lambda plan, args: None)
         oc.clear_launch_plans()
         for name, r, c, dtype, colsum in CASES:
             nbuf = max(2, -(-3 * l2 // (r * c * dtype.itemsize)))
@@ -87,14 +90,15 @@ def main() -> None:
             m1, m2 = statistics.median(p1), statistics.median(p2)
             floor1 = r * c * dtype.itemsize / 4.2e6  # µs at 4.2 TB/s: pass 1 reads x once
             floor2 = r * c * (dtype.itemsize + 2) / 4.2e6  # pass 2 reads x, writes 1 B per orientation
+            plan = oc._PLANS[next(reversed(oc._PLANS))]
+            grids = [list(plan.grids[p]) for p in plan.passes]
             rows.append(dict(waves=waves, case=name, rows=r, cols=c, pass1_us=m1, pass2_us=m2,
-                             pass1_floor_us=floor1, pass2_floor_us=floor2, grid=list(oc._PLANS[next(reversed(
-                                 oc._PLANS))].grid)))
-            print(f"grid {waves:>4s} {name:16s} [{r}x{c}] grid {rows[-1]['grid']}: pass 1 {m1:7.1f} µs "
+                             pass1_floor_us=floor1, pass2_floor_us=floor2, grids=grids))
+            print(f"grid {waves:>4s} {name:16s} [{r}x{c}] grids {grids}: pass 1 {m1:7.1f} µs "
                   f"({100 * floor1 / m1:4.1f} % of floor), pass 2 {m2:7.1f} µs ({100 * floor2 / m2:4.1f} %)",
                   flush=True)
             del xs
-    oc._grid = grid0
+    oc._grid, oc._size_grids_per_pass = grid0, size0
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)

@@ -393,3 +393,43 @@ def test_persistent_grid_of_the_measured_shapes():
     assert oc.persistent_row_programs(144, 128, 264) == 7
     assert oc.persistent_row_programs(240, 256, 264) == 2
     assert oc._grid(192, 128, torch.device("cpu"), 8) == (192, oc.persistent_row_programs(192, 128, 8))
+
+
+@pytest.mark.parametrize("n_regs, warps, shared, expected", [
+    (80, 8, 0, 3), (126, 8, 0, 2), (128, 8, 0, 2), (129, 8, 0, 1), (255, 8, 0, 1), (64, 4, 0, 8), (32, 4, 0, 16),
+    (80, 8, 100_000, 2), (80, 8, 40_000, 3), (40, 2, 0, 25), (1, 1, 0, 32)])
+def test_resident_programs_follows_registers_threads_and_shared_memory(n_regs, warps, shared, expected):
+    """Hopper's per-SM limits: 64 K registers allocated per warp in 256s, 2048 threads, 228 KB of
+    shared memory with 1 KB reserved per program, 32 programs."""
+    assert oc.resident_programs(n_regs, warps, shared) == expected
+
+
+def test_each_pass_gets_a_grid_for_its_own_occupancy(monkeypatch):
+    """Before a plan's first GPU launch, each pass is compiled (not run) and its grid sized for the
+    programs an SM holds of it: 3 of pass 1 (80 registers), 2 of pass 2 (126)."""
+    compiled = {1: SimpleNamespace(n_regs=80, metadata=SimpleNamespace(shared=33_000), hash="p1"),
+                2: SimpleNamespace(n_regs=126, metadata=SimpleNamespace(shared=33_000), hash="p2")}
+    for c in compiled.values():
+        c._init_handles = lambda: None
+    warmups = []
+
+    def warmup(*args, grid, PASS, **kw):
+        warmups.append((PASS, grid, args[-1]))
+        return compiled[PASS]
+
+    monkeypatch.setattr(oc, "_pack_kernel", SimpleNamespace(warmup=warmup), raising=False)
+    monkeypatch.setattr(oc, "interpreting", lambda: False)
+    monkeypatch.setattr(oc, "num_sms", lambda index: 132)
+    monkeypatch.setattr(oc, "_RESIDENT", {})
+    # X [16384 x 3072]: 48 column strips of 128 row tiles
+    plan = SimpleNamespace(hw=True, device=torch.device("cuda", 0), passes=(1, 2), grid=(48, 11), n_rt=128,
+                           options={"num_warps": 8}, meta={}, grids={1: (48, 11), 2: (48, 11)})
+    oc._size_grids_per_pass(plan, ("args",) * 16 + (11,))
+    assert [w[0] for w in warmups] == [1, 2]
+    assert plan.grids == {1: (48, oc.persistent_row_programs(48, 128, 3 * 132)),
+                          2: (48, oc.persistent_row_programs(48, 128, 2 * 132))} == {1: (48, 16), 2: (48, 11)}
+    # a single-pass plan (one-pass granularities) or the emulation keeps its grid
+    for change in (dict(passes=(2,), grids={2: (48, 11)}), dict(hw=False, grids={1: (48, 11), 2: (48, 11)})):
+        other = SimpleNamespace(**(plan.__dict__ | change))
+        oc._size_grids_per_pass(other, ("args",) * 17)
+        assert other.grids == change["grids"]

@@ -12,7 +12,8 @@ Design (numbers and measurements in benchmarks/NOTES.md and RESULTS.md):
 
 - Persistent programs walk a column strip in tiles of 128 rows x 64 columns (x 128 columns and
   16 warps for 1x128 groups), prefetching the next tile while computing this one; how many
-  programs share a strip is sized to whole waves (`persistent_row_programs`). Each tile is
+  programs share a strip is sized per pass to whole waves (`persistent_row_programs`,
+  `resident_programs`). Each tile is
   read from DRAM once. Every thread then holds one whole row block and one whole column block in
   registers (a tuple of MX_BLOCK tensors): the butterflies, the amax and the encoding are
   register code with no shuffles. Getting there costs one re-layout of the bf16 tile through
@@ -583,6 +584,19 @@ def persistent_row_programs(n_col_tiles: int, n_row_tiles: int, resident: int, m
     return best_p
 
 
+def resident_programs(n_regs: int, num_warps: int, shared_bytes: int, *, regs_per_sm: int = 65536,
+                      threads_per_sm: int = 2048, shared_per_sm: int = 233472, programs_per_sm: int = 32) -> int:
+    """Programs of a compiled kernel one SM holds at once (Hopper's limits by default): registers are
+    allocated per warp in units of 256 (8 per thread), each program reserves 1 KB of shared memory
+    besides its own. The passes differ (Triton 3.6: 80 registers for pass 1, 2 x 8 warps fit 3
+    programs; ~126 for pass 2, 2 programs), so each pass gets its own grid."""
+    regs = -(-max(n_regs, 1) // 8) * 8 * 32 * num_warps
+    fit = min(regs_per_sm // regs, threads_per_sm // (32 * num_warps), programs_per_sm)
+    if shared_bytes > 0:
+        fit = min(fit, shared_per_sm // (shared_bytes + 1024))
+    return max(1, fit)
+
+
 def coalesced_loads(prologue: str, mode: str | None = None) -> bool:
     """How tiles are read. "coalesced": [128, 64] bf16 tile loads, re-laid out once through
     shared memory into whole-blocks-per-thread (8-12 % faster measured without a prologue);
@@ -651,7 +665,7 @@ class _LaunchPlan:
     __slots__ = ("R", "C", "Rp", "row", "col", "colsum", "hw", "rowwise", "direct_counter", "row_scale_shape",
                  "col_scale_shape", "ws_len", "ws_zero", "off_outside", "off_sums", "off_row_eref", "off_col_eref",
                  "copy_x", "copy_aux", "launch", "grid", "n_rt", "passes", "meta", "options", "device", "launches",
-                 "fast", "pairs_checked")
+                 "fast", "pairs_checked", "grids")
 
     def __init__(self, x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode):
         if not HAS_TRITON:
@@ -714,6 +728,8 @@ class _LaunchPlan:
         self.n_rt = -(-Rp // _BR)
         self.grid = _grid(-(-C // (nb * MX_BLOCK)), self.n_rt, dev, warps)
         self.passes = (1, 2) if rowwise and (row or col) else (2,)
+        # per pass: sized for the pass's own occupancy once its compiled kernel is known (first launch)
+        self.grids = dict.fromkeys(self.passes, self.grid)
         self.meta = dict(DO_ROW=row, DO_COL=col, DO_COLSUM=colsum, HADAMARD=hadamard, HW=hw,
                          **kernel_constexprs(granularity, prologue, io_mode, x.dtype == torch.float32))
         self.pairs_checked = False  # PAIRS confirmed (or turned off) on the compiled kernel: `_paired_stores_hold`
@@ -839,10 +855,11 @@ def _pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsu
                 counter.data_ptr() if plan.direct_counter else wp + 4 * plan.off_outside,
                 wp + 4 * plan.off_row_eref if plan.off_row_eref is not None else wp,
                 wp + 4 * plan.off_col_eref if plan.off_col_eref is not None else wp,
-                plan.n_rt, plan.grid[1],
+                plan.n_rt,
             )
-            for launch in fast:
-                launch(plan.grid, args)
+            for launch, p in zip(fast, plan.passes):
+                grid = plan.grids[p]
+                launch(grid, args + (grid[1],))
         else:
             if ws is None:
                 ws = torch.empty(plan.ws_len, dtype=torch.int32, device=dev)  # stands in for unused pointers
@@ -874,16 +891,19 @@ def _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale,
         col_data.view(i32) if plan.col else ws, col_scale if plan.col else ws,
         ws[plan.off_sums:plan.off_sums + C].view(torch.float32) if plan.colsum else ws,
         counter if plan.direct_counter else ws[plan.off_outside:plan.off_outside + 2].view(torch.int64),
-        part(plan.off_row_eref, R), part(plan.off_col_eref, C), plan.n_rt, plan.grid[1],
+        part(plan.off_row_eref, R), part(plan.off_col_eref, C), plan.n_rt,
     )
     if not plan.pairs_checked:  # before the plan's first launch
-        plan.meta["PAIRS"] = _paired_stores_hold(plan, args)
+        plan.meta["PAIRS"] = _paired_stores_hold(plan, args + (plan.grid[1],))
+        _size_grids_per_pass(plan, args + (plan.grid[1],))
         plan.pairs_checked = True
     device = _compiled_launch_device(plan) if plan.fast is None else None
     for p in plan.passes:
-        compiled = _pack_kernel[plan.grid](*args, PASS=p, **plan.meta, **plan.options)
+        grid = plan.grids[p]
+        args_p = args + (grid[1],)
+        compiled = _pack_kernel[grid](*args_p, PASS=p, **plan.meta, **plan.options)
         if device is not None:
-            plan.launches[p] = compiled_launch(compiled, _RUNTIME_ARGS, args, dict(PASS=p, **plan.meta), device)
+            plan.launches[p] = compiled_launch(compiled, _RUNTIME_ARGS, args_p, dict(PASS=p, **plan.meta), device)
     if device is not None:  # built once per plan: every pass's launcher, or False (normal launches for good)
         launches = tuple(plan.launches[p] for p in plan.passes)
         plan.fast = launches if all(launches) else False
@@ -911,6 +931,32 @@ def _paired_stores_hold(plan, args) -> bool:
         if key is not None:
             _PAIRS_HOLD[key] = hold
     return hold
+
+
+_RESIDENT: dict[str, int] = {}  # compiled kernel (its hash) -> programs per SM
+
+
+def _size_grids_per_pass(plan, args) -> None:
+    """Before a plan's first launch on a GPU: compile each pass (no launch), read its registers and
+    shared memory, and size that pass's grid for the programs an SM really holds
+    (`resident_programs`): the default grid assumes two, where pass 1 fits three."""
+    if not plan.hw or interpreting() or plan.device.type != "cuda" or len(plan.passes) < 2:
+        return
+    sms = num_sms(plan.device.index if plan.device.index is not None else torch.cuda.current_device())
+    warps = plan.options["num_warps"]
+    for p in plan.passes:
+        compiled = _pack_kernel.warmup(*args, grid=plan.grid, PASS=p, **plan.meta, **plan.options)
+        key = getattr(compiled, "hash", None)
+        resident = _RESIDENT.get(key) if key is not None else None
+        if resident is None:
+            try:
+                compiled._init_handles()
+                resident = resident_programs(compiled.n_regs, warps, compiled.metadata.shared)
+            except (AttributeError, RuntimeError):  # another Triton: keep the default grid
+                return
+            if key is not None:
+                _RESIDENT[key] = resident
+        plan.grids[p] = (plan.grid[0], persistent_row_programs(plan.grid[0], plan.n_rt, resident * sms))
 
 
 def _compiled_launch_device(plan) -> int | None:
