@@ -569,8 +569,8 @@ def persistent_row_programs(n_col_tiles: int, n_row_tiles: int, resident: int, m
     next one). All programs do about the same work, so a launch lasts about (waves of `resident`
     programs) x (row tiles of the busiest program); this picks the p that minimises that product,
     the smallest such p (fewer, longer programs keep the prefetch pipeline full), among grids of at
-    least one full wave (a partial single wave leaves SMs half used all along: [32768 x 15360] on
-    240 programs was 12 % slower than on 720) and at most `max_waves` waves. A fixed ~2 waves
+    least one full wave (a partial single wave leaves SMs half used all along: pass 1 of
+    [32768 x 15360] on 240 programs was 12 % slower than on 720) and at most `max_waves` waves. A fixed ~2 waves
     left a partial wave at the end of wide tensors: [16384 x 12288] ran 576 programs on 264 slots
     (3 waves, the last a fifth full) in 204 + 351 µs (pass 1 + 2), 4 programs per strip run 768 in
     3 full waves of 32 tiles each in 183 + 319 µs (benchmarks/RESULTS.md)."""
