@@ -18,6 +18,10 @@
 # fsdp12b      flux-12b with FSDP2 over every visible GPU (`mxflux bench step` under torchrun)
 # fp8seq       benchmarks/probe_fp8_in_process.py: torchao tensorwise then rowwise in one process
 # host         benchmarks/bench_host.py: host time per MX op call (op dispatch, our Python, Triton launch)
+# passes       benchmarks/probe_pack_passes.py: the row-granularity packer's two passes timed apart;
+#              PACK_VARIANTS="ab_x.py ..." also times those copies of operands_cuda.py (another branch's:
+#              `git show BRANCH:src/mxflux/kernels/operands_cuda.py > ab_x.py` here), each in its own
+#              process, the tree's before and after them ($OUT/pack_passes_*.json)
 # sweepcomm    benchmarks/sweep_comm.py: FSDP2 blocks per unit for SWEEP_RECIPE on every visible GPU
 # Two GPUs, one call (background job + `wait`, never a pgrep on a pattern the command line contains):
 #   export OUT; CUDA_VISIBLE_DEVICES=1 bash benchmarks/gpu_run.sh convergence >$OUT/conv.log 2>&1 &
@@ -79,6 +83,13 @@ for stage in "$@"; do
     fp8seq)  # torchao tensorwise then rowwise in ONE process, launches blocking (issue: the in-process crash)
       CUDA_LAUNCH_BLOCKING=1 timeout ${FP8SEQ_TIMEOUT:-300} python3 benchmarks/probe_fp8_in_process.py ${FP8SEQ_ARGS:-} \
         > "$OUT/fp8seq.log" 2>&1; echo "rc $?"; grep -vE "W11|I11" "$OUT/fp8seq.log" | tail -40 ;;
+    passes)  # the packer's passes apart, the tree's and PACK_VARIANTS' (benchmarks/probe_pack_passes.py)
+      tree=src/mxflux/kernels/operands_cuda.py; i=0
+      for v in $tree ${PACK_VARIANTS:-} $( [ -n "${PACK_VARIANTS:-}" ] && echo $tree ); do
+        i=$((i + 1))
+        python3 benchmarks/probe_pack_passes.py --variant $v ${PASSES_ARGS:---grids auto --calls 20} \
+          --json "$OUT/pack_passes_${i}_$(basename $v .py).json" 2>&1 | grep "^grid" | sed "s|^|$(basename $v .py) |"
+      done ;;
     host)  # host time per op call (benchmarks/bench_host.py)
       python3 benchmarks/bench_host.py --json "$OUT/bench_host.json" 2>&1 | grep -v "^W11" | tail -15 ;;
     sweepcomm)  # FSDP2 blocks per unit (communication granularity), SWEEP_RECIPE on all visible GPUs

@@ -11,6 +11,12 @@ change to either pass or to the grid can be judged per pass. Prints a table; `--
 the numbers.
 
     PYTHONPATH=src python3 benchmarks/probe_pack_passes.py --grids auto,2 --json $OUT/pack_passes.json
+
+A/B of another branch's packer in the same device call, each in its own process:
+
+    git show BRANCH:src/mxflux/kernels/operands_cuda.py > ab_branch.py       # here, then on the GPU:
+    for v in src/mxflux/kernels/operands_cuda.py ab_branch.py src/mxflux/kernels/operands_cuda.py; do
+        python3 benchmarks/probe_pack_passes.py --variant $v --json $OUT/pp_$(basename $v .py).json; done
 """
 
 from __future__ import annotations
@@ -45,21 +51,42 @@ def _pass_times(fn, calls: int) -> tuple[list[float], list[float]]:
     return durs[0::2], durs[1::2]
 
 
+def load_packer(path: str | None):
+    """The packer module: mxflux's own, or a variant copy of operands_cuda.py (another branch's)
+    loaded as a module of the mxflux.kernels package, so that its relative imports resolve to this
+    tree. Triton compiles its kernels from that file's source, apart from the tree's own."""
+    import importlib
+    import importlib.util
+
+    if path is None:
+        return importlib.import_module("mxflux.kernels.operands_cuda")
+    importlib.import_module("mxflux.kernels")
+    spec = importlib.util.spec_from_file_location("mxflux.kernels._probe_variant", path)
+    if spec is None:
+        raise SystemExit(f"--variant: cannot load {path!r} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--grids", default="auto", help="comma-separated: auto (the packer's grid) or N, a fixed "
                     "~N waves of resident programs (programs per strip = ceil(N x resident / strips))")
     ap.add_argument("--calls", type=int, default=12)
+    ap.add_argument("--variant", metavar="FILE", help="time this copy of operands_cuda.py instead of the tree's")
     ap.add_argument("--json", help="write the numbers here")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_pack_passes: needs a CUDA device")
 
-    import mxflux.kernels.operands_cuda as oc
-    from mxflux.kernels import mx_operands_cuda
     from mxflux.mx import FoldGranularity
 
-    grid0, size0 = oc._grid, oc._size_grids_per_pass
+    oc = load_packer(args.variant)
+    mx_operands_cuda = oc.mx_operands_cuda
+    # (older variants have one grid for both passes and no per-pass sizing)
+    grid0, size0 = oc._grid, getattr(oc, "_size_grids_per_pass", None)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     for waves in args.grids.split(","):
@@ -72,8 +99,8 @@ def main() -> None:
             return (n_col_tiles, p)
 
         oc._grid = grid
-        # a fixed grid for both passes; auto: each pass sized for its own occupancy
-        oc._size_grids_per_pass = size0 if waves == "auto" else (lambda plan, args: None)
+        if size0 is not None:  # a fixed grid for both passes; auto: each pass sized for its own occupancy
+            oc._size_grids_per_pass = size0 if waves == "auto" else (lambda plan, args: None)
         oc.clear_launch_plans()
         for name, r, c, dtype, colsum in CASES:
             nbuf = max(2, -(-3 * l2 // (r * c * dtype.itemsize)))
@@ -91,14 +118,16 @@ def main() -> None:
             floor1 = r * c * dtype.itemsize / 4.2e6  # µs at 4.2 TB/s: pass 1 reads x once
             floor2 = r * c * (dtype.itemsize + 2) / 4.2e6  # pass 2 reads x, writes 1 B per orientation
             plan = oc._PLANS[next(reversed(oc._PLANS))]
-            grids = [list(plan.grids[p]) for p in plan.passes]
-            rows.append(dict(waves=waves, case=name, rows=r, cols=c, pass1_us=m1, pass2_us=m2,
+            grids = [list(getattr(plan, "grids", {}).get(p, plan.grid)) for p in plan.passes]
+            rows.append(dict(variant=args.variant or "tree", waves=waves, case=name, rows=r, cols=c, pass1_us=m1, pass2_us=m2,
                              pass1_floor_us=floor1, pass2_floor_us=floor2, grids=grids))
             print(f"grid {waves:>4s} {name:16s} [{r}x{c}] grids {grids}: pass 1 {m1:7.1f} µs "
                   f"({100 * floor1 / m1:4.1f} % of floor), pass 2 {m2:7.1f} µs ({100 * floor2 / m2:4.1f} %)",
                   flush=True)
             del xs
-    oc._grid, oc._size_grids_per_pass = grid0, size0
+    oc._grid = grid0
+    if size0 is not None:
+        oc._size_grids_per_pass = size0
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)

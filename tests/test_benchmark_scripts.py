@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -105,3 +107,20 @@ def test_cpu_path_benchmark_times_the_kernels_and_a_default_job_step(tmp_path):
     for name in ("pack_1536x896_row_col", "gemm_1536x128x896"):
         assert 0 < r["kernels"][name]["numba_ms"] and 0 < r["kernels"][name]["reference_ms"]
     assert r["train_step"]["recipe"] == "tiny-mxfp6" and r["train_step"]["ms_per_step"] > 0
+
+
+def test_probe_pack_passes_loads_a_variant_packer_beside_the_trees_own():
+    """benchmarks/probe_pack_passes.py --variant FILE: another copy of operands_cuda.py (another
+    branch's) loads as its own module of mxflux.kernels, its relative imports resolved in this tree."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("probe_pack_passes", ROOT / "benchmarks" / "probe_pack_passes.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    own = probe.load_packer(None)
+    variant = probe.load_packer(str(ROOT / "src" / "mxflux" / "kernels" / "operands_cuda.py"))
+    assert own.__name__ == "mxflux.kernels.operands_cuda" and variant.__name__ == "mxflux.kernels._probe_variant"
+    assert variant is not own and variant.persistent_row_programs is not own.persistent_row_programs
+    assert variant.persistent_row_programs(192, 128, 264) == own.persistent_row_programs(192, 128, 264) == 4
+    with pytest.raises(SystemExit, match="--variant"):
+        probe.load_packer(str(ROOT / "README.md"))
