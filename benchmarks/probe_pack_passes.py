@@ -119,8 +119,8 @@ def main() -> None:
             floor2 = r * c * (dtype.itemsize + 2) / 4.2e6  # pass 2 reads x, writes 1 B per orientation
             plan = oc._PLANS[next(reversed(oc._PLANS))]
             grids = [list(getattr(plan, "grids", {}).get(p, plan.grid)) for p in plan.passes]
-            rows.append(dict(variant=args.variant or "tree", waves=waves, case=name, rows=r, cols=c, pass1_us=m1, pass2_us=m2,
-                             pass1_floor_us=floor1, pass2_floor_us=floor2, grids=grids))
+            rows.append(dict(variant=args.variant or "tree", waves=waves, case=name, rows=r, cols=c,
+                             pass1_us=m1, pass2_us=m2, pass1_floor_us=floor1, pass2_floor_us=floor2, grids=grids))
             print(f"grid {waves:>4s} {name:16s} [{r}x{c}] grids {grids}: pass 1 {m1:7.1f} µs "
                   f"({100 * floor1 / m1:4.1f} % of floor), pass 2 {m2:7.1f} µs ({100 * floor2 / m2:4.1f} %)",
                   flush=True)
