@@ -18,6 +18,8 @@
 # fsdp12b      flux-12b with FSDP2 over every visible GPU (`mxflux bench step` under torchrun)
 # fp8seq       benchmarks/probe_fp8_in_process.py: torchao tensorwise then rowwise in one process
 # host         benchmarks/bench_host.py: host time per MX op call (op dispatch, our Python, Triton launch)
+# gemmtune     benchmarks/probe_scaled_mm_autotune.py: cuBLAS's row-wise scaled FP8 GEMM against inductor's
+#              autotuned Triton templates at the Flux shapes, contract checked (GEMMTUNE_ARGS)
 # passes       benchmarks/probe_pack_passes.py: the row-granularity packer's two passes timed apart;
 #              PACK_VARIANTS="ab_x.py ..." also times those copies of operands_cuda.py (another branch's:
 #              `git show BRANCH:src/mxflux/kernels/operands_cuda.py > ab_x.py` here), each in its own
@@ -90,6 +92,10 @@ for stage in "$@"; do
         python3 benchmarks/probe_pack_passes.py --variant $v ${PASSES_ARGS:---grids auto --calls 20} \
           --json "$OUT/pack_passes_${i}_$(basename $v .py).json" 2>&1 | grep "^grid" | sed "s|^|$(basename $v .py) |"
       done ;;
+    gemmtune)  # row-wise scaled FP8 GEMM: cuBLAS against max-autotune (benchmarks/probe_scaled_mm_autotune.py)
+      timeout ${GEMMTUNE_TIMEOUT:-540} python3 benchmarks/probe_scaled_mm_autotune.py ${GEMMTUNE_ARGS:-} \
+        --json "$OUT/scaled_mm_autotune.json" > "$OUT/gemmtune.log" 2>&1
+      grep -E "cuBLAS|Error" "$OUT/gemmtune.log" | tail -30 ;;
     host)  # host time per op call (benchmarks/bench_host.py)
       python3 benchmarks/bench_host.py --json "$OUT/bench_host.json" 2>&1 | grep -v "^W11" | tail -15 ;;
     sweepcomm)  # FSDP2 blocks per unit (communication granularity), SWEEP_RECIPE on all visible GPUs
