@@ -124,3 +124,32 @@ def test_probe_pack_passes_loads_a_variant_packer_beside_the_trees_own():
     assert variant.persistent_row_programs(192, 128, 264) == own.persistent_row_programs(192, 128, 264) == 4
     with pytest.raises(SystemExit, match="--variant"):
         probe.load_packer(str(ROOT / "README.md"))
+
+
+def test_probe_scaled_mm_autotune_contract_check_accepts_cublas_and_rejects_a_wrong_output():
+    """benchmarks/probe_scaled_mm_autotune.py's check of a compiled GEMM against cuBLAS's, on the
+    CPU's `_scaled_mm` at toy size: the same output passes, one output off by more than the
+    summation bound fails, for the bf16 (fprop, bias) and the fp32 (wgrad) GEMM."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("probe_scaled_mm_autotune",
+                                                  ROOT / "benchmarks" / "probe_scaled_mm_autotune.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    m, k, n = 48, 96, 32
+    a = (4 * torch.randn(m, k, generator=g)).to(torch.float8_e4m3fn)
+    b = (4 * torch.randn(n, k, generator=g)).to(torch.float8_e4m3fn)
+    sa = torch.exp2(torch.randint(-6, 6, (m, 1), generator=g).float())
+    sb = torch.exp2(torch.randint(-6, 6, (1, n), generator=g).float())
+    bias = torch.randn(n, generator=g).bfloat16()
+    for fn in (probe.fprop, probe.wgrad):
+        y = fn(a, b, sa, sb, bias)
+        assert y.dtype == (torch.bfloat16 if fn is probe.fprop else torch.float32)
+        assert probe._within_contract(y, y.clone(), a, b, sa, sb) == (True, 1.0, 0.0)
+        wrong = y.clone()
+        wrong[3, 5] = wrong[3, 5] * 2 + 1
+        ok, equal, worst = probe._within_contract(wrong, y, a, b, sa, sb)
+        assert not ok and equal < 1.0 and worst > 1.0
