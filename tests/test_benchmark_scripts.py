@@ -150,6 +150,6 @@ def test_probe_scaled_mm_autotune_contract_check_accepts_cublas_and_rejects_a_wr
         assert y.dtype == (torch.bfloat16 if fn is probe.fprop else torch.float32)
         assert probe._within_contract(y, y.clone(), a, b, sa, sb) == (True, 1.0, 0.0)
         wrong = y.clone()
-        wrong[3, 5] = wrong[3, 5] * 2 + 1
+        wrong[3, 5] = wrong[3, 5] + 1e6 * (wrong[3, 5].abs() + 1)  # far beyond K·2^-24·Σ|a·b|
         ok, equal, worst = probe._within_contract(wrong, y, a, b, sa, sb)
         assert not ok and equal < 1.0 and worst > 1.0
