@@ -26,14 +26,9 @@ import time
 
 import torch
 
-LINEARS = {  # name -> (K, N) of Flux-12B's MX linears (as in bench_kernels.py)
-    "qkv": (3072, 9216),
-    "proj": (3072, 3072),
-    "fc1": (3072, 12288),
-    "fc2": (12288, 3072),
-    "linear1": (3072, 21504),
-    "linear2": (15360, 3072),
-}
+from bench_kernels import LINEARS as _LINEARS  # Flux-12B's MX linears: (name, K, N)
+
+LINEARS = {name: (k, n) for name, k, n in _LINEARS}
 
 
 def _operands(m: int, k: int, n: int, gen: torch.Generator):

@@ -126,7 +126,7 @@ def test_probe_pack_passes_loads_a_variant_packer_beside_the_trees_own():
         probe.load_packer(str(ROOT / "README.md"))
 
 
-def test_probe_scaled_mm_autotune_contract_check_accepts_cublas_and_rejects_a_wrong_output():
+def test_probe_scaled_mm_autotune_contract_check_accepts_cublas_and_rejects_a_wrong_output(monkeypatch):
     """benchmarks/probe_scaled_mm_autotune.py's check of a compiled GEMM against cuBLAS's, on the
     CPU's `_scaled_mm` at toy size: the same output passes, one output off by more than the
     summation bound fails, for the bf16 (fprop, bias) and the fp32 (wgrad) GEMM."""
@@ -134,6 +134,7 @@ def test_probe_scaled_mm_autotune_contract_check_accepts_cublas_and_rejects_a_wr
 
     import torch
 
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as when run as a script: its shapes from bench_kernels
     spec = importlib.util.spec_from_file_location("probe_scaled_mm_autotune",
                                                   ROOT / "benchmarks" / "probe_scaled_mm_autotune.py")
     probe = importlib.util.module_from_spec(spec)

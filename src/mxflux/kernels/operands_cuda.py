@@ -893,9 +893,10 @@ def _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale,
         counter if plan.direct_counter else ws[plan.off_outside:plan.off_outside + 2].view(torch.int64),
         part(plan.off_row_eref, R), part(plan.off_col_eref, C), plan.n_rt,
     )
-    if not plan.pairs_checked:  # before the plan's first launch
-        plan.meta["PAIRS"] = _paired_stores_hold(plan, args + (plan.grid[1],))
-        _size_grids_per_pass(plan, args + (plan.grid[1],))
+    if not plan.pairs_checked:  # before the plan's first launch: compiles only, under the default grid
+        compile_args = args + (plan.grid[1],)
+        plan.meta["PAIRS"] = _paired_stores_hold(plan, compile_args)
+        _size_grids_per_pass(plan, compile_args)
         plan.pairs_checked = True
     device = _compiled_launch_device(plan) if plan.fast is None else None
     for p in plan.passes:
