@@ -107,6 +107,20 @@ def test_bench_requires_a_recipe_and_checks_overrides(capsys):
     assert exc.value.code == 2 and "--settings recipe" in capsys.readouterr().err
 
 
+def test_a_captured_bare_loop_is_refused_without_a_cuda_device(capsys):
+    """--cuda-graph needs one process on a CUDA device: a clear error before any run, never a
+    trainer run first and a failure after it."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "step", "--recipe", "tiny-bf16", "--settings", "bf16", "--device", "cpu", "--cuda-graph",
+              *TINY])
+    assert exc.value.code == 2 and "--cuda-graph" in capsys.readouterr().err
+    from mxflux.bench.step import bench_step, load_bench_recipe
+
+    cfg = load_bench_recipe("tiny-bf16", [])
+    with pytest.raises(ValueError, match="cuda_graph: the captured bare loop needs one process on a CUDA device"):
+        bench_step(cfg, cuda_graph=True, device="cpu", distributed=False)
+
+
 def test_settings_run_side_by_side_each_in_its_own_process(tmp_path):
     """The CI smoke test of the default comparison's machinery: two settings, bare loop included."""
     out = tmp_path / "cmp.json"

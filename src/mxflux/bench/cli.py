@@ -57,6 +57,9 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--bare-loop", action="store_true",
                    help="also time the bare loop of the same recipe (same model, precision, compile, optimizer; "
                         "random on-device inputs, no data loader, no logging) and report trainer / bare loop")
+    s.add_argument("--cuda-graph", action="store_true",
+                   help="also time the bare loop captured as one CUDA graph per step and replayed (one process, "
+                        "CUDA only): what the host's per-op cost still costs a step")
     s.add_argument("--memory", metavar="PATH",
                    help="write the memory breakdown of one more step (alive at the peak by allocating frame; "
                         "saved for backward by dtype and module) as JSON, one entry per setting, and print it")
@@ -90,7 +93,8 @@ def _child_argv(args, setting: str, json_path: Path, memory_path: Path) -> list[
     argv = ["--recipe", args.recipe, "--settings", setting, "--json", str(json_path),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps),
             "--image-size", str(args.image_size), "--text-len", str(args.text_len)]
-    for flag, on in (("--proxy", args.proxy), ("--bare-loop", args.bare_loop), ("--synthetic", args.synthetic)):
+    for flag, on in (("--proxy", args.proxy), ("--bare-loop", args.bare_loop), ("--cuda-graph", args.cuda_graph),
+                     ("--synthetic", args.synthetic)):
         if on:
             argv.append(flag)
     for flag, value in (("--mbs", args.mbs), ("--data-dir", args.data_dir), ("--peak-tflops", args.peak_tflops),
@@ -137,11 +141,16 @@ def _one(args) -> int:
         cfg = step.load_bench_recipe(args.recipe, [*SETTINGS[setting], *_user_overrides(args)])
     except RecipeError as e:
         args.parser.error(str(e))
+    if args.cuda_graph:
+        import torch
+
+        if not (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
+            args.parser.error("--cuda-graph: the captured bare loop needs a CUDA device")
     result = step.bench_step(cfg, steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
-                             bare_loop=args.bare_loop, memory_path=args.memory, synthetic=args.synthetic,
-                             image_size=args.image_size, text_len=args.text_len, data_dir=args.data_dir,
-                             peak_tflops=args.peak_tflops, device=args.device, recipe=args.recipe,
-                             label=setting if setting != "recipe" else None, distributed=True)
+                             bare_loop=args.bare_loop, cuda_graph=args.cuda_graph, memory_path=args.memory,
+                             synthetic=args.synthetic, image_size=args.image_size, text_len=args.text_len,
+                             data_dir=args.data_dir, peak_tflops=args.peak_tflops, device=args.device,
+                             recipe=args.recipe, label=setting if setting != "recipe" else None, distributed=True)
     if result is not None:  # rank 0
         print_table([result])
         if args.json:

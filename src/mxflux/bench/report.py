@@ -35,15 +35,16 @@ def _ratio_row(results: list[dict], base_label: str):
 
 
 def _split_rows(results: list[dict], which: str, title: str) -> list:
-    """Rows of the device-time split of the trainer (`which` = "breakdown") or the bare loop."""
+    """Rows of the device-time split of the trainer (`which` = "breakdown") or of a bare loop
+    (`which` = its result's key: "bare_loop", "bare_loop_graph")."""
     def bd(r):
-        return r.get("breakdown") if which == "breakdown" else _get(r, "bare_loop", "breakdown")
+        return r.get("breakdown") if which == "breakdown" else _get(r, which, "breakdown")
 
     if not any(bd(r) for r in results if not r.get("failed")):
         return []
 
     def step_ms(r):
-        return r["step_ms"] if which == "breakdown" else _get(r, "bare_loop", "step_ms")
+        return r["step_ms"] if which == "breakdown" else _get(r, which, "step_ms")
 
     rows = [(f"{title}: device busy ms / step", lambda r: _fmt(_get(bd(r), "busy_ms_per_step"), ".1f")),
             ("  profiled wall ms / step", lambda r: _fmt(_get(bd(r), "wall_ms_per_step"), ".1f")),
@@ -91,7 +92,13 @@ def print_table(results: list[dict], *, console=None) -> None:
         rows += [("bare loop ms / step", lambda r: _fmt(_get(r, "bare_loop", "step_ms"), ".1f")),
                  ("trainer / bare loop", lambda r: _fmt(r.get("trainer_over_bare_loop"), ".3f")),
                  ("bare peak allocated GiB", lambda r: _fmt(_get(r, "bare_loop", "memory", "max_allocated_gib"), ".2f"))]
-    split = _split_rows(results, "breakdown", "trainer") + _split_rows(results, "bare", "bare loop")
+    if any(r.get("bare_loop_graph") for r in ok):
+        rows += [("captured bare loop ms / step", lambda r: _fmt(_get(r, "bare_loop_graph", "step_ms"), ".1f")),
+                 ("trainer / captured bare loop", lambda r: _fmt(r.get("trainer_over_bare_loop_graph"), ".3f")),
+                 ("captured peak allocated GiB",
+                  lambda r: _fmt(_get(r, "bare_loop_graph", "memory", "max_allocated_gib"), ".2f"))]
+    split = (_split_rows(results, "breakdown", "trainer") + _split_rows(results, "bare_loop", "bare loop")
+             + _split_rows(results, "bare_loop_graph", "captured bare loop"))
     for i, (name, fn) in enumerate(rows + split):
         if i == len(rows) and split:
             table.add_section()

@@ -235,14 +235,33 @@ def _over_ranks(mem: dict, elapsed: float, device: torch.device) -> tuple[dict, 
     return {**mem, **{k: (v if mem[k] is not None else None) for k, v in zip(keys, vals[1:])}}, vals[0]
 
 
+def _bare_loop(cfg, ctx, device, latent_hw, text_tokens, g, flops, peak, *, warmup, steps, profile_steps,
+               cuda_graph=False) -> dict:
+    """Time the bare loop of `cfg` (`cuda_graph`: captured, replayed) as `bench_step` times the trainer."""
+    from .bare_loop import BareLoop
+
+    loop = BareLoop(cfg, ctx, device, latent_hw=latent_hw, text_tokens=text_tokens, cuda_graph=cuda_graph)
+    elapsed, last = _timed(loop.step, warmup=warmup, steps=steps, device=device, ctx=ctx)
+    memory, elapsed = _over_ranks(_memory(device), elapsed, device)
+    out = {**_throughput(elapsed / steps, g, ctx.world_size, flops, peak), "memory": memory, "loss": float(last),
+           "breakdown": _profiled(loop.step, profile_steps, device) if profile_steps else None}
+    _release(loop.model, loop.optimizer)
+    del loop, last
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps: int = 0, bare_loop: bool = False,
-               memory_path: str | os.PathLike | None = None, synthetic: bool = False, image_size: int = 256,
-               text_len: int = 256, data_dir: str | None = None, peak_tflops: float | None = None,
+               cuda_graph: bool = False, memory_path: str | os.PathLike | None = None, synthetic: bool = False,
+               image_size: int = 256, text_len: int = 256, data_dir: str | None = None, peak_tflops: float | None = None,
                device: str | torch.device | None = None, recipe: str | None = None, label: str | None = None,
                distributed: bool = True) -> dict | None:
-    """Time `steps` optimizer steps of `cfg`'s trainer (and, with `bare_loop`, of its bare loop);
-    the result on rank 0 (None elsewhere). `memory_path`: write the memory breakdown of one more
-    trainer step there as JSON (and print it).
+    """Time `steps` optimizer steps of `cfg`'s trainer (and, with `bare_loop`, of its bare loop; with
+    `cuda_graph`, of the bare loop captured as one CUDA graph per step); the result on rank 0 (None
+    elsewhere). `memory_path`: write the memory breakdown of one more trainer step there as JSON
+    (and print it).
 
     `distributed`: join the torchrun process group when the environment describes one (the
     model is then wrapped as `mxflux train` wraps it). See the module docstring for the fields.
@@ -256,6 +275,9 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
     device_type = torch.device(device).type if device is not None else None
     ctx = init_distributed(device_type) if distributed else alone(device_type)
     device = torch.device(device) if device is not None else ctx.device
+    if cuda_graph and (device.type != "cuda" or ctx.world_size > 1):  # before the trainer's run, not after
+        raise ValueError(f"cuda_graph: the captured bare loop needs one process on a CUDA device; got "
+                         f"{device.type} with world size {ctx.world_size}")
     mc = _model_config(cfg)
     cycle = min(warmup + steps + profile_steps + (1 if memory_path else 0), 2)  # batches read up front, reused
     reason = "--synthetic" if synthetic else _synthetic_reason(cfg, mc)
@@ -295,20 +317,13 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    bare = None
+    bare = bare_graph = None
     if bare_loop:
-        from .bare_loop import BareLoop
-
-        loop = BareLoop(cfg, ctx, device, latent_hw=(h, w), text_tokens=text_tokens)
-        b_elapsed, b_last = _timed(loop.step, warmup=warmup, steps=steps, device=device, ctx=ctx)
-        b_memory, b_elapsed = _over_ranks(_memory(device), b_elapsed, device)
-        bare = {**_throughput(b_elapsed / steps, g, ctx.world_size, flops, peak), "memory": b_memory,
-                "loss": float(b_last),
-                "breakdown": _profiled(loop.step, profile_steps, device) if profile_steps else None}
-        del loop, b_last
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        bare = _bare_loop(cfg, ctx, device, (h, w), text_tokens, g, flops, peak, warmup=warmup, steps=steps,
+                          profile_steps=profile_steps)
+    if cuda_graph:
+        bare_graph = _bare_loop(cfg, ctx, device, (h, w), text_tokens, g, flops, peak, warmup=warmup, steps=steps,
+                                profile_steps=profile_steps, cuda_graph=True)
     _barrier(ctx)
     if ctx.rank != 0:
         return None
@@ -343,6 +358,8 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
         "breakdown": breakdown,
         "bare_loop": bare,
         "trainer_over_bare_loop": (elapsed / steps * 1e3) / bare["step_ms"] if bare else None,
+        "bare_loop_graph": bare_graph,
+        "trainer_over_bare_loop_graph": (elapsed / steps * 1e3) / bare_graph["step_ms"] if bare_graph else None,
         "torch": torch.__version__,
         "pid": os.getpid(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
