@@ -213,16 +213,28 @@ def _primitive_kernel():
     from mxflux.kernels.triton_common import f32_to_e4m3
 
     @triton.jit
-    def kern(x_ptr, b_ptr, f_ptr, o1h, o1s, o2h, o2s, n, BLOCK: tl.constexpr):
-        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = o < n
-        x = tl.load(x_ptr + o, mask=m, other=0.0)
-        tl.store(o1h + o, f32_to_e4m3(x, True), mask=m)
-        tl.store(o1s + o, f32_to_e4m3(x, False), mask=m)
-        b = tl.load(b_ptr + o, mask=m, other=0)
-        f = tl.load(f_ptr + o, mask=m, other=0)
-        tl.store(o2h + o, P._refold(b, f, True), mask=m)
-        tl.store(o2s + o, P._refold(b, f, False), mask=m)
+    def kern(x_ptr, f_ptr, o1h, o1s, o2h, o2s, n, BLOCK: tl.constexpr):
+        """Per word w: x[4w .. 4w+3] (y·2^-e, byte order) and the f16 bits of F: the E4M3 casts of
+        x[4w] both ways, and the folded word both ways: `_ENCODE4` (the GPU's inline asm) and the
+        emulation `_encode_words` runs under the interpreter (`f32_to_e4m3` + `_refold`)."""
+        w = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = w < n
+        v0 = tl.load(x_ptr + 4 * w, mask=m, other=0.0)
+        v1 = tl.load(x_ptr + 4 * w + 1, mask=m, other=0.0)
+        v2 = tl.load(x_ptr + 4 * w + 2, mask=m, other=0.0)
+        v3 = tl.load(x_ptr + 4 * w + 3, mask=m, other=0.0)
+        tl.store(o1h + w, f32_to_e4m3(v0, True), mask=m)
+        tl.store(o1s + w, f32_to_e4m3(v0, False), mask=m)
+        fb = tl.load(f_ptr + w, mask=m, other=0)
+        word_hw = tl.inline_asm_elementwise(P._ENCODE4, "=r,r,r,r,r,r", [v0, v1, v2, v3, fb | (fb << 16)],
+                                            dtype=tl.int32, is_pure=True, pack=1)
+        fb2 = tl.join(fb, fb)
+        lo0, hi0 = tl.split(P._refold(f32_to_e4m3(tl.join(v0, v1), False), fb2))
+        lo1, hi1 = tl.split(P._refold(f32_to_e4m3(tl.join(v2, v3), False), fb2))
+        word_emu = ((lo0.to(tl.int32) | (hi0.to(tl.int32) << 8))
+                    | ((lo1.to(tl.int32) | (hi1.to(tl.int32) << 8)) << 16))
+        tl.store(o2h + w, word_hw, mask=m)
+        tl.store(o2s + w, word_emu, mask=m)
 
     return kern
 
@@ -231,32 +243,32 @@ def _primitive_kernel():
 @needs_cuda
 @needs_triton
 def test_hardware_conversions_equal_their_emulation(gen):
-    """The GPU path's E4M3 casts and f16x2 refold against the integer emulation (CPU path)."""
+    """The GPU path's E4M3 casts and its word encoding (`_ENCODE4`: E2M3 rounding, f16x2 saturate
+    and re-scale, E4M3 again, bytes merged) against the integer emulation the interpreter runs."""
     g = dev_gen(gen, "cuda")
     bits = torch.randint(-2**31, 2**31 - 1, (1 << 22,), generator=g, device="cuda", dtype=torch.int64).to(torch.int32)
+    every_e4m3 = torch.arange(256, device="cuda", dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
     x = torch.cat([bits.view(torch.float32),
                    torch.linspace(-0.2, 0.2, 1 << 20, device="cuda"),
                    torch.linspace(-500.0, 500.0, 1 << 16, device="cuda"),
+                   every_e4m3 * 2.0**-6, (every_e4m3 * 2.0**-6).roll(1),  # every code of the E2M3 grid
                    torch.tensor([0.0, -0.0, math.inf, -math.inf, 448.0, 464.0, 480.0, 2.0**-10, -2.0**-10,
                                  3 * 2.0**-11, 2.0**-130], device="cuda")])
     x = x[~x.isnan()]
-    b = torch.arange(256, device="cuda", dtype=torch.int32).repeat_interleave(64)
-    k = torch.arange(64, device="cuda", dtype=torch.int32).repeat(256) - 50  # 2^k, k in [-50, 13]
+    x = torch.cat([x, torch.zeros(-x.numel() % 4, device="cuda")])
+    n = x.numel() // 4
+    k = torch.arange(n, device="cuda", dtype=torch.int32) % 64 - 50  # F = 2^k, k in [-50, 13]
     fb = torch.where(k >= -14, (k + 15) << 10, torch.where(k >= -24, 1 << (k + 24).clamp(min=0), 0))
     fb = torch.where(k == 13, 0x7E00, fb)  # NaN factor (NaN blocks)
-    keep = (b & 0x7F) != 0x7F  # NaN bytes never reach the refold as finite blocks
-    b, fb = b[keep].to(torch.uint8), fb[keep]
-    n = max(x.numel(), b.numel())
-    x = torch.cat([x, torch.zeros(n - x.numel(), device="cuda")])
-    b = torch.cat([b, torch.zeros(n - b.numel(), device="cuda", dtype=torch.uint8)])
-    fb = torch.cat([fb, torch.full((n - fb.numel(),), 15 << 10, device="cuda", dtype=torch.int32)])
-    outs = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(4)]
-    _primitive_kernel()[(-(-n // 1024),)](x, b, fb, *outs, n, BLOCK=1024)
+    outs = [torch.full((n,), 0xAB, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    outs += [torch.full((n,), -1, dtype=torch.int32, device="cuda") for _ in range(2)]  # poisoned
+    _primitive_kernel()[(-(-n // 1024),)](x, fb, *outs, n, BLOCK=1024)
     assert torch.equal(outs[0], outs[1]), "f32 -> e4m3"
-    assert torch.equal(outs[2], outs[3]), "refold"
+    assert torch.equal(outs[2], outs[3]), "word encoding (_ENCODE4) against its emulation"
     # and the cast agrees with torch's (round to nearest even) where torch does not overflow
-    fin = x.abs() <= 448
-    assert torch.equal(outs[0][fin], x[fin].to(torch.float8_e4m3fn).view(torch.uint8))
+    x0 = x[0::4]
+    fin = x0.abs() <= 448
+    assert torch.equal(outs[0][fin], x0[fin].to(torch.float8_e4m3fn).view(torch.uint8))
 
 
 @gpu
