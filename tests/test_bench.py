@@ -164,3 +164,25 @@ def test_release_frees_a_finished_runs_state_even_while_the_module_is_still_held
     assert holder[0] is model
     assert all(p.numel() == 0 and p.grad is None for p in model.parameters())
     assert not opt.state
+
+
+def test_the_table_shows_the_captured_loop_against_its_own_profiled_step():
+    """The H200 run of 2026-12-02 (committed JSON): the captured loop's rows show its time, the
+    trainer's ratio to it, its reserved peak (its activations sit in the graph's pool), and its idle
+    share against the profiled step (a replayed graph runs slower under the profiler: against the
+    timed step bf16's busy 88.1 ms would read as -13 % idle)."""
+    from rich.console import Console
+
+    from mxflux.bench.report import print_table
+
+    results = json.loads((ROOT / "benchmarks/results/bench_step_proxy_mbs16_2026-12-02g.json").read_text())
+    console = Console(record=True, width=240)
+    print_table(results, console=console)
+    text = console.export_text()
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in text.splitlines() if line.startswith("│")}
+    assert rows["captured bare loop ms / step"] == ["77.7", "66.5", "64.3"]
+    assert rows["trainer / captured bare loop"] == ["1.014", "1.036", "1.034"]
+    assert rows["captured peak reserved GiB"] == ["26.04", "24.74", "24.53"]
+    idle = [float(v.rstrip("%")) for v in rows["idle % of profiled step"]]
+    assert idle == [1.9, 2.5, 2.4]
