@@ -104,12 +104,28 @@ def test_losses_do_not_depend_on_world_size_and_resume_onto_any(data, tmp_path):
                      *FP32, port=29625)
     assert two_to_one[2:] == pytest.approx(ref[2:], rel=WORLD_RTOL)
     assert one_to_two[2:] == pytest.approx(ref[2:], rel=WORLD_RTOL)
-    # The weight EMA crosses world sizes with the weights (whole in latest.pt, shards in latest.dcp/).
+    # The weight EMA crosses world sizes with the weights (whole in latest.pt, shards in latest.dcp/):
+    # one process resuming the 2-rank sharded checkpoint holds exactly its averages,
+    from mxflux.train import load_recipe
+    from mxflux.train.trainer import Trainer
+
+    args = [*COMMON, *one]
+    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+    probe = Trainer(load_recipe("tiny-bf16", [f"data.root={data}", f"train.out_dir={tmp_path / 'probe'}", *sets]),
+                    device="cpu")
+    probe.resume(tmp_path / "two")
+    sharded, loaded = ema_of(tmp_path / "two"), probe.ema.state_dict(full=True)
+    assert set(loaded) == set(sharded) and all(torch.equal(loaded[k], sharded[k]) for k in sharded)
+    # and both resumed runs' averages go on as the reference's. Not element for element: Adam's
+    # first step moves each weight by about lr·sign(gradient), and a gradient that is zero up to
+    # summation order (which differs with the world size and with the machine's GEMM kernels)
+    # takes either sign; measured ≤ 1.4e-8 mean difference per tensor, where a lost or restarted
+    # average is 1e-4-1e-3 away.
     want = ema_of(tmp_path / "one")
     for run in ("two_to_one", "one_to_two"):
         got = ema_of(tmp_path / run)
         assert set(got) == set(want)
-        assert all(torch.allclose(got[k], want[k], rtol=1e-4, atol=1e-6) for k in want), run
+        assert all(float((got[k] - want[k]).abs().mean()) <= 1e-7 for k in want), run
     # Each run directory keeps one checkpoint, in the format of its last writer.
     assert [p.name for p in (tmp_path / "two_to_one").glob("latest*")] == ["latest.pt"]
     assert [p.name for p in (tmp_path / "one_to_two").glob("latest*")] == ["latest.dcp"]
