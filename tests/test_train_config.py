@@ -54,6 +54,8 @@ def test_overrides():
     (["model.name=flux-99b"], "model.name: unknown model 'flux-99b'"),
     (["lr"], "expected key=value"),
     (["train.ema_decay=1"], "train.ema_decay: Input should be less than 1"),
+    (["train.cuda_graph=true", "model.compile=true", "model.compile_mode=reduce-overhead"],
+     "train.cuda_graph: true captures the whole step, which cannot hold the per-block CUDA graphs"),
 ])
 def test_bad_recipes_name_the_field(overrides, message):
     with pytest.raises(RecipeError, match=message):

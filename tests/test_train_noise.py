@@ -45,6 +45,22 @@ def test_a_samples_draws_depend_on_seed_step_and_index_only(gen):
     assert not torch.equal(d.latent_eps, d.noise)
 
 
+def test_a_step_held_in_a_tensor_draws_what_the_int_draws(gen):
+    """A captured training step reads its step from a device tensor: the same draws, bit for bit,
+    the step taken mod 2^32 as for an int."""
+    idx = torch.randperm(10_000, generator=gen)[:8]
+    for step in (0, 7, 2**32 + 5):
+        want = training_draws(idx, step=step, seed=3, latent_shape=(4, 6, 6))
+        for t in (torch.tensor(step), torch.tensor([step], dtype=torch.int32 if step < 2**31 else torch.int64)):
+            got = training_draws(idx, step=t, seed=3, latent_shape=(4, 6, 6))
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="step: expected an int or a one-element integer tensor"):
+        training_draws(idx, step=torch.tensor(1.0), seed=3, latent_shape=(4,))
+    with pytest.raises(ValueError, match="step: expected an int or a one-element integer tensor"):
+        training_draws(idx, step=torch.tensor([1, 2]), seed=3, latent_shape=(4,))
+
+
 def test_draws_are_standard_normal_and_uniform():
     d = training_draws(torch.arange(64), step=0, seed=0, latent_shape=(16, 32, 32))
     for z in (d.latent_eps, d.noise):

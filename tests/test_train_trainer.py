@@ -398,3 +398,14 @@ def test_blocks_compile_with_the_recipe_mode(demo_root, tmp_path, monkeypatch):
     assert modes == ["reduce-overhead"] * n_blocks and n_blocks > 0
     with pytest.raises(ValueError, match="compile_mode"):
         load_recipe("tiny-bf16", ["model.compile_mode=fast"])
+
+
+def test_a_captured_step_needs_one_process_on_a_cuda_device(demo_root, tmp_path):
+    """train.cuda_graph on a CPU: a clear error when the trainer is built, not a failure in a step."""
+    from mxflux.train.captured import CapturedStep
+
+    with pytest.raises(ValueError, match="train.cuda_graph: a captured step needs one process on a CUDA device; "
+                                         "got cpu with world size 1"):
+        make_trainer(demo_root, tmp_path, "train.cuda_graph=true")
+    with pytest.raises(ValueError, match="train.cuda_graph: a captured step needs a CUDA device"):
+        CapturedStep(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), torch.device("cpu"))

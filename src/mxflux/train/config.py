@@ -164,6 +164,11 @@ class TrainSection(_Section):
     # run's samples.png and `mxflux sample` draw with it. Decay per step min(ema_decay, (1+n)/(10+n))
     # after step n; None: no average.
     ema_decay: float | None = Field(None, gt=0.0, lt=1.0)
+    # Capture the optimizer step (forward, backward, clipping, AdamW) once as a CUDA graph and
+    # replay it (mxflux.train.captured): no host work per op, for small micro-batches where the
+    # host is what a step waits on. One process on a CUDA device; the losses are those of the
+    # eager step up to AdamW's bias corrections, which are then taken on the device in fp32.
+    cuda_graph: bool = False
 
     @property
     def sampler_shift(self) -> float:
@@ -205,6 +210,15 @@ class RunConfig(_Section):
     @property
     def out_dir(self) -> Path:
         return Path(self.train.out_dir.format(name=self.name))
+
+    @model_validator(mode="after")
+    def _one_graph(self) -> "RunConfig":
+        if self.train.cuda_graph and self.model.compile_mode == "reduce-overhead":
+            # reduce-overhead replays each block as a CUDA graph of its own (cudagraph trees),
+            # which cannot run inside the captured step
+            raise ValueError("train.cuda_graph: true captures the whole step, which cannot hold the per-block "
+                             "CUDA graphs of model.compile_mode: reduce-overhead; use compile_mode: default")
+        return self
 
 
 class RecipeError(ValueError):

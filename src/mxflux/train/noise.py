@@ -134,17 +134,25 @@ def _run_draws(idx: torch.Tensor, step: torch.Tensor, seed: int, n: int):
     return _draws(idx, step, seed, n)
 
 
-def training_draws(indices: torch.Tensor, step: int, seed: int, latent_shape: tuple[int, ...],
+def training_draws(indices: torch.Tensor, step: int | torch.Tensor, seed: int, latent_shape: tuple[int, ...],
                    device: torch.device | str | None = None) -> TrainingDraws:
     """All random draws of one micro-batch: a function of (seed, step, index) per sample only.
 
     `indices` are the samples' dataset indices (int64 [B]); the result lives on `device`
     (default: the device of `indices`). A sample's draws do not depend on which other samples
-    share its micro-batch, on its position in it, or on the rank that processes it.
+    share its micro-batch, on its position in it, or on the rank that processes it. `step` may
+    be an integer tensor on `device` holding the step (a captured training step reads it from
+    there at every replay; an int would be baked into the graph).
     """
     device = torch.device(device) if device is not None else indices.device
     idx = indices.to(device=device, dtype=torch.int64).reshape(-1)
-    step_t = torch.full((), int(step) & _MASK32, dtype=torch.int64, device=device)  # a fill: no copy
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1 or step.dtype.is_floating_point or step.device != device:
+            raise ValueError(f"step: expected an int or a one-element integer tensor on {device}, got "
+                             f"{step.dtype} {tuple(step.shape)} on {step.device}")
+        step_t = step.reshape(()).to(torch.int64) & _MASK32
+    else:
+        step_t = torch.full((), int(step) & _MASK32, dtype=torch.int64, device=device)  # a fill: no copy
     n = 1
     for d in latent_shape:
         n *= int(d)

@@ -31,6 +31,7 @@ from ..model import image_ids, init_from_checkpoint, patchify, text_ids
 from ..nn.linear import MXFP6Linear
 from .build import build_model, build_optimizer
 from .callbacks import Callback
+from .captured import CapturedStep
 from .checkpoint import (LATEST, LATEST_SHARDED, load_checkpoint, load_model_optimizer_state, load_sharded_checkpoint,
                          model_optimizer_state, resolve_checkpoint, rng_state, save_checkpoint,
                          save_sharded_checkpoint, set_rng_state)
@@ -84,8 +85,12 @@ class Trainer:
         self.t5_empty, self.clip_empty = load_empty_encodings(self.data_root, device=self.device,
                                                               dtype=self.compute_dtype)
 
+        if cfg.train.cuda_graph and (self.device.type != "cuda" or self.world > 1):
+            raise ValueError(f"train.cuda_graph: a captured step needs one process on a CUDA device; got "
+                             f"{self.device.type} with world size {self.world} (FSDP2 and DDP issue collectives "
+                             f"from hooks on streams of their own)")
         o = cfg.optim
-        self.optimizer = build_optimizer(cfg, self.model)
+        self.optimizer = build_optimizer(cfg, self.model, capturable=cfg.train.cuda_graph)
         # A partial, not a bound method: no Trainer <-> scheduler reference cycle, so a dropped
         # Trainer frees its (GPU) memory at once instead of at the next garbage collection.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -98,6 +103,7 @@ class Trainer:
         self.last_eval: float | None = None
         self.last_checkpoint: Path | None = None
         self.window_base = 0  # blocks outside the window before this process (a resumed run's)
+        self.captured = CapturedStep(self.optimizer, self.device) if cfg.train.cuda_graph else None
 
     def mx_modules(self) -> list[MXFP6Linear]:
         return [m for m in self.model.modules() if isinstance(m, MXFP6Linear)]
@@ -122,15 +128,17 @@ class Trainer:
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def training_loss(self, batch: dict) -> torch.Tensor:
+    def training_loss(self, batch: dict, step: int | torch.Tensor | None = None) -> torch.Tensor:
         """Mean rectified-flow loss of one micro-batch (fp32 scalar, differentiable).
 
         Every random draw of a sample (latent eps, flow noise, t, CFG dropout) is a function of
         (train seed, current optimizer step, its dataset index `batch["index"]`) alone, computed
-        on the device for the whole micro-batch at once.
+        on the device for the whole micro-batch at once. `step`: that step, when not `self.step`
+        (a captured step passes a device tensor holding it).
         """
         mean = batch["vae_mean"]
-        d = training_draws(batch["index"], self.step, self.cfg.train.seed, tuple(mean.shape[1:]), mean.device)
+        d = training_draws(batch["index"], self.step if step is None else step, self.cfg.train.seed,
+                           tuple(mean.shape[1:]), mean.device)
         x0 = sample_latents(mean, batch["vae_logvar"], self.latent_shift, self.latent_scale, eps=d.latent_eps)
         t = shift_time(d.t, self.cfg.train.timestep_shift)
         x_t, target = noised(x0, d.noise, t)
@@ -170,10 +178,32 @@ class Trainer:
     def train_step(self, micro_batches: list[dict]) -> StepResult:
         """One optimizer step over `accum` micro-batches; nothing in it waits for the device."""
         self.train_model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.captured is not None:
+            mean, grad_norm = self.captured.run(self._step_core, micro_batches, self.step)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            mean, grad_norm = self._step_core(micro_batches, self.step, to_device=self._to_device)
+        self.scheduler.step()
+        self.step += 1
+        if self.ema is not None:
+            self.ema.update(self.step)
+        self.samples += self.cfg.batch.global_batch_size
+        if self.world > 1:
+            dist.all_reduce(mean)
+            mean /= self.world
+        window = torch.stack(self.window_counters).sum() + self.window_base if self.window_counters else None
+        return StepResult(self.step, self.samples, mean, grad_norm, lr, window,
+                          tuple(b["index"] for b in micro_batches))
+
+    def _step_core(self, micro_batches: list[dict], step: int | torch.Tensor, to_device=None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, backward, clipping and AdamW over `micro_batches` (moved to the device one at a
+        time by `to_device`, or there already), the gradients None on entry: (mean loss, gradient
+        norm). What `train.cuda_graph` captures."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, batch in enumerate(micro_batches):
-            loss = self.training_loss(self._to_device(batch))
+            loss = self.training_loss(to_device(batch) if to_device is not None else batch, step)
             # The reported value is a detached copy taken before the 1/accum scaling, so that
             # nothing below (or in a distributed wrapper) can rescale it in place.
             total += loss.detach().double()
@@ -184,20 +214,8 @@ class Trainer:
         grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         if isinstance(grad_norm, DTensor):  # FSDP2: the norm over sharded gradients
             grad_norm = grad_norm.full_tensor()
-        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
-        self.scheduler.step()
-        self.step += 1
-        if self.ema is not None:
-            self.ema.update(self.step)
-        self.samples += self.cfg.batch.global_batch_size
-        mean = total / len(micro_batches)
-        if self.world > 1:
-            dist.all_reduce(mean)
-            mean /= self.world
-        window = torch.stack(self.window_counters).sum() + self.window_base if self.window_counters else None
-        return StepResult(self.step, self.samples, mean, grad_norm.detach(), lr, window,
-                          tuple(b["index"] for b in micro_batches))
+        return total / len(micro_batches), grad_norm.detach()
 
     @torch.no_grad()
     def evaluate(self, max_samples: int | None = None) -> float:
@@ -286,6 +304,8 @@ class Trainer:
 
     def _load_meta(self, meta: dict) -> None:
         _check_format(meta)
+        if self.captured is not None:  # the optimizer's state tensors were replaced: capture again
+            self.captured.invalidate()
         self.scheduler.load_state_dict(meta["scheduler"])
         p = meta["progress"]
         self.step, self.samples, self.epoch, self.last_eval = p["step"], p["samples"], p["epoch"], p["last_eval"]
