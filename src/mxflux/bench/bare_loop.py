@@ -9,13 +9,10 @@ metrics. `mxflux bench step --bare-loop` times it next to the trainer; their rat
 trainer adds to a step.
 
 With `cuda_graph=True` the whole step (forward, backward, gradient clipping, AdamW) is captured
-once as one CUDA graph and replayed (`--cuda-graph`): no host work per step but one graph launch,
-so the difference to the eager bare loop is what the host's per-op cost (op dispatch, our
-packers' Python, kernel launches) still costs a step. The standard whole-network recipe of
-`torch.cuda.graphs`: warm-up steps on a side stream (they also compile), gradients set to None
-before capture (backward then allocates them in the graph's pool, replays rewrite them), AdamW
-with `capturable=True` (its step counts on the device). One process only: FSDP2 and DDP issue
-collectives from hooks on their own streams.
+once as one CUDA graph and replayed (`--cuda-graph`; `mxflux.train.captured`, as the trainer's
+`train.cuda_graph` does): no host work per step but one graph launch, so the difference to the
+eager bare loop is what the host's per-op cost (op dispatch, our packers' Python, kernel launches)
+still costs a step. The first call runs the warm-up steps and the capture. One process only.
 """
 
 from __future__ import annotations
@@ -39,20 +36,17 @@ class BareLoop:
     def __init__(self, cfg: RunConfig, ctx: DistContext, device: torch.device, *, latent_hw: tuple[int, int],
                  text_tokens: int, cuda_graph: bool = False, graph_warmup: int = 3):
         from ..train.build import build_model, build_optimizer
+        from ..train.captured import CapturedStep
         from ..train.parallelize import parallelize
 
         if cuda_graph and (device.type != "cuda" or ctx.world_size > 1):
             raise ValueError(f"cuda_graph: a captured step needs one process on a CUDA device; got {device.type} "
                              f"with world size {ctx.world_size}")
-        if cuda_graph and graph_warmup < 1:
-            raise ValueError(f"graph_warmup: a captured step needs at least one warm-up step first (it compiles "
-                             f"and allocates the gradients' shapes), got {graph_warmup}")
         self.cfg, self.device = cfg, device
         self.model, _ = build_model(cfg, device)
         self.train_model = parallelize(self.model, cfg, ctx)
         self.optimizer = build_optimizer(cfg, self.model, capturable=cuda_graph)
-        self.cuda_graph, self.graph_warmup = cuda_graph, graph_warmup
-        self._graph = self._graph_loss = None
+        self.captured = CapturedStep(self.optimizer, device, warmup=graph_warmup) if cuda_graph else None
         self.accum = cfg.batch.accumulation_steps(ctx.world_size)
         self.compute_dtype = getattr(torch, cfg.train.compute_dtype)
         mc = cfg.model.flux_config()
@@ -83,33 +77,20 @@ class BareLoop:
 
     def step(self) -> torch.Tensor:
         """One optimizer step; returns the last micro-batch's loss (a device tensor: no sync). With
-        `cuda_graph` the first call warms up and captures, every call replays; the loss returned is
-        then a copy (the graph's own output is overwritten by the next replay)."""
-        if not self.cuda_graph:
-            return self._step()
-        if self._graph is None:
-            self._capture()
-        self._graph.replay()
-        return self._graph_loss.clone()
-
-    def _capture(self) -> None:
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(self.graph_warmup):
-                self._step()
-        current.wait_stream(side)
-        self.optimizer.zero_grad(set_to_none=True)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._graph_loss = self._step(zero_grad=False)
-        self._graph = graph
-
-    def _step(self, zero_grad: bool = True) -> torch.Tensor:
-        self.train_model.train()
-        if zero_grad:
+        `cuda_graph` the first call runs the eager warm-up steps and the capture, and every call
+        returns the loss of one replay."""
+        if self.captured is None:
             self.optimizer.zero_grad(set_to_none=True)
+            return self._core()[0]
+        while True:  # the inputs live on the device already: no micro-batches to copy in
+            (loss,) = self.captured.run(self._core, (), 0)
+            if self.captured.graph is not None:
+                return loss
+
+    def _core(self, static=(), step_t=None) -> tuple[torch.Tensor]:
+        """One step from zeroed (None) gradients; the arguments of a captured step are unused (the
+        inputs are fixed and the bare loop draws no noise)."""
+        self.train_model.train()
         for i, (inputs, target) in enumerate(zip(self.inputs, self.targets)):
             with self._autocast():
                 pred = self.train_model(**inputs)
@@ -121,4 +102,4 @@ class BareLoop:
                 (loss / self.accum).backward()
         nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         self.optimizer.step()
-        return loss.detach()
+        return (loss.detach(),)

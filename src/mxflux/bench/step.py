@@ -255,9 +255,9 @@ def _bare_loop(cfg, ctx, device, latent_hw, text_tokens, g, flops, peak, *, warm
 
 def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps: int = 0, bare_loop: bool = False,
                cuda_graph: bool = False, memory_path: str | os.PathLike | None = None, synthetic: bool = False,
-               image_size: int = 256, text_len: int = 256, data_dir: str | None = None, peak_tflops: float | None = None,
-               device: str | torch.device | None = None, recipe: str | None = None, label: str | None = None,
-               distributed: bool = True) -> dict | None:
+               image_size: int = 256, text_len: int = 256, data_dir: str | None = None,
+               peak_tflops: float | None = None, device: str | torch.device | None = None,
+               recipe: str | None = None, label: str | None = None, distributed: bool = True) -> dict | None:
     """Time `steps` optimizer steps of `cfg`'s trainer (and, with `bare_loop`, of its bare loop; with
     `cuda_graph`, of the bare loop captured as one CUDA graph per step); the result on rank 0 (None
     elsewhere). `memory_path`: write the memory breakdown of one more trainer step there as JSON

@@ -17,7 +17,7 @@ What a replay needs that an eager step gets from Python:
 - gradients that are None at capture, so that backward allocates them in the graph's memory
   pool and each replay rewrites them.
 
-The first `WARMUP_STEPS` steps run eagerly (they compile and allocate; they are real training
+The first `WARMUP_STEPS` steps (by default) run eagerly (they compile and allocate; they are real training
 steps), on the stream the graph is then captured on, so that every library's per-stream state
 exists before capture. Everything of a step runs on that stream; the caller's stream waits for it
 after each step and it waits for the caller's stream before the next, and the step's outputs are
@@ -37,21 +37,26 @@ WARMUP_STEPS = 2  # eager steps before the capture: the first compiles, the seco
 
 
 class CapturedStep:
-    """Runs a step function `core(device_batches, step_tensor) -> (loss, grad_norm)` (one optimizer
-    step, gradients None on entry) eagerly for the first WARMUP_STEPS calls, then captures it and
-    replays it. `core` comes with every call (holding it would tie the trainer into a reference
-    cycle, and a dropped trainer's memory would wait for the garbage collector)."""
+    """Runs a step function `core(device_batches, step_tensor) -> tuple of tensors` (one optimizer
+    step, gradients None on entry) eagerly for the first `warmup` calls, then captures it and
+    replays it. `core` comes with every call (holding it would tie its owner into a reference
+    cycle, and a dropped trainer's memory would wait for the garbage collector). The trainer's
+    `train.cuda_graph` and the captured bare loop of `mxflux bench step --cuda-graph` both run
+    on it."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device):
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device, *, warmup: int = WARMUP_STEPS):
         if device.type != "cuda":
             raise ValueError(f"train.cuda_graph: a captured step needs a CUDA device, got {device}")
-        self.optimizer, self.device = optimizer, device
+        if warmup < 1:
+            raise ValueError(f"warmup: a captured step needs at least one eager step first (it compiles and "
+                             f"allocates the gradients' shapes), got {warmup}")
+        self.optimizer, self.device, self.warmup = optimizer, device, warmup
         self.stream = torch.cuda.Stream(device)
         self.step_t = torch.zeros((), dtype=torch.int64, device=device)
         self.lr_t = [torch.zeros((), dtype=torch.float32, device=device) for _ in optimizer.param_groups]
         self.static: list[dict[str, torch.Tensor]] | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.outputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.outputs: tuple[torch.Tensor, ...] | None = None
         self.eager_steps = 0
 
     def invalidate(self) -> None:
@@ -59,10 +64,10 @@ class CapturedStep:
         self.graph = self.outputs = None
         self.eager_steps = 0
 
-    def run(self, core: Callable, micro_batches: Sequence[dict], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, core: Callable, micro_batches: Sequence[dict], step: int) -> tuple[torch.Tensor, ...]:
         """One optimizer step over `micro_batches` (the loader's host tensors) as optimizer step
-        `step`; returns (mean loss, gradient norm) as device tensors the caller may keep. The
-        graph, once captured, replays what `core` did at capture."""
+        `step`; returns `core`'s outputs (for the trainer: mean loss, gradient norm) as device
+        tensors the caller may keep. The graph, once captured, replays what `core` did at capture."""
         caller = torch.cuda.current_stream(self.device)
         s = self.stream
         s.wait_stream(caller)
@@ -71,7 +76,7 @@ class CapturedStep:
             self.step_t.fill_(step)
             for t, group in zip(self.lr_t, self.optimizer.param_groups):
                 t.fill_(float(group["lr"]))
-            if self.graph is None and self.eager_steps >= WARMUP_STEPS:
+            if self.graph is None and self.eager_steps >= self.warmup:
                 self._capture(core)
             if self.graph is not None:
                 self.graph.replay()
