@@ -28,7 +28,7 @@ def warmup_without_trace(trainer, steps: int) -> None:
         trainer.train_step([next(batches) for _ in range(trainer.accum)])
     del batches
     _restore(trainer, snapshot)
-    if getattr(trainer, "captured", None) is not None:
+    if trainer.captured is not None:
         # the restore dropped the optimizer state the warm-up created, which a graph captured
         # during the warm-up would still write to: the timed run captures its own
         trainer.captured.invalidate()
