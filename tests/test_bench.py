@@ -107,6 +107,18 @@ def test_bench_requires_a_recipe_and_checks_overrides(capsys):
     assert exc.value.code == 2 and "--settings recipe" in capsys.readouterr().err
 
 
+def test_the_graph_settings_are_their_precisions_with_the_step_captured():
+    from mxflux.bench.compare import PROXY_OVERRIDES, PROXY_RECIPE, SETTINGS, parse_settings
+    from mxflux.bench.step import load_bench_recipe
+
+    assert parse_settings("mxfp6,mxfp6-graph") == ["mxfp6", "mxfp6-graph"]
+    for name in ("bf16", "fp8-tensorwise", "mxfp6"):
+        eager = load_bench_recipe(PROXY_RECIPE, [*SETTINGS[name], *PROXY_OVERRIDES])
+        graph = load_bench_recipe(PROXY_RECIPE, [*SETTINGS[f"{name}-graph"], *PROXY_OVERRIDES])
+        assert graph.train.cuda_graph and not eager.train.cuda_graph
+        assert graph.precision == eager.precision and graph.model == eager.model
+
+
 def test_a_captured_bare_loop_is_refused_without_a_cuda_device(capsys):
     """--cuda-graph needs one process on a CUDA device: a clear error before any run, never a
     trainer run first and a failure after it."""

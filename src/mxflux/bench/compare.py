@@ -61,6 +61,11 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "fp8-tensorwise-elementwise": ("precision={fp8: hybrid}", "precision.fp8_scaling=tensorwise",
                                    "model.activation_checkpointing=elementwise"),
 }
+# Each of the three precisions with the trainer's step captured as one CUDA graph and replayed
+# (`train.cuda_graph`; one process on a CUDA device): beside the eager settings, what the host's
+# per-op cost costs the trainer.
+SETTINGS.update({f"{name}-graph": (*SETTINGS[name], "train.cuda_graph=true")
+                 for name in ("bf16", "fp8-tensorwise", "mxfp6")})
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 
 # The throughput proxy of flux-12b (`--proxy`): its width (3072) and attention heads, 2 double + 4
