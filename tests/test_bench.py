@@ -117,6 +117,10 @@ def test_the_graph_settings_are_their_precisions_with_the_step_captured():
         graph = load_bench_recipe(PROXY_RECIPE, [*SETTINGS[f"{name}-graph"], *PROXY_OVERRIDES])
         assert graph.train.cuda_graph and not eager.train.cuda_graph
         assert graph.precision == eager.precision and graph.model == eager.model
+    from mxflux.bench.step import bench_step
+
+    with pytest.raises(ValueError, match="warmup: a captured trainer step .* needs more than 2 warm-up steps"):
+        bench_step(load_bench_recipe(PROXY_RECIPE, [*SETTINGS["mxfp6-graph"]]), warmup=2, distributed=False)
 
 
 def test_a_captured_bare_loop_is_refused_without_a_cuda_device(capsys):

@@ -266,11 +266,15 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
     `distributed`: join the torchrun process group when the environment describes one (the
     model is then wrapped as `mxflux train` wraps it). See the module docstring for the fields.
     """
+    from ..train.captured import WARMUP_STEPS
     from ..train.distributed import alone, init_distributed
     from ..train.trainer import Trainer
 
     if steps <= 0 or warmup < 0 or profile_steps < 0:
         raise ValueError(f"need steps > 0, warmup >= 0, profile_steps >= 0; got {steps}, {warmup}, {profile_steps}")
+    if cfg.train.cuda_graph and warmup <= WARMUP_STEPS:  # the timed steps must all be replays
+        raise ValueError(f"warmup: a captured trainer step (train.cuda_graph) needs more than {WARMUP_STEPS} warm-up "
+                         f"steps ({WARMUP_STEPS} eager, then the capture), got {warmup}")
     gc.collect()  # a previous run's trainer must not count in this one's memory (cyclic garbage)
     device_type = torch.device(device).type if device is not None else None
     ctx = init_distributed(device_type) if distributed else alone(device_type)
