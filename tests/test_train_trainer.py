@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mxflux.data import build_demo_dataset
-from mxflux.train import load_recipe
+from mxflux.train import RecipeError, load_recipe
 from mxflux.train.checkpoint import save_checkpoint
 from mxflux.train.ema import ema_decay_at
 from mxflux.train.flow import cfg_dropout, euler_sample, noised, per_sample_mse, shift_time
@@ -400,12 +400,18 @@ def test_blocks_compile_with_the_recipe_mode(demo_root, tmp_path, monkeypatch):
         load_recipe("tiny-bf16", ["model.compile_mode=fast"])
 
 
-def test_a_captured_step_needs_one_process_on_a_cuda_device(demo_root, tmp_path):
+def test_a_captured_step_needs_one_process_on_a_cuda_device(demo_root, tmp_path, capsys):
     """train.cuda_graph on a CPU: a clear error when the trainer is built, not a failure in a step."""
     from mxflux.train.captured import CapturedStep
 
-    with pytest.raises(ValueError, match="train.cuda_graph: a captured step needs one process on a CUDA device; "
-                                         "got cpu with world size 1"):
+    with pytest.raises(RecipeError, match="train.cuda_graph: a captured step needs one process on a CUDA device; "
+                                          "got cpu with world size 1"):
         make_trainer(demo_root, tmp_path, "train.cuda_graph=true")
+    # the command line says so in one line, exit status 2
+    from mxflux.cli import main
+
+    assert main(["train", "tiny-mxfp6", "--out", str(tmp_path / "cli"), "--device", "cpu", "--set",
+                 f"data.root={demo_root}", "--set", "train.cuda_graph=true", "--max-steps", "1"]) == 2
+    assert "mxflux train: error: train.cuda_graph: a captured step needs" in capsys.readouterr().err
     with pytest.raises(ValueError, match="train.cuda_graph: a captured step needs a CUDA device"):
         CapturedStep(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), torch.device("cpu"))

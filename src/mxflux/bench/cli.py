@@ -146,6 +146,12 @@ def _one(args) -> int:
 
         if not (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
             args.parser.error("--cuda-graph: the captured bare loop needs a CUDA device")
+    if cfg.train.cuda_graph:
+        from ..train.captured import WARMUP_STEPS
+
+        if args.warmup <= WARMUP_STEPS:
+            args.parser.error(f"--warmup: a captured trainer step (train.cuda_graph) needs more than {WARMUP_STEPS} "
+                              f"warm-up steps ({WARMUP_STEPS} eager, then the capture), got {args.warmup}")
     result = step.bench_step(cfg, steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
                              bare_loop=args.bare_loop, cuda_graph=args.cuda_graph, memory_path=args.memory,
                              synthetic=args.synthetic, image_size=args.image_size, text_len=args.text_len,

@@ -35,7 +35,7 @@ from .captured import CapturedStep
 from .checkpoint import (LATEST, LATEST_SHARDED, load_checkpoint, load_model_optimizer_state, load_sharded_checkpoint,
                          model_optimizer_state, resolve_checkpoint, rng_state, save_checkpoint,
                          save_sharded_checkpoint, set_rng_state)
-from .config import RunConfig
+from .config import RecipeError, RunConfig
 from .distributed import DistContext, init_distributed
 from .ema import WeightEMA
 from .flow import cfg_dropout, eval_noise, noised, per_sample_mse, sample_latents, shift_time
@@ -63,6 +63,10 @@ class Trainer:
         self.ctx = ctx if ctx is not None else init_distributed(torch.device(device).type if device else None)
         self.device = torch.device(device) if device is not None else self.ctx.device
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
+        if cfg.train.cuda_graph and (self.device.type != "cuda" or self.world > 1):  # before any work
+            raise RecipeError(f"train.cuda_graph: a captured step needs one process on a CUDA device; got "
+                              f"{self.device.type} with world size {self.world} (FSDP2 and DDP issue collectives "
+                              f"from hooks on streams of their own)")
         self.out_dir = Path(out_dir) if out_dir is not None else cfg.out_dir
         self.callbacks = list(callbacks)
         self.compute_dtype = getattr(torch, cfg.train.compute_dtype)
@@ -85,10 +89,6 @@ class Trainer:
         self.t5_empty, self.clip_empty = load_empty_encodings(self.data_root, device=self.device,
                                                               dtype=self.compute_dtype)
 
-        if cfg.train.cuda_graph and (self.device.type != "cuda" or self.world > 1):
-            raise ValueError(f"train.cuda_graph: a captured step needs one process on a CUDA device; got "
-                             f"{self.device.type} with world size {self.world} (FSDP2 and DDP issue collectives "
-                             f"from hooks on streams of their own)")
         o = cfg.optim
         self.optimizer = build_optimizer(cfg, self.model, capturable=cfg.train.cuda_graph)
         # A partial, not a bound method: no Trainer <-> scheduler reference cycle, so a dropped
