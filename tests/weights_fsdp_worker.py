@@ -63,6 +63,10 @@ def main(data: str, weights: str) -> None:
 
     if ctx.is_main:
         print("OK " + json.dumps({"eval_loss": loss, "world": ctx.world_size}))
+    # both ranks done before the group is torn down: a rank destroying its gloo group while the
+    # other is still in its last collective aborted once ("terminate called without an active
+    # exception", exit -6) after printing OK
+    dist.barrier()
     cleanup()
 
 
