@@ -141,17 +141,15 @@ def _one(args) -> int:
         cfg = step.load_bench_recipe(args.recipe, [*SETTINGS[setting], *_user_overrides(args)])
     except RecipeError as e:
         args.parser.error(str(e))
-    if args.cuda_graph:
+    if args.cuda_graph or cfg.train.cuda_graph:
         import torch
 
-        if not (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
-            args.parser.error("--cuda-graph: the captured bare loop needs a CUDA device")
-    if cfg.train.cuda_graph:
-        from ..train.captured import WARMUP_STEPS
-
-        if args.warmup <= WARMUP_STEPS:
-            args.parser.error(f"--warmup: a captured trainer step (train.cuda_graph) needs more than {WARMUP_STEPS} "
-                              f"warm-up steps ({WARMUP_STEPS} eager, then the capture), got {args.warmup}")
+        device_type = torch.device(args.device).type if args.device else "cuda" if torch.cuda.is_available() else "cpu"
+        refused = step.captured_step_error(cfg, cuda_graph=args.cuda_graph, warmup=args.warmup,
+                                           device_type=device_type,
+                                           world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        if refused:
+            args.parser.error(refused)
     result = step.bench_step(cfg, steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
                              bare_loop=args.bare_loop, cuda_graph=args.cuda_graph, memory_path=args.memory,
                              synthetic=args.synthetic, image_size=args.image_size, text_len=args.text_len,

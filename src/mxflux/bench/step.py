@@ -253,6 +253,23 @@ def _bare_loop(cfg, ctx, device, latent_hw, text_tokens, g, flops, peak, *, warm
     return out
 
 
+def captured_step_error(cfg: RunConfig, *, cuda_graph: bool, warmup: int, device_type: str,
+                        world_size: int) -> str | None:
+    """Why a captured step cannot be benchmarked as asked (None when it can): the captured bare
+    loop (`cuda_graph`) needs one process on a CUDA device, and a captured trainer step
+    (`train.cuda_graph`) more warm-up steps than its eager ones, so that every timed step is a
+    replay. `bench_step` raises it; the command line says it before any work."""
+    from ..train.captured import WARMUP_STEPS
+
+    if cuda_graph and (device_type != "cuda" or world_size > 1):
+        return (f"cuda_graph: the captured bare loop needs one process on a CUDA device (--cuda-graph); got "
+                f"{device_type} with world size {world_size}")
+    if cfg.train.cuda_graph and warmup <= WARMUP_STEPS:
+        return (f"warmup: a captured trainer step (train.cuda_graph) needs more than {WARMUP_STEPS} warm-up steps "
+                f"({WARMUP_STEPS} eager, then the capture), got {warmup}")
+    return None
+
+
 def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps: int = 0, bare_loop: bool = False,
                cuda_graph: bool = False, memory_path: str | os.PathLike | None = None, synthetic: bool = False,
                image_size: int = 256, text_len: int = 256, data_dir: str | None = None,
@@ -266,22 +283,19 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
     `distributed`: join the torchrun process group when the environment describes one (the
     model is then wrapped as `mxflux train` wraps it). See the module docstring for the fields.
     """
-    from ..train.captured import WARMUP_STEPS
     from ..train.distributed import alone, init_distributed
     from ..train.trainer import Trainer
 
     if steps <= 0 or warmup < 0 or profile_steps < 0:
         raise ValueError(f"need steps > 0, warmup >= 0, profile_steps >= 0; got {steps}, {warmup}, {profile_steps}")
-    if cfg.train.cuda_graph and warmup <= WARMUP_STEPS:  # the timed steps must all be replays
-        raise ValueError(f"warmup: a captured trainer step (train.cuda_graph) needs more than {WARMUP_STEPS} warm-up "
-                         f"steps ({WARMUP_STEPS} eager, then the capture), got {warmup}")
     gc.collect()  # a previous run's trainer must not count in this one's memory (cyclic garbage)
     device_type = torch.device(device).type if device is not None else None
     ctx = init_distributed(device_type) if distributed else alone(device_type)
     device = torch.device(device) if device is not None else ctx.device
-    if cuda_graph and (device.type != "cuda" or ctx.world_size > 1):  # before the trainer's run, not after
-        raise ValueError(f"cuda_graph: the captured bare loop needs one process on a CUDA device; got "
-                         f"{device.type} with world size {ctx.world_size}")
+    refused = captured_step_error(cfg, cuda_graph=cuda_graph, warmup=warmup, device_type=device.type,
+                                  world_size=ctx.world_size)
+    if refused:  # before the trainer's run, not after it
+        raise ValueError(refused)
     mc = _model_config(cfg)
     cycle = min(warmup + steps + profile_steps + (1 if memory_path else 0), 2)  # batches read up front, reused
     reason = "--synthetic" if synthetic else _synthetic_reason(cfg, mc)
