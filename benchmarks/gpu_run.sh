@@ -21,6 +21,8 @@
 # host         benchmarks/bench_host.py: host time per MX op call (op dispatch, our Python, Triton launch)
 # gemmtune     benchmarks/probe_scaled_mm_autotune.py: cuBLAS's row-wise scaled FP8 GEMM against inductor's
 #              autotuned Triton templates at the Flux shapes, contract checked (GEMMTUNE_ARGS)
+# rowgemm      benchmarks/probe_rowwise_gemm.py: every cuBLASLt algorithm for the row-wise scaled GEMM at the Flux
+#              shapes (ctypes), timed beside torch's row-wise and tensor-wise, with and without fast accumulation
 # passes       benchmarks/probe_pack_passes.py: the row-granularity packer's two passes timed apart;
 #              PACK_VARIANTS="ab_x.py ..." also times those copies of operands_cuda.py (another branch's:
 #              `git show BRANCH:src/mxflux/kernels/operands_cuda.py > ab_x.py` here), each in its own
@@ -97,6 +99,9 @@ for stage in "$@"; do
       timeout ${GEMMTUNE_TIMEOUT:-540} python3 benchmarks/probe_scaled_mm_autotune.py ${GEMMTUNE_ARGS:-} \
         --json "$OUT/scaled_mm_autotune.json" > "$OUT/gemmtune.log" 2>&1
       grep -E "cuBLAS|Error" "$OUT/gemmtune.log" | tail -30 ;;
+    rowgemm)  # cuBLASLt's candidates for the row-wise scaled GEMM (benchmarks/probe_rowwise_gemm.py)
+      timeout ${ROWGEMM_TIMEOUT:-300} python3 benchmarks/probe_rowwise_gemm.py --json "$OUT/rowwise_gemm.json" 2>&1 \
+        | grep -v "^W11" | tail -40 ;;
     host)  # host time per op call (benchmarks/bench_host.py)
       python3 benchmarks/bench_host.py --json "$OUT/bench_host.json" 2>&1 | grep -v "^W11" | tail -15 ;;
     sweepcomm)  # FSDP2 blocks per unit (communication granularity), SWEEP_RECIPE on all visible GPUs

@@ -154,3 +154,15 @@ def test_probe_scaled_mm_autotune_contract_check_accepts_cublas_and_rejects_a_wr
         wrong[3, 5] = wrong[3, 5] + 1e6 * (wrong[3, 5].abs() + 1)  # far beyond K·2^-24·Σ|a·b|
         ok, equal, worst = probe._within_contract(wrong, y, a, b, sa, sb)
         assert not ok and equal < 1.0 and worst > 1.0
+
+
+def test_rowwise_gemm_probe_says_what_it_needs_without_a_gpu(tmp_path):
+    """benchmarks/probe_rowwise_gemm.py (cuBLASLt's candidates through ctypes) imports on a CPU
+    machine and stops with one line naming what it needs, not a traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_rowwise_gemm.py"), "--json",
+                        str(tmp_path / "x.json")], cwd=ROOT / "benchmarks", env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "needs a CUDA device of sm_90 or later and cuBLASLt" in r.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -368,14 +368,15 @@ def test_classifier_free_guidance_mixes_prompt_and_empty_velocities(gen):
 
 
 def test_adamw_implementation_is_chosen_and_validated(demo_root, tmp_path):
-    """`optim.implementation`: auto is the fused AdamW on every device; fused and foreach train to
-    the same weights (to fp32 rounding); anything else is rejected naming the field."""
+    """`optim.implementation`: auto is the fused AdamW on every device, with the Triton kernel for
+    large CUDA parameters (`kernel`); fused and foreach are torch's kernels and train to the same
+    weights (to fp32 rounding); anything else is rejected naming the field."""
     auto = make_trainer(demo_root, tmp_path / "a", recipe="tiny-bf16")
-    assert auto.optimizer.defaults.get("fused") is True
+    assert auto.optimizer.defaults.get("fused") is True and auto.optimizer.kernel == "triton"
     weights = {}
     for impl in ("fused", "foreach"):
         tr = make_trainer(demo_root, tmp_path / impl, f"optim.implementation={impl}", recipe="tiny-bf16")
-        assert tr.optimizer.defaults[impl] is True
+        assert tr.optimizer.defaults[impl] is True and tr.optimizer.kernel == "torch"
         batches = tr.batches()
         before = [p.detach().clone() for p in tr.model.parameters()]
         for _ in range(3):

@@ -118,3 +118,19 @@ def test_compact_kernels_compile_for_sm90(which, hw):
     assert ("ld.global.v4.b32" if which == "compact" else "st.global.v4.b32") in ptx
     assert ("st.global.v2.b32" if which == "compact" else "ld.global.v2.b32") in ptx
     assert not re.findall(r"\.ftz\.", ptx)
+
+
+def test_the_adamw_step_compiles_with_vector_accesses_and_ieee_division():
+    """The optimizer kernel (`mxflux.train.adamw_cuda`): 16-byte loads and stores of the four
+    streams when the tensors are aligned (as torch allocates them), and correctly rounded square
+    root and division (no approximate forms), so that it is fp32 AdamW as torch's kernel is."""
+    from mxflux.train import adamw_cuda
+
+    sig = {"p_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "n": "i64", "factor_ptr": "*fp32",
+           "lr_ptr": "*fp32", "step_size_ptr": "*fp32", "bc2_sqrt_ptr": "*fp32", "weight_decay": "fp32",
+           "beta1": "fp32", "beta2": "fp32", "eps": "fp32"}
+    ptx = _compile(adamw_cuda._adamw_kernel, sig, {"BLOCK": 2048}, num_warps=8, aligned=True, divisible=("n",))["ptx"]
+    assert len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.(?:b32|f32)", ptx)) >= 4
+    assert len(re.findall(r"st\.global(?:\.\w+)*\.v4\.(?:b32|f32)", ptx)) >= 3
+    assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx
+    assert "sqrt.approx" not in ptx and "div.full" not in ptx and "div.approx" not in ptx

@@ -20,9 +20,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch import nn
 
 from ..model import image_ids, text_ids
+from ..train.clipping import clip_and_step
 from ..train.config import RunConfig
 from ..train.distributed import DistContext
 from ..train.flow import per_sample_mse
@@ -100,6 +100,6 @@ class BareLoop:
                 no_sync = self.train_model.no_sync()
             with no_sync:
                 (loss / self.accum).backward()
-        nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
-        self.optimizer.step()
+        o = self.cfg.optim
+        clip_and_step(self.optimizer, self.model.parameters(), o.grad_clip, in_optimizer=o.clip_in_optimizer)
         return (loss.detach(),)

@@ -114,6 +114,11 @@ class OptimSection(_Section):
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = Field(1.0, gt=0)
+    # Clipping by the gradients' total norm: true applies the factor inside the fused AdamW's own
+    # pass over the gradients (one rounding apart from torch's clip_grad_norm_ where it clips, equal
+    # where it does not); false, or an optimizer that cannot, runs torch's separate pass
+    # (train.clipping).
+    clip_in_optimizer: bool = True
     # AdamW kernels: "fused" updates every parameter in one kernel per dtype/device group (about
     # half the memory traffic of "foreach", which launches one kernel per update term); "auto" is
     # fused (train.build.build_optimizer).

@@ -24,8 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..model import image_ids, init_from_checkpoint, patchify, text_ids
 from ..nn.linear import MXFP6Linear
@@ -35,6 +33,7 @@ from .captured import CapturedStep
 from .checkpoint import (LATEST, LATEST_SHARDED, load_checkpoint, load_model_optimizer_state, load_sharded_checkpoint,
                          model_optimizer_state, resolve_checkpoint, rng_state, save_checkpoint,
                          save_sharded_checkpoint, set_rng_state)
+from .clipping import clip_and_step
 from .config import RecipeError, RunConfig
 from .distributed import DistContext, init_distributed
 from .ema import WeightEMA
@@ -211,10 +210,9 @@ class Trainer:
             with contextlib.nullcontext() if last or not hasattr(self.train_model, "no_sync") \
                     else self.train_model.no_sync():
                 (loss / len(micro_batches)).backward()
-        grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
-        if isinstance(grad_norm, DTensor):  # FSDP2: the norm over sharded gradients
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
+        o = self.cfg.optim
+        grad_norm = clip_and_step(self.optimizer, self.model.parameters(), o.grad_clip,
+                                  in_optimizer=o.clip_in_optimizer)
         return total / len(micro_batches), grad_norm.detach()
 
     @torch.no_grad()

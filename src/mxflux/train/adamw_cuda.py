@@ -1,0 +1,142 @@
+"""AdamW with the clipping factor applied in the same pass: one Triton kernel per large parameter.
+
+Why not torch's fused AdamW alone: on the H200 it runs at ~59 % of copy bandwidth (30.7 ms for the
+2.7 B fp32 parameters of the 6+12-block model, 28 bytes each), gradient clipping adds a pass of
+its own (8.3 ms), and folding the clip factor into the fused kernel's `grad_scale` makes it write
+every gradient back (5.5 ms more; benchmarks/RESULTS.md). This kernel reads parameter, gradient
+and both moments once and writes parameter and moments once (28 bytes per element), the gradient
+multiplied by the clip factor on the way in, as `clip_grad_norm_` multiplies it.
+
+The arithmetic is AdamW's as torch writes it (decoupled weight decay p ← p − lr·wd·p, then
+m ← β1·m + (1−β1)·g, v ← β2·v + (1−β2)·g², p ← p − (lr / (1 − β1^t)) · m / (√v / √(1 − β2^t) + ε)),
+in fp32 per element with IEEE square root and division; the per-parameter scalars (step size and
+√(1 − β2^t), from the parameter's own step count) are computed in fp64 by torch ops on the device,
+so that nothing is read on the host and a step can be captured in a CUDA graph. torch's fused
+kernel evaluates some of the same terms in fp64, so the two agree to fp32 rounding, not bit for bit
+(tests/gpu/test_adamw_cuda.py holds both to an fp64 AdamW).
+
+The optimizer object stays torch's `AdamW` (fused): its parameter groups, state tensors (step as a
+float32 device scalar, exp_avg, exp_avg_sq) and state_dict are exactly torch's, so checkpoints and
+resumes do not depend on which kernel ran. Parameters below `LARGE` elements (biases, norms) are
+updated by torch's fused kernel after their gradients are multiplied by the factor: their bytes are
+negligible and one launch covers all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # no Triton, or one that cannot initialise here
+    triton = tl = None
+    HAS_TRITON = False
+
+__all__ = ["HAS_TRITON", "LARGE", "adamw_clipped_step", "eligible"]
+
+LARGE = 1 << 16  # elements: below this a parameter goes through torch's fused kernel with the others
+_BLOCK = 2048
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, factor_ptr, lr_ptr, step_size_ptr, bc2_sqrt_ptr,
+                      weight_decay, beta1, beta2, eps, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        factor = tl.load(factor_ptr)
+        lr = tl.load(lr_ptr)
+        step_size = tl.load(step_size_ptr)
+        bc2_sqrt = tl.load(bc2_sqrt_ptr)
+        p = tl.load(p_ptr + offs, mask=mask)
+        g = tl.load(g_ptr + offs, mask=mask) * factor
+        m = tl.load(m_ptr + offs, mask=mask)
+        v = tl.load(v_ptr + offs, mask=mask)
+        p = p - (lr * weight_decay) * p
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p - tl.div_rn(step_size * m, denom)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+
+
+def eligible(optimizer: torch.optim.Optimizer, params_with_grads: Sequence[torch.Tensor]) -> bool:
+    """This kernel can take `optimizer`'s step: torch's AdamW (fused, no amsgrad, not maximising)
+    over fp32 CUDA parameters and gradients, plain (not sharded) and contiguous."""
+    if not HAS_TRITON or not isinstance(optimizer, torch.optim.AdamW):
+        return False
+    if any(g.get("amsgrad") or g.get("maximize") or not g.get("fused") for g in optimizer.param_groups):
+        return False
+    for p in params_with_grads:
+        g = p.grad
+        if type(p.data) is not torch.Tensor or type(g) is not torch.Tensor or not p.is_cuda:
+            return False
+        if p.dtype != torch.float32 or g.dtype != torch.float32 or not (p.is_contiguous() and g.is_contiguous()):
+            return False
+    return True
+
+
+def _state(optimizer: torch.optim.AdamW, p: torch.Tensor) -> dict:
+    """The parameter's AdamW state, created as torch's fused AdamW creates it."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def _lr_tensor(group: dict, scalars: dict, index: int, device: torch.device) -> torch.Tensor:
+    """The group's learning rate as a float32 device scalar: the tensor a captured step swaps in,
+    or a scalar kept in `scalars` and refilled from the float (a fill kernel, no synchronisation)."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        return lr.to(device=device, dtype=torch.float32)
+    t = scalars.get(index)
+    if t is None or t.device != device:
+        t = scalars[index] = torch.empty((), dtype=torch.float32, device=device)
+    return t.fill_(lr)
+
+
+def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_scalars: dict | None = None) -> None:
+    """One AdamW step of `optimizer` (see `eligible`) with every gradient multiplied by the
+    device scalar `factor` first; the step counts advance as torch's do. Gradients are read, not
+    written. `lr_scalars`: where the learning rates' device scalars are kept between steps (the
+    optimizer's own dict, so that they live and die with it)."""
+    lr_scalars = {} if lr_scalars is None else lr_scalars
+    for index, group in enumerate(optimizer.param_groups):
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        device = params[0].device
+        beta1, beta2 = group["betas"]
+        lr = _lr_tensor(group, lr_scalars, index, device)
+        states = [_state(optimizer, p) for p in params]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1.0)
+        large = [i for i, p in enumerate(params) if p.numel() >= LARGE]
+        small = [i for i, p in enumerate(params) if p.numel() < LARGE]
+        if large:
+            t = torch.stack([steps[i] for i in large]).double()
+            step_size = (lr.double() / (1.0 - torch.pow(beta1, t))).float()
+            bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, t)).float()
+            for j, i in enumerate(large):
+                p, s = params[i], states[i]
+                n = p.numel()
+                _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
+                    p, p.grad, s["exp_avg"], s["exp_avg_sq"], n, factor, lr, step_size[j:], bc2_sqrt[j:],
+                    float(group["weight_decay"]), float(beta1), float(beta2), float(group["eps"]),
+                    BLOCK=_BLOCK, num_warps=8)
+        if small:
+            grads = torch._foreach_mul([params[i].grad for i in small], factor)  # small copies
+            torch._fused_adamw_([params[i] for i in small], grads, [states[i]["exp_avg"] for i in small],
+                                [states[i]["exp_avg_sq"] for i in small], [], [steps[i] for i in small],
+                                lr=lr, beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                                eps=group["eps"], amsgrad=False, maximize=False)
