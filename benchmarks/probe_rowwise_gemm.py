@@ -123,7 +123,6 @@ def main() -> None:
                       + (f"#{best['i']} {best['ms']:.3f} ms x{row['torch_rowwise_ms'] / best['ms']:.3f} "
                          f"[{best['config']}] contract {best.get('within_contract')}" if best else "none"),
                       flush=True)
-                del a, b, want
                 torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

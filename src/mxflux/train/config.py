@@ -114,14 +114,13 @@ class OptimSection(_Section):
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = Field(1.0, gt=0)
-    # Clipping by the gradients' total norm: true applies the factor inside the fused AdamW's own
-    # pass over the gradients (one rounding apart from torch's clip_grad_norm_ where it clips, equal
-    # where it does not); false, or an optimizer that cannot, runs torch's separate pass
-    # (train.clipping).
+    # Clipping by the gradients' total norm: true applies the factor inside the optimizer's own pass
+    # over the gradients (equal to torch's clip_grad_norm_ then step up to fp32 rounding where it
+    # clips); false runs torch's separate pass and torch's kernel (train.clipping).
     clip_in_optimizer: bool = True
-    # AdamW kernels: "fused" updates every parameter in one kernel per dtype/device group (about
-    # half the memory traffic of "foreach", which launches one kernel per update term); "auto" is
-    # fused (train.build.build_optimizer).
+    # AdamW kernels: "fused" is torch's, one kernel per dtype/device group (about half the memory
+    # traffic of "foreach", which launches one kernel per update term); "auto" is fused, with our
+    # Triton kernel for the large fp32 parameters on CUDA (train.optimizer, train.adamw_cuda).
     implementation: Literal["auto", "foreach", "fused"] = "auto"
 
 

@@ -35,6 +35,8 @@ class ClippingAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_factor: torch.Tensor | None = None):
+        """torch's AdamW step; with `grad_factor` (a device scalar) every gradient is first
+        multiplied by it, by the kernel the module docstring names."""
         if grad_factor is None:
             return super().step(closure)
         if closure is not None:
