@@ -202,3 +202,22 @@ def test_the_table_shows_the_captured_loop_against_its_own_profiled_step():
     assert rows["captured peak reserved GiB"] == ["26.04", "24.74", "24.53"]
     idle = [float(v.rstrip("%")) for v in rows["idle % of profiled step"]]
     assert idle == [1.9, 2.5, 2.4]
+
+
+def test_results_written_before_the_optimizer_category_show_a_dash_for_it():
+    """A committed result of the tenth session (no "optimizer" category: the optimizer was in
+    "other") prints, with "–" in the optimizer row and its other rows as they were."""
+    from rich.console import Console
+
+    from mxflux.bench.report import print_table
+
+    results = json.loads((ROOT / "benchmarks/results/bench_step_proxy_mbs16_2026-12-02g.json").read_text())
+    assert all("optimizer" not in r["breakdown"]["categories"] for r in results)
+    console = Console(record=True, width=240)
+    print_table(results, console=console)
+    rows = {}
+    for line in console.export_text().splitlines():
+        if line.startswith("│"):
+            rows.setdefault(line.split("│")[1].strip(), [c.strip() for c in line.split("│")[2:-1]])
+    assert rows["optimizer"] == ["–", "–", "–"]
+    assert rows["other"][2] == "25.3 (40%)"

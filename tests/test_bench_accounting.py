@@ -32,7 +32,11 @@ NAMES = {  # one real-looking kernel name per category, the kind it must land in
     "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "communication",
     "triton_poi_fused_add_mul_silu_2": "other",
     "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_3": "other",
-    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>": "other",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>": "optimizer",
+    "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)"
+    "::FusedOptimizerTensorListMetadata<4>, ...>": "optimizer",
+    "_adamw_kernel": "optimizer",
+    "triton_poi_fused_add_mul_sqrt_div_5": "other",
 }
 
 
@@ -95,7 +99,8 @@ def test_split_of_hand_made_overlaps():
     ]
     busy, per = split_device_time(acts)
     assert busy == 165  # [0, 150) and [160, 175)
-    assert per == {"gemm": 75, "communication": 75, "memcpy_memset": 15, "mx_quant": 0, "attention": 0, "other": 0}
+    assert per == {"gemm": 75, "communication": 75, "memcpy_memset": 15, "mx_quant": 0, "attention": 0, "optimizer": 0,
+                   "other": 0}
     assert exposed_communication_us(acts) == 50
 
 
@@ -191,3 +196,7 @@ def test_host_ops_inside_attention_are_attention():
     assert _host_op_category(Event(name="aten::mm", cpu_parent=mlp)) == "gemm"
     assert _host_op_category(Event(name="mxflux::mx_operands", cpu_parent=mlp)) == "mx_quant"
     assert _host_op_category(Event(name="aten::add", cpu_parent=mlp)) == "other"
+    step = Event(name="Optimizer.step#ClippingAdamW.step", cpu_parent=None)
+    assert _host_op_category(Event(name="aten::_fused_adamw_", cpu_parent=step)) == "optimizer"
+    assert _host_op_category(Event(name="aten::_foreach_norm", cpu_parent=None)) == "optimizer"
+    assert _host_op_category(Event(name="aten::stack", cpu_parent=step)) == "optimizer"

@@ -30,7 +30,11 @@ Categories, first matching rule wins (by activity kind, then by kernel name):
                  amax reduction or a clamp (saturation to the FP8 range) among them marks a cast;
                  a cast fused into an unrelated elementwise kernel without either stays in "other"
   gemm           cuBLAS / cuBLASLt (gemm, nvjet, sm90_xmma), CUTLASS, inductor GEMM templates
-  other          everything else: elementwise, reductions, norms, the optimizer
+  optimizer      the optimizer step (OPTIMIZER_KERNELS): our AdamW kernel and torch's
+                 multi_tensor_apply kernels, which in a training step are the fused AdamW, the
+                 gradient norm and clipping, the step counts and the weight EMA (FSDP2's copy-in
+                 may use one too)
+  other          everything else: elementwise, reductions, norms
 
 On the CPU (no device activities) `split_host_time` splits the ops' self CPU time instead, each
 op going to the category of the innermost enclosing op that has one.
@@ -43,16 +47,18 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Activity", "CATEGORIES", "MX_QUANT_KERNELS", "FP8_CAST_KERNELS", "kernel_category", "category_of",
+__all__ = ["Activity", "CATEGORIES", "MX_QUANT_KERNELS", "FP8_CAST_KERNELS", "OPTIMIZER_KERNELS", "kernel_category", "category_of",
            "split_device_time", "activities_from_chrome_trace", "exposed_communication_us", "idle_gaps",
            "split_host_time", "host_top"]
 
-CATEGORIES = ("gemm", "mx_quant", "attention", "communication", "other", "memcpy_memset")
+CATEGORIES = ("gemm", "mx_quant", "attention", "communication", "optimizer", "other", "memcpy_memset")
 
 # Our MX quantization kernels by their Triton function names (mxflux.kernels); the one place to
 # rename them.
 MX_QUANT_KERNELS = (r"_pack_kernel|_prologue_kernel|_dequant_kernel|_fp8_amax_kernel|_fp8_cast_kernel"
                     r"|_compact_kernel|_expand_kernel")
+# The optimizer step's kernels (mxflux.train.adamw_cuda's, torch's foreach and fused optimizer ops).
+OPTIMIZER_KERNELS = r"_adamw_kernel|multi_tensor_apply_kernel|FusedOptimizer|fused_adamw?_"
 # Inductor-generated kernels of FP8 amax/cast work (see the module docstring: a name heuristic).
 FP8_CAST_KERNELS = r"^triton_(poi|red|per)_\w*(amax|to_float8|clamp)"
 
@@ -61,6 +67,7 @@ _KERNEL_RULES = (
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
     ("mx_quant", re.compile(MX_QUANT_KERNELS)),
     ("mx_quant", re.compile(FP8_CAST_KERNELS)),
+    ("optimizer", re.compile(OPTIMIZER_KERNELS)),
     ("gemm", re.compile(r"gemm|nvjet|xmma|cublas|cutlass|triton_tem_", re.I)),
 )
 
@@ -243,6 +250,7 @@ _OP_RULES = (
     ("gemm", re.compile(r"^(aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm|_scaled_grouped_mm|matmul|linear)"
                         r"|mxflux::scaled_gemm)$")),
     ("attention", re.compile(r"attention|sdpa|flash", re.I)),
+    ("optimizer", re.compile(r"^Optimizer\.(step|zero_grad)|^aten::_fused_adamw?_|^aten::_foreach_")),
     ("communication", re.compile(r"nccl|gloo|c10d::|all_gather|allgather|reduce_scatter|all_reduce|allreduce"
                                  r"|broadcast", re.I)),
 )

@@ -11,7 +11,7 @@ __all__ = ["print_table", "write_json", "CATEGORY_ORDER"]
 
 # The device-time categories in table order (mxflux.bench.device_time.CATEGORIES; repeated here so
 # that this module stays torch-free).
-CATEGORY_ORDER = ("gemm", "mx_quant", "attention", "communication", "other", "memcpy_memset")
+CATEGORY_ORDER = ("gemm", "mx_quant", "attention", "communication", "optimizer", "other", "memcpy_memset")
 
 
 def _fmt(v, spec: str) -> str:
@@ -57,7 +57,8 @@ def _split_rows(results: list[dict], which: str, title: str, *, idle_of_profiled
              lambda r: "–" if _get(bd(r), "idle_ms_per_step") is None
              else f"{100 * (1 - bd(r)['busy_ms_per_step'] / wall_ms(r)):.1f}%")]
     for cat in CATEGORY_ORDER:
-        rows.append((f"  {cat}", lambda r, c=cat: "–" if not bd(r) else
+        # "–" also for a category a result predates (results written before "optimizer" existed)
+        rows.append((f"  {cat}", lambda r, c=cat: "–" if not bd(r) or c not in bd(r)["categories"] else
                      f"{bd(r)['categories'][c]['ms_per_step']:.1f} ({100 * bd(r)['categories'][c]['fraction']:.0f}%)"))
     rows.append(("  exposed comm. ms", lambda r: _fmt(_get(bd(r), "exposed_communication_ms_per_step"), ".1f")))
     return rows
