@@ -23,6 +23,8 @@
 #              autotuned Triton templates at the Flux shapes, contract checked (GEMMTUNE_ARGS)
 # rowgemm      benchmarks/probe_rowwise_gemm.py: every cuBLASLt algorithm for the row-wise scaled GEMM at the Flux
 #              shapes (ctypes), timed beside torch's row-wise and tensor-wise, with and without fast accumulation
+# optimizer    benchmarks/bench_optimizer.py: the AdamW step alone, torch's fused kernel (clip pass, grad_scale)
+#              against the Triton kernel at several launch shapes (OPTIM_ARGS, e.g. "--blocks 6,12")
 # passes       benchmarks/probe_pack_passes.py: the row-granularity packer's two passes timed apart;
 #              PACK_VARIANTS="ab_x.py ..." also times those copies of operands_cuda.py (another branch's:
 #              `git show BRANCH:src/mxflux/kernels/operands_cuda.py > ab_x.py` here), each in its own
@@ -102,6 +104,8 @@ for stage in "$@"; do
     rowgemm)  # cuBLASLt's candidates for the row-wise scaled GEMM (benchmarks/probe_rowwise_gemm.py)
       timeout ${ROWGEMM_TIMEOUT:-300} python3 benchmarks/probe_rowwise_gemm.py --json "$OUT/rowwise_gemm.json" 2>&1 \
         | grep -v "^W11" | tail -40 ;;
+    optimizer)  # the optimizer step alone (benchmarks/bench_optimizer.py)
+      python3 benchmarks/bench_optimizer.py ${OPTIM_ARGS:-} --json "$OUT/bench_optimizer.json" 2>&1 | grep -v "^W11" | tail -15 ;;
     host)  # host time per op call (benchmarks/bench_host.py)
       python3 benchmarks/bench_host.py --json "$OUT/bench_host.json" 2>&1 | grep -v "^W11" | tail -15 ;;
     sweepcomm)  # FSDP2 blocks per unit (communication granularity), SWEEP_RECIPE on all visible GPUs

@@ -166,3 +166,19 @@ def test_rowwise_gemm_probe_says_what_it_needs_without_a_gpu(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "needs a CUDA device of sm_90 or later and cuBLASLt" in r.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_optimizer_benchmark_builds_its_shapes_and_says_what_it_needs_without_a_gpu(tmp_path):
+    """benchmarks/bench_optimizer.py: the parameter shapes of the model it names (the proxy's
+    1.30 B elements), and on a CPU machine one line naming what it needs."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_optimizer
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    shapes = bench_optimizer._shapes(2, 4)
+    assert len(shapes) == 96 and sum(s.numel() for s in shapes) == 1_299_925_056
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_optimizer.py")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "needs a CUDA device" in r.stderr

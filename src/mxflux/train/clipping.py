@@ -2,7 +2,7 @@
 
 `torch.nn.utils.clip_grad_norm_` multiplies every gradient by min(1, max_norm / (norm + 1e-6)) in
 a pass of its own, every step (the factor stays on the device, so it cannot skip the pass when it
-is 1): a read and a write of all gradients in fp32, 8.3 ms of a 2.7 B-parameter model's step on
+is 1): a read and a write of all gradients in fp32, 8.3 ms of a 3.8 B-parameter model's step on
 the H200 (benchmarks/RESULTS.md). The optimizer reads every gradient anyway, so
 `ClippingAdamW.step(grad_factor=...)` applies the same factor in its own pass (`train.optimizer`
 says which kernel does it).

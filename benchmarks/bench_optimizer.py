@@ -1,0 +1,121 @@
+"""The optimizer step alone: torch's fused AdamW (with clip_grad_norm_'s pass, or with the clip
+factor as its grad_scale) against our Triton AdamW with the factor (`mxflux.train.adamw_cuda`), at
+several launch shapes, over the parameters of a Flux model of the flux-12b width.
+
+The step is what `mxflux.train.clipping.clip_and_step` runs after backward, minus the gradient
+norm (the same in every variant). Each variant runs `--steps` optimizer steps on fp32 parameters,
+gradients and moments of the model's shapes (random values; the model itself is built on the meta
+device), timed with CUDA events; bandwidth counts 28 bytes per element (parameter, gradient and
+both moments read, parameter and moments written), the floor of every variant, against a plain
+device copy measured in the same run.
+
+    PYTHONPATH=src python3 benchmarks/bench_optimizer.py --blocks 2,4 --json $OUT/bench_optimizer.json
+    PYTHONPATH=src python3 benchmarks/bench_optimizer.py --blocks 6,12 --launch 2048x8 4096x8 1024x4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from mxflux.model import Flux, flux_config
+from mxflux.train import adamw_cuda
+from mxflux.train.optimizer import ClippingAdamW
+
+HP = dict(lr=2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _shapes(double: int, single: int) -> list[torch.Size]:
+    with torch.device("meta"):
+        model = Flux(flux_config("flux-12b", depth=double, depth_single_blocks=single))
+    return [p.shape for p in model.parameters()]
+
+
+def _optimizer(shapes, device, kernel: str):
+    params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = ClippingAdamW(params, kernel=kernel, fused=True, **HP)
+    return params, opt
+
+
+def _time(fn, steps: int) -> float:
+    fn()  # creates the state, compiles
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def _copy_gbps(dev, steps: int) -> float:
+    """A plain device copy of 1 GiB, bytes read plus written per second."""
+    src = torch.empty(1 << 28, device=dev)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / _time(lambda: dst.copy_(src), steps) / 1e6
+
+
+def _torch_variants(shapes, dev, factor, steps: int) -> list[tuple[str, float]]:
+    """torch's fused AdamW: alone, after clip_grad_norm_'s multiply, and with the factor as its grad_scale."""
+    params, opt = _optimizer(shapes, dev, "torch")
+    grads = [p.grad for p in params]
+
+    def clip_pass():
+        torch._foreach_mul_(grads, factor)
+        opt.step()
+
+    return [("torch fused", _time(opt.step, steps)), ("torch fused + clip pass", _time(clip_pass, steps)),
+            ("torch fused, factor as grad_scale", _time(lambda: opt.step(grad_factor=factor), steps))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", default="2,4", help="double,single blocks of the flux-12b-width model")
+    ap.add_argument("--launch", nargs="+", default=["2048x8", "4096x8", "1024x4", "4096x16"],
+                    help="Triton kernel shapes to time, BLOCKxNUM_WARPS")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or not adamw_cuda.HAS_TRITON:
+        sys.exit("bench_optimizer: needs a CUDA device and Triton")
+    double, single = (int(x) for x in args.blocks.split(","))
+    shapes = _shapes(double, single)
+    n = sum(s.numel() for s in shapes)
+    big = sum(s.numel() for s in shapes if s.numel() >= adamw_cuda.LARGE)
+    dev = torch.device("cuda")
+    copy_gbps = _copy_gbps(dev, args.steps)
+    factor = torch.tensor(0.5, device=dev)
+    rows = []
+
+    def record(name: str, ms: float) -> None:
+        gbps = 28 * n / ms / 1e6
+        rows.append(dict(variant=name, ms=ms, GBps=gbps, pct_copy=100 * gbps / copy_gbps))
+        print(f"{name:34s} {ms:8.3f} ms  {gbps:6.0f} GB/s  {100 * gbps / copy_gbps:5.1f} % of copy", flush=True)
+
+    for name, ms in _torch_variants(shapes, dev, factor, args.steps):
+        record(name, ms)
+    torch.cuda.empty_cache()
+    params, opt = _optimizer(shapes, dev, "triton")
+    default = (adamw_cuda.BLOCK, adamw_cuda.NUM_WARPS)
+    try:
+        for launch in args.launch:
+            adamw_cuda.BLOCK, adamw_cuda.NUM_WARPS = (int(x) for x in launch.split("x"))
+            record(f"triton {launch}, factor", _time(lambda: opt.step(grad_factor=factor), args.steps))
+    finally:
+        adamw_cuda.BLOCK, adamw_cuda.NUM_WARPS = default
+    print(f"{len(shapes)} parameters, {n / 1e9:.3f} B elements ({big / n:.1%} through the Triton kernel); "
+          f"copy {copy_gbps:.0f} GB/s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, blocks=[double, single],
+                           parameters=len(shapes), elements=n, copy_GBps=copy_gbps, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
