@@ -141,3 +141,26 @@ def test_the_trainer_clips_inside_the_optimizer_by_default(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(w_folded, w_separate))  # the fold ran: one rounding apart
     for a, b in zip(w_folded, w_separate):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_triton_kernel_is_chosen_only_for_what_it_computes(gen):
+    """`adamw_cuda.eligible`: never for CPU parameters, a foreach or amsgrad AdamW, bf16 gradients,
+    or non-contiguous ones (these take torch's kernels through ClippingAdamW's other paths)."""
+    from mxflux.train import adamw_cuda
+
+    params, grads = _model_and_grads(gen, 1.0)
+    ps = _copy(params, grads)
+    assert not adamw_cuda.eligible(_adamw(ps, kernel="triton"), ps)  # CPU tensors
+    assert not adamw_cuda.eligible(_adamw(ps, fused=None, foreach=True), ps)
+    assert not adamw_cuda.eligible(_adamw(ps, amsgrad=True), ps)
+    assert not adamw_cuda.eligible(torch.optim.SGD(ps, lr=1.0), ps)
+    if torch.cuda.is_available():
+        cuda = [nn.Parameter(p.detach().cuda()) for p in params]
+        for p, g in zip(cuda, grads):
+            p.grad = g.cuda()
+        opt = _adamw(cuda, kernel="triton")
+        assert adamw_cuda.eligible(opt, cuda) == adamw_cuda.HAS_TRITON
+        cuda[0].grad = cuda[0].grad.bfloat16()
+        assert not adamw_cuda.eligible(opt, cuda)
+        cuda[0].grad = torch.zeros(48, 64, device="cuda").t()
+        assert not adamw_cuda.eligible(opt, cuda)

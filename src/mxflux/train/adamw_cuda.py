@@ -70,10 +70,13 @@ if HAS_TRITON:
 
 def eligible(optimizer: torch.optim.Optimizer, params_with_grads: Sequence[torch.Tensor]) -> bool:
     """This kernel can take `optimizer`'s step: torch's AdamW (fused, no amsgrad, not maximising)
-    over fp32 CUDA parameters and gradients, plain (not sharded) and contiguous."""
+    over fp32 parameters and gradients on one CUDA device, plain (not sharded) and contiguous."""
     if not HAS_TRITON or not isinstance(optimizer, torch.optim.AdamW):
         return False
     if any(g.get("amsgrad") or g.get("maximize") or not g.get("fused") for g in optimizer.param_groups):
+        return False
+    devices = {p.device for p in params_with_grads}
+    if len(devices) > 1:
         return False
     for p in params_with_grads:
         g = p.grad
