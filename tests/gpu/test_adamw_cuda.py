@@ -60,7 +60,8 @@ def test_the_kernel_step_is_as_close_to_fp64_adamw_as_torchs(gen, factor):
             assert torch.equal(a.grad, gr)  # gradients are read, not written
     for a, b, (p, m, v) in zip(ours, theirs, ref):
         sa, sb = o1.state[a], o2.state[b]
-        assert float(sa["step"]) == 4.0 and sa["step"].dtype == sb["step"].dtype and sa["step"].device == sb["step"].device
+        assert float(sa["step"]) == 4.0
+        assert sa["step"].dtype == sb["step"].dtype and sa["step"].device == sb["step"].device
         for got, want, exact in ((a, b, p), (sa["exp_avg"], sb["exp_avg"], m), (sa["exp_avg_sq"], sb["exp_avg_sq"], v)):
             err_ours = (got.double() - exact).abs().max()
             err_torch = (want.double() - exact).abs().max()

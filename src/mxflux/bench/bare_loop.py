@@ -36,12 +36,12 @@ class BareLoop:
     def __init__(self, cfg: RunConfig, ctx: DistContext, device: torch.device, *, latent_hw: tuple[int, int],
                  text_tokens: int, cuda_graph: bool = False, graph_warmup: int = 3):
         from ..train.build import build_model, build_optimizer
-        from ..train.captured import CapturedStep
+        from ..train.captured import CapturedStep, one_process_error
         from ..train.parallelize import parallelize
 
-        if cuda_graph and (device.type != "cuda" or ctx.world_size > 1):
-            raise ValueError(f"cuda_graph: a captured step needs one process on a CUDA device; got {device.type} "
-                             f"with world size {ctx.world_size}")
+        refused = one_process_error("cuda_graph", device.type, ctx.world_size) if cuda_graph else None
+        if refused:
+            raise ValueError(refused)
         self.cfg, self.device = cfg, device
         self.model, _ = build_model(cfg, device)
         self.train_model = parallelize(self.model, cfg, ctx)

@@ -31,9 +31,18 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["CapturedStep", "WARMUP_STEPS"]
+__all__ = ["CapturedStep", "WARMUP_STEPS", "one_process_error"]
 
 WARMUP_STEPS = 2  # eager steps before the capture: the first compiles, the second runs warm
+
+
+def one_process_error(field: str, device_type: str, world_size: int) -> str | None:
+    """Why a captured step cannot run here, prefixed by the `field` that asked for it (None when
+    it can): it needs one process on a CUDA device."""
+    if device_type == "cuda" and world_size == 1:
+        return None
+    return (f"{field}: a captured step needs one process on a CUDA device; got {device_type} with world size "
+            f"{world_size} (FSDP2 and DDP issue collectives from hooks on streams of their own)")
 
 
 class CapturedStep:

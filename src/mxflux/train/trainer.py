@@ -29,7 +29,7 @@ from ..model import image_ids, init_from_checkpoint, patchify, text_ids
 from ..nn.linear import MXFP6Linear
 from .build import build_model, build_optimizer
 from .callbacks import Callback
-from .captured import CapturedStep
+from .captured import CapturedStep, one_process_error
 from .checkpoint import (LATEST, LATEST_SHARDED, load_checkpoint, load_model_optimizer_state, load_sharded_checkpoint,
                          model_optimizer_state, resolve_checkpoint, rng_state, save_checkpoint,
                          save_sharded_checkpoint, set_rng_state)
@@ -62,10 +62,9 @@ class Trainer:
         self.ctx = ctx if ctx is not None else init_distributed(torch.device(device).type if device else None)
         self.device = torch.device(device) if device is not None else self.ctx.device
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
-        if cfg.train.cuda_graph and (self.device.type != "cuda" or self.world > 1):  # before any work
-            raise RecipeError(f"train.cuda_graph: a captured step needs one process on a CUDA device; got "
-                              f"{self.device.type} with world size {self.world} (FSDP2 and DDP issue collectives "
-                              f"from hooks on streams of their own)")
+        refused = one_process_error("train.cuda_graph", self.device.type, self.world) if cfg.train.cuda_graph else None
+        if refused:  # before any work
+            raise RecipeError(refused)
         self.out_dir = Path(out_dir) if out_dir is not None else cfg.out_dir
         self.callbacks = list(callbacks)
         self.compute_dtype = getattr(torch, cfg.train.compute_dtype)
