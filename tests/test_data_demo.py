@@ -68,7 +68,9 @@ def test_scenes_and_captions_vary(gen):
     seed = int(torch.randint(0, 2**31, (1,), generator=gen))
     scenes = sample_demo_scenes(64, seed)
     captions = [demo_caption(s) for s in scenes]
-    assert len(set(captions)) > 50
+    # 64 draws of 216 captions give 55 distinct on average (47-63 over 2000 seeds): more than 40
+    # (5 standard deviations below the mean; "> 50" failed for 2 % of seeds)
+    assert len(set(captions)) > 40
     assert {len(s) for s in scenes} == {1}  # one shape per picture, its size always named
     assert {s[0].kind for s in scenes} == {"circle", "square", "triangle"} and all(s[0].say_size for s in scenes)
     images = render_demo_images(scenes)
