@@ -129,7 +129,8 @@ def test_the_adamw_step_compiles_with_vector_accesses_and_ieee_division():
     sig = {"p_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "n": "i64", "factor_ptr": "*fp32",
            "lr_ptr": "*fp32", "step_size_ptr": "*fp32", "bc2_sqrt_ptr": "*fp32", "weight_decay": "fp32",
            "beta1": "fp32", "beta2": "fp32", "eps": "fp32"}
-    ptx = _compile(adamw_cuda._adamw_kernel, sig, {"BLOCK": 2048}, num_warps=8, aligned=True, divisible=("n",))["ptx"]
+    ptx = _compile(adamw_cuda._adamw_kernel, sig, {"BLOCK": adamw_cuda.BLOCK}, num_warps=adamw_cuda.NUM_WARPS,
+                   aligned=True, divisible=("n",))["ptx"]
     assert len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.(?:b32|f32)", ptx)) >= 4
     assert len(re.findall(r"st\.global(?:\.\w+)*\.v4\.(?:b32|f32)", ptx)) >= 3
     assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx

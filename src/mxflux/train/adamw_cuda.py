@@ -5,7 +5,7 @@ Why not torch's fused AdamW alone: gradient clipping adds a pass of its own over
 factor into the fused kernel's `grad_scale` makes it write every gradient back (5.5 ms more;
 benchmarks/RESULTS.md). This kernel reads parameter, gradient and both moments once and writes
 parameter and moments once (28 bytes per element), the gradient multiplied by the clip factor on
-the way in, as `clip_grad_norm_` multiplies it: 26.1 ms there, 96 % of the card's copy bandwidth
+the way in, as `clip_grad_norm_` multiplies it: 25.6 ms there, 97.5 % of the card's copy bandwidth
 (torch's fused kernel without the factor: 30.6 ms, 82 %).
 
 The arithmetic is AdamW's as torch writes it (decoupled weight decay p ← p − lr·wd·p, then
@@ -41,7 +41,9 @@ except Exception:  # no Triton, or one that cannot initialise here
 __all__ = ["HAS_TRITON", "LARGE", "adamw_clipped_step", "eligible"]
 
 LARGE = 1 << 16  # elements: below this a parameter goes through torch's fused kernel with the others
-BLOCK, NUM_WARPS = 2048, 8  # elements per program and its warps (benchmarks/bench_optimizer.py times others)
+# elements per program and its warps: the fastest of those benchmarks/bench_optimizer.py timed on the
+# H200 (97.5 % of copy over the 6+12-block model against 94.4 % for 2048 x 8; RESULTS.md)
+BLOCK, NUM_WARPS = 1024, 4
 
 if HAS_TRITON:
 
