@@ -9,6 +9,10 @@ device), timed with CUDA events; bandwidth counts 28 bytes per element (paramete
 both moments read, parameter and moments written), the floor of every variant, against a plain
 device copy measured in the same run.
 
+The step that also computes the MX weights' e_ref (`adamw_cuda.WeightErefs`, at several tiles) is
+timed against what it replaces: the plain step plus the packer's pass 1 over each fp32 MX weight
+(of the MXFP6 recipe), which the next forward runs without it.
+
     PYTHONPATH=src python3 benchmarks/bench_optimizer.py --blocks 2,4 --json $OUT/bench_optimizer.json
     PYTHONPATH=src python3 benchmarks/bench_optimizer.py --blocks 6,12 --launch 2048x8 4096x8 1024x4
 """
@@ -21,17 +25,29 @@ import sys
 
 import torch
 
+from mxflux.kernels.operands_cuda import weight_exponents_cuda
+from mxflux.kernels.weight_erefs import buffer_words
 from mxflux.model import Flux, flux_config
+from mxflux.nn import apply_precision, rowwise_mx_weights
 from mxflux.train import adamw_cuda
+from mxflux.train.config import load_recipe
 from mxflux.train.optimizer import ClippingAdamW
 
 HP = dict(lr=2e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 def _shapes(double: int, single: int) -> list[torch.Size]:
+    return [s for s, _ in _model_shapes(double, single)]
+
+
+def _model_shapes(double: int, single: int) -> list[tuple[torch.Size, bool | None]]:
+    """Each parameter's shape, and for the MX weights of the MXFP6 recipe their Hadamard flag
+    (None for the other parameters)."""
     with torch.device("meta"):
         model = Flux(flux_config("flux-12b", depth=double, depth_single_blocks=single))
-    return [p.shape for p in model.parameters()]
+    apply_precision(model, load_recipe("flux12b-mxfp6-dev").precision)
+    mx = {id(p): h for p, h in rowwise_mx_weights(model)}
+    return [(p.shape, mx.get(id(p))) for p in model.parameters()]
 
 
 def _optimizer(shapes, device, kernel: str):
@@ -79,13 +95,16 @@ def main() -> None:
     ap.add_argument("--blocks", default="2,4", help="double,single blocks of the flux-12b-width model")
     ap.add_argument("--launch", nargs="+", default=["2048x8", "4096x8", "1024x4", "4096x16"],
                     help="Triton kernel shapes to time, BLOCKxNUM_WARPS")
+    ap.add_argument("--erefs", nargs="+", default=["128x2x8x4", "64x2x4x4", "64x2x4x2", "128x2x8x2"],
+                    help="tiles of the step that also computes the MX weights' e_ref, BRxNBxNUM_WARPSxSLICES")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not adamw_cuda.HAS_TRITON:
         sys.exit("bench_optimizer: needs a CUDA device and Triton")
     double, single = (int(x) for x in args.blocks.split(","))
-    shapes = _shapes(double, single)
+    model_shapes = _model_shapes(double, single)
+    shapes = [s for s, _ in model_shapes]
     n = sum(s.numel() for s in shapes)
     big = sum(s.numel() for s in shapes if s.numel() >= adamw_cuda.LARGE)
     dev = torch.device("cuda")
@@ -109,6 +128,28 @@ def main() -> None:
             record(f"triton {launch}, factor", _time(lambda: opt.step(grad_factor=factor), args.steps))
     finally:
         adamw_cuda.BLOCK, adamw_cuda.NUM_WARPS = default
+    # What the e_ref in the step replaces: the packer's pass 1 over each fp32 MX weight at the next forward
+    mx = [(p, h) for p, (_, h) in zip(params, model_shapes) if h is not None]
+    bufs = [torch.empty(buffer_words(*p.shape), dtype=torch.int32, device=dev) for p, _ in mx]
+
+    def step_then_pass1():
+        opt.step(grad_factor=factor)
+        for (p, h), b in zip(mx, bufs):
+            weight_exponents_cuda(p.detach(), h, b)
+
+    record("triton + packer pass 1 on MX weights", _time(step_then_pass1, args.steps))
+    record("  (packer pass 1 on MX weights alone)",
+           _time(lambda: [weight_exponents_cuda(p.detach(), h, b) for (p, h), b in zip(mx, bufs)], args.steps))
+    opt.track_weight_erefs(mx)
+    W = adamw_cuda.WeightErefs
+    tile0 = (W.BR, W.NB, W.NUM_WARPS, W.SLICES)
+    try:
+        for tile in args.erefs:
+            W.BR, W.NB, W.NUM_WARPS, W.SLICES = (int(x) for x in tile.split("x"))
+            record(f"triton, e_ref in the step {tile}", _time(lambda: opt.step(grad_factor=factor), args.steps))
+    finally:
+        W.BR, W.NB, W.NUM_WARPS, W.SLICES = tile0
+    print(f"MX weights: {len(mx)}, {sum(p.numel() for p, _ in mx) / 1e9:.3f} B elements", flush=True)
     print(f"{len(shapes)} parameters, {n / 1e9:.3f} B elements ({big / n:.1%} through the Triton kernel); "
           f"copy {copy_gbps:.0f} GB/s", flush=True)
     if args.json:

@@ -170,14 +170,17 @@ def test_rowwise_gemm_probe_says_what_it_needs_without_a_gpu(tmp_path):
 
 def test_optimizer_benchmark_builds_its_shapes_and_says_what_it_needs_without_a_gpu(tmp_path):
     """benchmarks/bench_optimizer.py: the parameter shapes of the model it names (the proxy's
-    1.30 B elements), and on a CPU machine one line naming what it needs."""
+    1.30 B elements, 0.91 B of them in MX weights), and on a CPU machine one line naming what it
+    needs."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import bench_optimizer
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    shapes = bench_optimizer._shapes(2, 4)
-    assert len(shapes) == 96 and sum(s.numel() for s in shapes) == 1_299_925_056
+    shapes = bench_optimizer._model_shapes(2, 4)
+    assert len(shapes) == 96 and sum(s.numel() for s, _ in shapes) == 1_299_925_056
+    mx = [s for s, h in shapes if h is not None]  # the recipe's 24 MXFP6 linears' weights
+    assert len(mx) == 24 and sum(s.numel() for s in mx) == 905_969_664
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_optimizer.py")], env=env,
                        capture_output=True, text=True, timeout=300)

@@ -52,6 +52,7 @@ from ..mx.formats import get_format
 from ..mx.granularity import FoldGranularity
 from ..mx.hadamard import HADAMARD_SCALE
 from ..mx.operands import PROLOGUES, MXOperands, padded_rows
+from .weight_erefs import buffer_words, current_erefs
 from .triton_common import (
     HAS_TRITON,
     PROLOGUE_IDS,
@@ -83,7 +84,8 @@ if HAS_TRITON:
         zip_tuple,
     )
 
-__all__ = ["cuda_kernel_available", "mx_operands_cuda", "mx_operands_cuda_counted", "prologue_cuda"]
+__all__ = ["cuda_kernel_available", "mx_operands_cuda", "mx_operands_cuda_counted", "prologue_cuda",
+           "weight_exponents_cuda"]
 
 _E2M3 = get_format("e2m3")  # the one element format with kernels
 _BR = 128  # rows per tile (4 column blocks: one 1x128 group of the column orientation)
@@ -349,6 +351,28 @@ if HAS_TRITON:
         for j in tl.static_range(_BLOCK):
             out = out + (tl.permute(xs[j], (1, 0)),)
         return out
+
+    @triton.jit
+    def tile_exponent_maxima(t, row0, R, row_eref_ptr, HADAMARD: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+                             HW: tl.constexpr):
+        """Pass 1 of the row granularity on one [BR, NB·MX_BLOCK] bf16 tile in the coalesced layout,
+        its row 0 being row `row0` of x (rows from R on all zero): the tile's per-row maxima of the
+        block exponents go into row_eref_ptr by atomic max, its per-column maxima ([BC] int32) are
+        returned; both as e + 128 where a block is live, 0 where none is. The same steps as
+        `_pack_kernel`'s pass 1 on a coalesced tile without prologue, for kernels that produce the
+        tile themselves (the AdamW step of `mxflux.train.adamw_cuda`)."""
+        RB: tl.constexpr = BR // _BLOCK
+        BC: tl.constexpr = NB * _BLOCK
+        rows = row0 + tl.arange(0, BR)
+        e, bad, live = _block_info(_amax_only(_blocks_of_rows(t, BR, NB, HW), HADAMARD))
+        rmax = tl.max(tl.where(live, e + 128, 0), axis=0)
+        tl.atomic_max(row_eref_ptr + rows, rmax, mask=(rows < R) & (rmax > 0), sem="relaxed")
+        tc = unzip(tl.reshape(tl.permute(tl.reshape(t, (RB, _BLOCK, BC)), (0, 2, 1)), (RB, BC, 2, 2, 2, 2, 2)), 5)
+        xc = ()
+        for j in tl.static_range(_BLOCK):
+            xc = xc + (bf16_to_f32(tc[j], HW),)
+        e, bad, live = _block_info(_amax_only(xc, HADAMARD))
+        return tl.max(tl.where(live, e + 128, 0), axis=0)
 
     # R and the loop bounds vary per call: no value specialisation, one compiled kernel per variant
     @triton.jit(do_not_specialize=["R", "n_row_tiles", "n_prog_r"])
@@ -673,12 +697,14 @@ class _LaunchPlan:
     `launches` holds, per kernel pass, the `CompiledLaunch` built after that pass's first normal
     launch under this plan (None until then, or for good where unavailable)."""
 
-    __slots__ = ("R", "C", "Rp", "row", "col", "colsum", "hw", "rowwise", "direct_counter", "row_scale_shape",
+    __slots__ = ("R", "C", "Rp", "row", "col", "colsum", "hw", "rowwise", "given_erefs", "direct_counter",
+                 "row_scale_shape",
                  "col_scale_shape", "ws_len", "ws_zero", "off_outside", "off_sums", "off_row_eref", "off_col_eref",
                  "copy_x", "copy_aux", "launch", "grid", "n_rt", "passes", "meta", "options", "device", "launches",
                  "fast", "pairs_checked", "grids")
 
-    def __init__(self, x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode):
+    def __init__(self, x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode,
+                 erefs=None):
         if not HAS_TRITON:
             raise RuntimeError("mx_operands_cuda: Triton is not installed; use mx_operands_reference on this machine")
         if not (torch.cuda.is_available() or interpreting()):
@@ -719,15 +745,22 @@ class _LaunchPlan:
         self.row_scale_shape = (R, granularity.groups(C))
         self.col_scale_shape = (C, granularity.groups(Rp))
         self.launch = R > 0 and (row or col or colsum)
+        # ROWWISE with the e_ref given (a weight's, from the optimizer step: `weight_erefs`): pass 2 only
+        self.given_erefs = rowwise and erefs is not None
+        if self.given_erefs:
+            want = buffer_words(R, C)
+            if erefs.dtype != torch.int32 or erefs.shape != (want,) or erefs.device != x.device:
+                raise ValueError(f"erefs: expected int32 [{want}] on {x.device}, got {erefs.dtype} "
+                                 f"{tuple(erefs.shape)} on {erefs.device}")
         words = 0
         self.off_outside = self.off_sums = self.off_row_eref = self.off_col_eref = None
         if not self.direct_counter:
             self.off_outside, words = words, words + 4
         if colsum:
             self.off_sums, words = words, words + C  # C is a multiple of 32: the next part stays aligned
-        if rowwise and row:
+        if rowwise and row and not self.given_erefs:
             self.off_row_eref, words = words, words + -(-R // 4) * 4
-        if rowwise and col:
+        if rowwise and col and not self.given_erefs:
             self.off_col_eref, words = words, words + C
         self.ws_zero = words > 0  # every part present is read before it is written (or returned)
         self.ws_len = max(words, 4)
@@ -738,7 +771,7 @@ class _LaunchPlan:
         nb, warps = _TILE[granularity]
         self.n_rt = -(-Rp // _BR)
         self.grid = _grid(-(-C // (nb * MX_BLOCK)), self.n_rt, dev, warps)
-        self.passes = (1, 2) if rowwise and (row or col) else (2,)
+        self.passes = (1, 2) if rowwise and (row or col) and not self.given_erefs else (2,)
         # per pass: sized for the pass's own occupancy once its compiled kernel is known (first launch)
         self.grids = dict.fromkeys(self.passes, self.grid)
         self.meta = dict(DO_ROW=row, DO_COL=col, DO_COLSUM=colsum, HADAMARD=hadamard, HW=hw,
@@ -767,11 +800,12 @@ def _tensor_key(t: torch.Tensor | None) -> tuple | None:
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
 
 
-def _plan_key(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode) -> tuple:
+def _plan_key(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode,
+              erefs=None) -> tuple:
     # the flags by value and by type (True == 1 must not reuse a plan that validated a bool)
     return (_tensor_key(x), _tensor_key(aux) if prologue == "gelu_tanh_grad" else None, _tensor_key(counter),
             row, col, colsum, hadamard, type(row), type(col), type(colsum), type(hadamard),
-            granularity, type(granularity), fmt, prologue, hw, io_mode)
+            granularity, type(granularity), fmt, prologue, hw, io_mode, _tensor_key(erefs))
 
 
 def _launch_plan(key: tuple, *args) -> _LaunchPlan:
@@ -796,6 +830,7 @@ def mx_operands_cuda(
     aux: torch.Tensor | None = None,
     colsum: bool = False,
     counter: torch.Tensor | None = None,
+    erefs: torch.Tensor | None = None,
     _hw: bool | None = None,
     _poison: bool = False,
 ) -> MXOperands:
@@ -813,18 +848,53 @@ def mx_operands_cuda(
     dtypes, devices, alignment, flags); on a GPU with a known Triton, launches after a plan's first
     go straight to the compiled kernel (`triton_common.CompiledLaunch`; MXFLUX_COMPILED_LAUNCH=0
     turns that off).
+
+    `erefs` (ROWWISE only; ignored otherwise): x's per-row and per-column e_ref, as
+    `weight_exponents_cuda` computes them (`weight_erefs`' layout); the packer then skips its pass 1.
+    Given e_ref that are not x's, the operands are wrong: the custom op passes only buffers that
+    `weight_erefs.current_erefs` vouches for.
     """
-    return MXOperands(*_pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, _hw, _poison))
+    return MXOperands(*_pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, _hw, _poison,
+                             erefs))
 
 
 def mx_operands_cuda_counted(x, aux, counter, row, col, granularity, hadamard, prologue, colsum) -> tuple:
     """`mx_operands_cuda` as the custom op calls it: positional arguments, the count added into
     `counter`, and a plain tuple (row_data, row_scale, col_data, col_scale, colsum, counter) with
-    None for what was not asked (host time per call is what a small micro-batch is bound by)."""
-    return _pack(x, aux, counter, row, col, granularity, hadamard, "e2m3", prologue, colsum, None, False)
+    None for what was not asked (host time per call is what a small micro-batch is bound by). An
+    fp32 x (a master weight) whose e_ref the optimizer step computed is packed by pass 2 alone
+    (`weight_erefs`)."""
+    erefs = current_erefs(x, hadamard) if x.dtype is torch.float32 and granularity is FoldGranularity.ROWWISE \
+        else None
+    return _pack(x, aux, counter, row, col, granularity, hadamard, "e2m3", prologue, colsum, None, False, erefs)
 
 
-def _pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, _hw, _poison) -> tuple:
+def weight_exponents_cuda(x: torch.Tensor, hadamard: bool, out: torch.Tensor) -> torch.Tensor:
+    """The row granularity's pass 1 alone: x's per-row and per-column e_ref into `out` (int32
+    [weight_erefs.buffer_words(R, C)], overwritten), as the packer's pass 1 computes them; what
+    `erefs` takes. For weights whose buffer is not current (`weight_erefs`): the optimizer's
+    kernel computes them on its own after each step."""
+    g = FoldGranularity.ROWWISE
+    hw = not interpreting()
+    plan = _LaunchPlan(x, None, None, True, True, g, hadamard, "e2m3", "none", False, hw, _pack_io_mode())
+    want = buffer_words(plan.R, plan.C)
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or out.shape != (want,) \
+            or out.device != x.device:
+        raise ValueError(f"out: expected int32 [{want}] on {x.device}, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+    out.zero_()
+    if plan.R == 0:
+        return out
+    xw = x if not plan.copy_x and x.data_ptr() % 16 == 0 else x.clone(memory_format=torch.contiguous_format)
+    rows, cols = out[:want - plan.C], out[want - plan.C:]
+    grid = plan.grid
+    # the outputs pass 1 does not write: any device tensor stands in for them
+    _pack_kernel[grid](xw, xw, xw.stride(0), xw.stride(0), plan.R, plan.C, plan.Rp, out, out, out, out, out, out,
+                       rows, cols, plan.n_rt, grid[1], PASS=1, **plan.meta, **plan.options)
+    return out
+
+
+def _pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, _hw, _poison, erefs=None) -> tuple:
     hw = (not interpreting()) if _hw is None else bool(_hw)
     io_mode = _pack_io_mode()
     if not isinstance(x, torch.Tensor) or (aux is not None and not isinstance(aux, torch.Tensor)) \
@@ -832,8 +902,11 @@ def _pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsu
         if counter is not None and not isinstance(counter, torch.Tensor):
             raise ValueError(f"counter: expected a torch.Tensor or None, got {type(counter).__name__}")
         _LaunchPlan(x, aux, None, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode)  # raises
-    key = _plan_key(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode)
-    plan = _launch_plan(key, x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode)
+    if erefs is not None and not isinstance(erefs, torch.Tensor):
+        raise ValueError(f"erefs: expected a torch.Tensor or None, got {type(erefs).__name__}")
+    key = _plan_key(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode, erefs)
+    plan = _launch_plan(key, x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, hw, io_mode,
+                        erefs)
 
     dev = plan.device
     R, C = plan.R, plan.C
@@ -864,8 +937,7 @@ def _pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsu
                 col_data.data_ptr() if col else wp, col_scale.data_ptr() if col else wp,
                 wp + 4 * plan.off_sums if colsum else wp,
                 counter.data_ptr() if plan.direct_counter else wp + 4 * plan.off_outside,
-                wp + 4 * plan.off_row_eref if plan.off_row_eref is not None else wp,
-                wp + 4 * plan.off_col_eref if plan.off_col_eref is not None else wp,
+                *_eref_addresses(plan, wp, erefs),
                 plan.n_rt,
             )
             for launch, p in zip(fast, plan.passes):
@@ -874,7 +946,7 @@ def _pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsu
         else:
             if ws is None:
                 ws = torch.empty(plan.ws_len, dtype=torch.int32, device=dev)  # stands in for unused pointers
-            _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale, counter)
+            _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale, counter, erefs)
 
     if plan.direct_counter:
         outside = counter
@@ -887,7 +959,16 @@ def _pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsu
             ws[plan.off_sums:plan.off_sums + C].view(torch.float32) if colsum else None, outside)
 
 
-def _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale, counter) -> None:
+def _eref_addresses(plan, wp: int, erefs) -> tuple[int, int]:
+    """Device addresses of the rows' and the columns' e_ref: in the given buffer, or in the
+    workspace (at `wp`), or `wp` where the plan has none (nothing reads them)."""
+    if plan.given_erefs:
+        return erefs.data_ptr(), erefs.data_ptr() + 4 * (buffer_words(plan.R, plan.C) - plan.C)
+    return (wp + 4 * plan.off_row_eref if plan.off_row_eref is not None else wp,
+            wp + 4 * plan.off_col_eref if plan.off_col_eref is not None else wp)
+
+
+def _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale, counter, erefs=None) -> None:
     """Triton's normal launch path (`kernel[grid](...)`), with tensor arguments. After a pass's
     first launch under a plan, builds its `CompiledLaunch` where this Triton allows one."""
 
@@ -895,6 +976,10 @@ def _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale,
         return ws if off is None else ws[off:off + n]
 
     R, C = plan.R, plan.C
+    if plan.given_erefs:
+        row_eref, col_eref = erefs[:buffer_words(R, C) - C], erefs[buffer_words(R, C) - C:]
+    else:
+        row_eref, col_eref = part(plan.off_row_eref, R), part(plan.off_col_eref, C)
     i32 = torch.int32  # the kernels store the E4M3 data as 4-byte words
     args = (
         xw, aw, xw.stride(0), aw.stride(0), R, C, plan.Rp,
@@ -902,7 +987,7 @@ def _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale,
         col_data.view(i32) if plan.col else ws, col_scale if plan.col else ws,
         ws[plan.off_sums:plan.off_sums + C].view(torch.float32) if plan.colsum else ws,
         counter if plan.direct_counter else ws[plan.off_outside:plan.off_outside + 2].view(torch.int64),
-        part(plan.off_row_eref, R), part(plan.off_col_eref, C), plan.n_rt,
+        row_eref, col_eref, plan.n_rt,
     )
     if not plan.pairs_checked:  # before the plan's first launch: compiles only, under the default grid
         compile_args = args + (plan.grid[1],)

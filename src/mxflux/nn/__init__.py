@@ -1,9 +1,9 @@
 """MXFP6 layers and the precision converters that install them (and torchao's FP8) in a model."""
 
-from .linear import MXFP6Linear
+from .linear import MXFP6Linear, rowwise_mx_weights
 from .mlp import FusedMXFP6MLP
 from .precision import (PrecisionConfig, PrecisionConverter, PrecisionReport, apply_precision,
                         register_precision)
 
 __all__ = ["FusedMXFP6MLP", "MXFP6Linear", "PrecisionConfig", "PrecisionConverter", "PrecisionReport",
-           "apply_precision", "register_precision"]
+           "apply_precision", "register_precision", "rowwise_mx_weights"]

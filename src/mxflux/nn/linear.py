@@ -8,7 +8,7 @@ from torch import nn
 from ..mx import FoldGranularity
 from .functional import SAVED_OPERANDS, MXConfig, mx_linear
 
-__all__ = ["MXFP6Linear", "mx_ineligibility", "output_dtype"]
+__all__ = ["MXFP6Linear", "mx_ineligibility", "output_dtype", "rowwise_mx_weights"]
 
 
 def mx_ineligibility(in_features: int, out_features: int, mx_gemm: str = "rowwise") -> str | None:
@@ -113,3 +113,11 @@ class MXFP6Linear(nn.Linear):
         recomputed = ", recomputed=True" if self.cfg.recomputed else ""
         return (f"{super().extra_repr()}, mx_gemm={self.cfg.mx_gemm}, hadamard={self.cfg.hadamard}{saved}{repack}"
                 f"{recomputed}")
+
+
+def rowwise_mx_weights(model: nn.Module) -> list[tuple[nn.Parameter, bool]]:
+    """(weight, hadamard) of every MXFP6Linear in `model` (those inside a FusedMXFP6MLP included)
+    whose GEMMs use the row granularity: the weights whose e_ref an optimizer step can compute for
+    the packer (`mxflux.kernels.weight_erefs`)."""
+    return [(m.weight, m.cfg.hadamard) for m in model.modules()
+            if isinstance(m, MXFP6Linear) and m.cfg.granularity is FoldGranularity.ROWWISE]

@@ -29,16 +29,22 @@ from collections.abc import Sequence
 
 import torch
 
+from ..kernels import weight_erefs
+from ..kernels.operands_cuda import weight_exponents_cuda
+
 try:
     import triton
     import triton.language as tl
+
+    from ..kernels.operands_cuda import tile_exponent_maxima
+    from ..kernels.triton_common import f32_rounded_to_bf16, interpreting
 
     HAS_TRITON = True
 except Exception:  # no Triton, or one that cannot initialise here
     triton = tl = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "LARGE", "adamw_clipped_step", "eligible"]
+__all__ = ["HAS_TRITON", "LARGE", "WeightErefs", "adamw_clipped_step", "eligible"]
 
 LARGE = 1 << 16  # elements: below this a parameter goes through torch's fused kernel with the others
 # elements per program and its warps: the fastest of those benchmarks/bench_optimizer.py timed on the
@@ -46,6 +52,15 @@ LARGE = 1 << 16  # elements: below this a parameter goes through torch's fused k
 BLOCK, NUM_WARPS = 1024, 4
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _adamw(p, g, m, v, lr, step_size, bc2_sqrt, weight_decay, beta1, beta2, eps):
+        """AdamW on fp32 values (g already multiplied by the clip factor): (p, m, v) updated."""
+        p = p - (lr * weight_decay) * p
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        return p - tl.div_rn(step_size * m, denom), m, v
 
     @triton.jit
     def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, factor_ptr, lr_ptr, step_size_ptr, bc2_sqrt_ptr,
@@ -56,18 +71,64 @@ if HAS_TRITON:
         lr = tl.load(lr_ptr)
         step_size = tl.load(step_size_ptr)
         bc2_sqrt = tl.load(bc2_sqrt_ptr)
-        p = tl.load(p_ptr + offs, mask=mask)
-        g = tl.load(g_ptr + offs, mask=mask) * factor
-        m = tl.load(m_ptr + offs, mask=mask)
-        v = tl.load(v_ptr + offs, mask=mask)
-        p = p - (lr * weight_decay) * p
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-        p = p - tl.div_rn(step_size * m, denom)
+        p, m, v = _adamw(tl.load(p_ptr + offs, mask=mask), tl.load(g_ptr + offs, mask=mask) * factor,
+                         tl.load(m_ptr + offs, mask=mask), tl.load(v_ptr + offs, mask=mask),
+                         lr, step_size, bc2_sqrt, weight_decay, beta1, beta2, eps)
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
+
+    @triton.jit
+    def _adamw_slice(p_ptr, g_ptr, m_ptr, v_ptr, R, C, row0, col0, factor, lr, step_size, bc2_sqrt,
+                     weight_decay, beta1, beta2, eps, BS: tl.constexpr, BC: tl.constexpr):
+        """`_adamw_kernel` on rows row0 .. row0 + BS of a weight [R, C], columns col0 .. col0 + BC:
+        the updated parameters ([BS, BC], zero outside the weight)."""
+        r2 = tl.arange(0, BS)[:, None]
+        c2 = tl.arange(0, BC)[None, :]
+        mask = ((row0 + r2) < R) & ((col0 + c2) < C)
+        offs = (row0 + r2).to(tl.int64) * C + col0 + c2
+        p, m, v = _adamw(tl.load(p_ptr + offs, mask=mask), tl.load(g_ptr + offs, mask=mask) * factor,
+                         tl.load(m_ptr + offs, mask=mask), tl.load(v_ptr + offs, mask=mask),
+                         lr, step_size, bc2_sqrt, weight_decay, beta1, beta2, eps)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        return tl.where(mask, p, 0.0)
+
+    @triton.jit
+    def _adamw_erefs_kernel(p_ptr, g_ptr, m_ptr, v_ptr, R, C, factor_ptr, lr_ptr, step_size_ptr, bc2_sqrt_ptr,
+                            row_eref_ptr, col_eref_ptr, weight_decay, beta1, beta2, eps,
+                            HADAMARD: tl.constexpr, HW: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+                            SLICES: tl.constexpr):
+        """`_adamw_kernel` on one [BR, NB·32] tile of a weight [R, C] (contiguous), then the row
+        granularity's pass 1 on the updated tile (`tile_exponent_maxima`): the e_ref the packer
+        needs for this weight, from values still in registers, where the packer's own pass 1 would
+        read the 4-byte weight again. The update runs in SLICES (1, 2 or 4) row slices: each
+        slice's stores come before the next slice's loads (the pointers may alias, so the compiler
+        cannot hoist them), which divides the registers the loads hold (sm_90: 231 per thread in
+        one piece, 106 in four)."""
+        BC: tl.constexpr = NB * 32
+        S: tl.constexpr = BR // SLICES
+        row0 = tl.program_id(1) * BR
+        col0 = tl.program_id(0) * BC
+        factor = tl.load(factor_ptr)
+        lr = tl.load(lr_ptr)
+        step_size = tl.load(step_size_ptr)
+        bc2_sqrt = tl.load(bc2_sqrt_ptr)
+        q = ()
+        for k in tl.static_range(SLICES):
+            q = q + (_adamw_slice(p_ptr, g_ptr, m_ptr, v_ptr, R, C, row0 + k * S, col0, factor, lr, step_size,
+                                  bc2_sqrt, weight_decay, beta1, beta2, eps, S, BC),)
+        if SLICES == 1:
+            p = q[0]
+        elif SLICES == 2:
+            p = tl.reshape(tl.permute(tl.join(q[0], q[1]), (2, 0, 1)), (BR, BC))
+        else:  # element [s, c, i, j] of the joins is slice 2i + j
+            p = tl.reshape(tl.permute(tl.join(tl.join(q[0], q[2]), tl.join(q[1], q[3])), (2, 3, 0, 1)), (BR, BC))
+        t = f32_rounded_to_bf16(p, HW)  # what the packer reads: x.to(bfloat16), rows past R zero
+        cmax = tile_exponent_maxima(t, row0, R, row_eref_ptr, HADAMARD, BR, NB, HW)
+        cols = col0 + tl.arange(0, BC)
+        tl.atomic_max(col_eref_ptr + cols, cmax, mask=(cols < C) & (cmax > 0), sem="relaxed")
 
 
 def eligible(optimizer: torch.optim.Optimizer, params_with_grads: Sequence[torch.Tensor]) -> bool:
@@ -111,12 +172,66 @@ def _lr_tensor(group: dict, scalars: dict, index: int, device: torch.device) -> 
     return t.fill_(lr)
 
 
-def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_scalars: dict | None = None) -> None:
+class WeightErefs:
+    """The MX weights whose row-granularity e_ref the step computes (`mxflux.kernels.weight_erefs`):
+    one int32 buffer for all of them, a view per weight registered with the packer's side. Only
+    contiguous 2-D fp32 CUDA weights of at least LARGE elements qualify (the others go through
+    torch's kernel, whose writes the packer sees by their version)."""
+
+    # The tile of the packer's own pass 1 (one row block and one column block per thread), updated
+    # in SLICES row slices: 106 registers on sm_90 (231 in one piece), two programs per SM.
+    BR, NB, NUM_WARPS, SLICES = 128, 2, 8, 4
+
+    def __init__(self, weights: Sequence[tuple[torch.Tensor, bool]]):
+        ok = [(p, bool(h)) for p, h in weights if self.qualifies(p)]
+        sizes = [weight_erefs.buffer_words(*p.shape) for p, _ in ok]
+        device = ok[0][0].device if ok else None
+        self.buffer = torch.empty(sum(sizes), dtype=torch.int32, device=device) if ok else None
+        self.of: dict[torch.Tensor, tuple[bool, torch.Tensor]] = {}
+        start = 0
+        for (p, hadamard), n in zip(ok, sizes):
+            view = self.buffer[start:start + n]
+            start += n
+            weight_erefs.track(p, hadamard, view)
+            self.of[p] = (hadamard, view)
+        self.refresh()
+
+    @staticmethod
+    def qualifies(p: torch.Tensor) -> bool:
+        on_device = p.is_cuda or (HAS_TRITON and interpreting())  # the interpreter: CPU tensors (tests)
+        return (HAS_TRITON and on_device and type(p.data) is torch.Tensor and p.dtype == torch.float32
+                and p.dim() == 2 and p.is_contiguous() and p.numel() >= LARGE and p.shape[1] % 32 == 0)
+
+    def refresh(self) -> None:
+        """Compute the e_ref of every weight whose buffer is not current (written by something other
+        than this step since, or never computed): the packer's pass 1 into its buffer."""
+        for p, (hadamard, view) in self.of.items():
+            if not weight_erefs.is_current(p):
+                weight_exponents_cuda(p.detach(), hadamard, view)
+                weight_erefs.mark_current(p)
+
+    def zero(self, updated: set) -> None:
+        """Zero the buffers of the weights this step updates (atomic maxima start from 0): one fill
+        for all of them when every one is updated, the usual case."""
+        if len(updated) == len(self.of):
+            self.buffer.zero_()
+        else:
+            for p, (_, view) in self.of.items():
+                if p in updated:
+                    view.zero_()
+
+
+def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_scalars: dict | None = None,
+                       erefs: WeightErefs | None = None) -> None:
     """One AdamW step of `optimizer` (see `eligible`) with every gradient multiplied by the
     device scalar `factor` first; the step counts advance as torch's do. Gradients are read, not
     written. `lr_scalars`: where the learning rates' device scalars are kept between steps (the
-    optimizer's own dict, so that they live and die with it)."""
+    optimizer's own dict, so that they live and die with it). `erefs`: weights whose e_ref the
+    step computes as it updates them (`_adamw_erefs_kernel`)."""
     lr_scalars = {} if lr_scalars is None else lr_scalars
+    tracked = erefs.of if erefs is not None else {}
+    if tracked:
+        erefs.zero({p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p in tracked})
     for index, group in enumerate(optimizer.param_groups):
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
@@ -136,6 +251,18 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
             for j, i in enumerate(large):
                 p, s = params[i], states[i]
                 n = p.numel()
+                if p in tracked:
+                    hadamard, view = tracked[p]
+                    R, C = p.shape
+                    rows = weight_erefs.buffer_words(R, C) - C
+                    W = WeightErefs
+                    _adamw_erefs_kernel[(triton.cdiv(C, W.NB * 32), triton.cdiv(R, W.BR))](
+                        p, p.grad, s["exp_avg"], s["exp_avg_sq"], R, C, factor, lr, step_size[j:], bc2_sqrt[j:],
+                        view[:rows], view[rows:], float(group["weight_decay"]), float(beta1), float(beta2),
+                        float(group["eps"]), HADAMARD=hadamard, HW=not interpreting(), BR=W.BR, NB=W.NB,
+                        SLICES=W.SLICES, num_warps=W.NUM_WARPS)
+                    weight_erefs.mark_current(p)
+                    continue
                 _adamw_kernel[(triton.cdiv(n, BLOCK),)](
                     p, p.grad, s["exp_avg"], s["exp_avg_sq"], n, factor, lr, step_size[j:], bc2_sqrt[j:],
                     float(group["weight_decay"]), float(beta1), float(beta2), float(group["eps"]),

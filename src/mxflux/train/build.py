@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..model import Flux
-from ..nn import PrecisionReport, apply_precision
+from ..nn import PrecisionReport, apply_precision, rowwise_mx_weights
 from .config import RunConfig
 from .optimizer import ClippingAdamW
 
@@ -34,9 +34,15 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, *, capturable: bool 
     (on the CPU 4x faster than the per-parameter loop: the demo model, 2 cores, 2.0 against 8.6 ms
     per step), with our Triton kernel for the large fp32 CUDA parameters when the step carries the
     clipping factor (`train.optimizer`, `train.adamw_cuda`); `fused` is torch's kernel throughout.
-    `capturable`: step counts kept on the device, so that a step can be captured in a CUDA graph."""
+    `capturable`: step counts kept on the device, so that a step can be captured in a CUDA graph.
+    With `weight_exponents_in_optimizer` (and the clipping in the optimizer, whose step is the
+    Triton one) the step also computes the MX weights' e_ref for the packer."""
     o = cfg.optim
     impl = "fused" if o.implementation == "auto" else o.implementation
     extra = {"capturable": True} if capturable else {}
-    return ClippingAdamW(model.parameters(), kernel="triton" if o.implementation == "auto" else "torch", lr=o.lr,
-                         betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **{impl: True}, **extra)
+    optimizer = ClippingAdamW(model.parameters(), kernel="triton" if o.implementation == "auto" else "torch",
+                              lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                              **{impl: True}, **extra)
+    if o.weight_exponents_in_optimizer and o.clip_in_optimizer:
+        optimizer.track_weight_erefs(rowwise_mx_weights(model))
+    return optimizer

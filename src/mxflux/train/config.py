@@ -122,6 +122,10 @@ class OptimSection(_Section):
     # traffic of "foreach", which launches one kernel per update term); "auto" is fused, with our
     # Triton kernel for the large fp32 parameters on CUDA (train.optimizer, train.adamw_cuda).
     implementation: Literal["auto", "foreach", "fused"] = "auto"
+    # With "auto" and the clipping in the optimizer, the Triton step also computes the row-granularity
+    # e_ref of the MX weights it updates, so that the next forward's packer skips its first pass
+    # over them (train.adamw_cuda.WeightErefs; false: the packer reads each weight twice).
+    weight_exponents_in_optimizer: bool = True
 
 
 class BatchSection(_Section):

@@ -10,6 +10,10 @@ Which kernel applies the factor:
   1/factor in fp64, and writes the divided gradients back);
 - foreach or per-parameter: torch's `_foreach_mul_` on the gradients, then the step.
 
+The Triton step also computes, for the MX weights it is told about (`track_weight_erefs`), the
+row-granularity e_ref the packer would otherwise find in a first pass over each weight at the next
+forward (`mxflux.kernels.weight_erefs`).
+
 State, parameter groups and state_dict are torch's AdamW's whichever runs, so a checkpoint does not
 record the kernel.
 """
@@ -32,6 +36,23 @@ class ClippingAdamW(torch.optim.AdamW):
         super().__init__(params, **kw)
         self.kernel = kernel
         self.lr_scalars: dict[int, torch.Tensor] = {}  # the Triton step's learning rates on the device
+        self.weight_erefs: adamw_cuda.WeightErefs | None = None
+
+    def track_weight_erefs(self, weights) -> int:
+        """Have the Triton step compute the row-granularity e_ref of these MX weights ((parameter,
+        hadamard) pairs) as it updates them, so that the packer skips its first pass over them
+        (`adamw_cuda.WeightErefs`). Returns how many qualify; none with the "torch" kernel."""
+        if self.kernel != "triton":
+            return 0
+        self.weight_erefs = adamw_cuda.WeightErefs(weights)
+        return len(self.weight_erefs.of)
+
+    def refresh_weight_erefs(self) -> None:
+        """Recompute the e_ref of tracked weights written by anything but this optimizer's step
+        since (a captured step calls this before each replay: the graph's forward reads them
+        unchecked)."""
+        if self.weight_erefs is not None:
+            self.weight_erefs.refresh()
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_factor: torch.Tensor | None = None):
@@ -43,7 +64,7 @@ class ClippingAdamW(torch.optim.AdamW):
             raise ValueError("step: a closure re-evaluates the gradients, which grad_factor would then miss")
         with_grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if self.kernel == "triton" and adamw_cuda.eligible(self, with_grads):
-            adamw_cuda.adamw_clipped_step(self, grad_factor, self.lr_scalars)
+            adamw_cuda.adamw_clipped_step(self, grad_factor, self.lr_scalars, self.weight_erefs)
         elif all(g.get("fused") for g in self.param_groups):
             self.grad_scale = grad_factor.reciprocal()
             try:
