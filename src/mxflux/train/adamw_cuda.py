@@ -178,9 +178,12 @@ class WeightErefs:
     contiguous 2-D fp32 CUDA weights of at least LARGE elements qualify (the others go through
     torch's kernel, whose writes the packer sees by their version)."""
 
-    # The tile of the packer's own pass 1 (one row block and one column block per thread), updated
-    # in SLICES row slices: 106 registers on sm_90 (231 in one piece), two programs per SM.
-    BR, NB, NUM_WARPS, SLICES = 128, 2, 8, 4
+    # Tiles of 64 rows x 64 columns, 4 warps (one row block and one column block per thread, as in
+    # the packer's pass 1), updated in 4 row slices: 106 registers on sm_90 (230 in one piece), four
+    # programs per SM. The fastest of the tiles benchmarks/bench_optimizer.py timed on the H200:
+    # the step 0.5 ms slower than without the e_ref on the 6+12-block model, where the packer's
+    # pass 1 over the same weights takes 5.3 ms (RESULTS.md).
+    BR, NB, NUM_WARPS, SLICES = 64, 2, 4, 4
 
     def __init__(self, weights: Sequence[tuple[torch.Tensor, bool]]):
         ok = [(p, bool(h)) for p, h in weights if self.qualifies(p)]
