@@ -36,6 +36,7 @@ NAMES = {  # one real-looking kernel name per category, the kind it must land in
     "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)"
     "::FusedOptimizerTensorListMetadata<4>, ...>": "optimizer",
     "_adamw_kernel": "optimizer",
+    "_adamw_erefs_kernel": "optimizer",  # the step that also computes the MX weights' e_ref
     "triton_poi_fused_add_mul_sqrt_div_5": "other",
 }
 

@@ -30,7 +30,8 @@ Categories, first matching rule wins (by activity kind, then by kernel name):
                  amax reduction or a clamp (saturation to the FP8 range) among them marks a cast;
                  a cast fused into an unrelated elementwise kernel without either stays in "other"
   gemm           cuBLAS / cuBLASLt (gemm, nvjet, sm90_xmma), CUTLASS, inductor GEMM templates
-  optimizer      the optimizer step (OPTIMIZER_KERNELS): our AdamW kernel and torch's
+  optimizer      the optimizer step (OPTIMIZER_KERNELS): our AdamW kernels (one also computes the MX
+                 weights' e_ref, the pass 1 the packer then skips) and torch's
                  multi_tensor_apply kernels, which in a training step are the fused AdamW, the
                  gradient norm and clipping, the step counts and the weight EMA (FSDP2's copy-in
                  may use one too)
@@ -58,7 +59,7 @@ CATEGORIES = ("gemm", "mx_quant", "attention", "communication", "optimizer", "ot
 MX_QUANT_KERNELS = (r"_pack_kernel|_prologue_kernel|_dequant_kernel|_fp8_amax_kernel|_fp8_cast_kernel"
                     r"|_compact_kernel|_expand_kernel")
 # The optimizer step's kernels (mxflux.train.adamw_cuda's, torch's foreach and fused optimizer ops).
-OPTIMIZER_KERNELS = r"_adamw_kernel|multi_tensor_apply_kernel|FusedOptimizer|fused_adamw?_"
+OPTIMIZER_KERNELS = r"_adamw_kernel|_adamw_erefs_kernel|multi_tensor_apply_kernel|FusedOptimizer|fused_adamw?_"
 # Inductor-generated kernels of FP8 amax/cast work (see the module docstring: a name heuristic).
 FP8_CAST_KERNELS = r"^triton_(poi|red|per)_\w*(amax|to_float8|clamp)"
 
