@@ -43,6 +43,7 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, *, capturable: bool 
     optimizer = ClippingAdamW(model.parameters(), kernel="triton" if o.implementation == "auto" else "torch",
                               lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                               **{impl: True}, **extra)
-    if o.weight_exponents_in_optimizer and o.clip_in_optimizer:
+    on_gpu = any(p.is_cuda for p in model.parameters())  # the Triton step runs on CUDA parameters only
+    if o.weight_exponents_in_optimizer and o.clip_in_optimizer and on_gpu:
         optimizer.track_weight_erefs(rowwise_mx_weights(model))
     return optimizer
