@@ -63,6 +63,19 @@ if HAS_TRITON:
         return p - tl.div_rn(step_size * m, denom), m, v
 
     @triton.jit
+    def _adamw_in_place(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, factor, lr, step_size, bc2_sqrt, weight_decay,
+                        beta1, beta2, eps):
+        """Read parameter, gradient (times the factor) and moments at `offs`, update, write back
+        parameter and moments; returns the updated parameters."""
+        p, m, v = _adamw(tl.load(p_ptr + offs, mask=mask), tl.load(g_ptr + offs, mask=mask) * factor,
+                         tl.load(m_ptr + offs, mask=mask), tl.load(v_ptr + offs, mask=mask),
+                         lr, step_size, bc2_sqrt, weight_decay, beta1, beta2, eps)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        return p
+
+    @triton.jit
     def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, factor_ptr, lr_ptr, step_size_ptr, bc2_sqrt_ptr,
                       weight_decay, beta1, beta2, eps, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -71,12 +84,8 @@ if HAS_TRITON:
         lr = tl.load(lr_ptr)
         step_size = tl.load(step_size_ptr)
         bc2_sqrt = tl.load(bc2_sqrt_ptr)
-        p, m, v = _adamw(tl.load(p_ptr + offs, mask=mask), tl.load(g_ptr + offs, mask=mask) * factor,
-                         tl.load(m_ptr + offs, mask=mask), tl.load(v_ptr + offs, mask=mask),
-                         lr, step_size, bc2_sqrt, weight_decay, beta1, beta2, eps)
-        tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
+        _adamw_in_place(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, factor, lr, step_size, bc2_sqrt, weight_decay,
+                        beta1, beta2, eps)
 
     @triton.jit
     def _adamw_slice(p_ptr, g_ptr, m_ptr, v_ptr, R, C, row0, col0, factor, lr, step_size, bc2_sqrt,
@@ -87,12 +96,8 @@ if HAS_TRITON:
         c2 = tl.arange(0, BC)[None, :]
         mask = ((row0 + r2) < R) & ((col0 + c2) < C)
         offs = (row0 + r2).to(tl.int64) * C + col0 + c2
-        p, m, v = _adamw(tl.load(p_ptr + offs, mask=mask), tl.load(g_ptr + offs, mask=mask) * factor,
-                         tl.load(m_ptr + offs, mask=mask), tl.load(v_ptr + offs, mask=mask),
-                         lr, step_size, bc2_sqrt, weight_decay, beta1, beta2, eps)
-        tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
+        p = _adamw_in_place(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, factor, lr, step_size, bc2_sqrt, weight_decay,
+                            beta1, beta2, eps)
         return tl.where(mask, p, 0.0)
 
     @triton.jit
