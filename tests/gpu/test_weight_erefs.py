@@ -107,7 +107,7 @@ def test_the_step_writes_what_the_plain_step_writes_and_the_erefs_of_it(gen, mon
             for k in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(o_plain.state[a][k], o_fused.state[b][k])
             assert weight_erefs.is_current(b)
-            got = weight_erefs.tracked(b)
+            got = o_fused.weight_erefs.of[b][1]
             want = weight_exponents_cuda(b.detach(), hadamards[b], _buffer(b))
             assert torch.equal(got, want), (step, tuple(b.shape))
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["buffer_words", "clear", "current_erefs", "is_current", "mark_current", "track", "tracked"]
+__all__ = ["buffer_words", "clear", "current_erefs", "is_current", "mark_current", "track"]
 
 
 class _Entry(NamedTuple):
@@ -73,12 +73,6 @@ def _entry(x: torch.Tensor) -> _Entry | None:
     return e
 
 
-def tracked(param: torch.Tensor) -> torch.Tensor | None:
-    """The buffer registered for `param`, current or not (None if it has none)."""
-    e = _entry(param)
-    return None if e is None or e.param() is not param else e.erefs
-
-
 def mark_current(param: torch.Tensor) -> None:
     """The buffer of `param` now holds the e_ref of its values (queued on the device before any
     later use): record the version the parameter has."""
@@ -96,11 +90,8 @@ def current_erefs(x: torch.Tensor, hadamard: bool) -> torch.Tensor | None:
     """The buffer of the weight `x` is (or aliases exactly: same address, shape and strides, and so
     the same version counter) when it holds the e_ref of x's current values under `hadamard`;
     None otherwise. The packer's per-call host path: a dictionary lookup and a few comparisons."""
-    e = _ENTRIES.get(x.data_ptr())
-    if e is None or e.version[0] is None or e.hadamard != hadamard:
-        return None
     e = _entry(x)
-    if e is None or x.shape != e.shape or x.stride() != e.stride:
+    if e is None or e.version[0] is None or e.hadamard != hadamard or x.shape != e.shape or x.stride() != e.stride:
         return None
     try:
         if x._version != e.version[0] or e.param()._version != e.version[0]:
