@@ -185,3 +185,45 @@ def test_optimizer_benchmark_builds_its_shapes_and_says_what_it_needs_without_a_
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_optimizer.py")], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "needs a CUDA device" in r.stderr
+
+
+def test_quant_floor_bounds_the_packers_from_the_committed_results(tmp_path):
+    """benchmarks/quant_floor.py on the committed H200 results: the proxy's packer bytes per step
+    equal the count by hand (6 bytes per activation and dY element of every MX linear, 6 per fp32
+    weight element), MXFP6 / bf16 only grows as the packers get cheaper, and a results file
+    missing a packer time is refused by name."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import quant_floor
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    results = ROOT / "benchmarks" / "results"
+    kernels, layers = results / "bench_kernels_2026-12-03.json", results / "bench_layers_2026-12-03.json"
+    step64 = results / "bench_step_proxy_mbs64_erefs_2026-12-02.json"
+    out = tmp_path / "floor.json"
+    assert quant_floor.main(["--kernels", str(kernels), "--layers", str(layers), "--step", str(step64),
+                             "--json", str(out)]) == 0
+    floor = json.loads(out.read_text())
+
+    mx = [r for r in json.loads(step64.read_text()) if r["precision"] == "mxfp6"][0]
+    linears = quant_floor.mx_linears(mx)
+    assert len(linears) == 24 and sum(k * n for _, _, k, n in linears) == 905_969_664  # = bench_optimizer's
+    # per sample: 2 double blocks x 2 streams x 256 tokens x (12288 + 6144 + 15360 + 15360) elements
+    # + 4 single blocks x 512 tokens x (24576 + 18432)
+    per_sample = 2 * 2 * 256 * 49152 + 4 * 512 * 43008
+    assert floor["steps"][0]["packer_gb"] * 1e9 == pytest.approx(6 * 64 * per_sample + 6 * 905_969_664)
+    step = floor["steps"][0]
+    assert step["vs_bf16"] == pytest.approx(step["bf16_ms"] / step["mxfp6_ms"])
+    assert step["vs_bf16"] < step["vs_bf16_at_floor"] and step["vs_fp8"] < step["vs_fp8_at_floor"]
+
+    assert len(floor["layers"]) == 6
+    for r in floor["layers"]:
+        assert (r["vs_bf16_measured"] < r["vs_bf16_row_at_copy"] < r["vs_bf16_one_pass_at_copy"]
+                < r["vs_bf16_packers_free"]), r["layer"]
+        assert 0 < r["packers_pct_of_row_floor"] < 100
+
+    broken = json.loads(kernels.read_text())
+    broken["pack"] = [p for p in broken["pack"] if not (p["linear"] == "proj" and p["tensor"] == "dY")]
+    (tmp_path / "k.json").write_text(json.dumps(broken))
+    with pytest.raises(ValueError, match="proj at M=32768"):
+        quant_floor.main(["--kernels", str(tmp_path / "k.json"), "--layers", str(layers)])
