@@ -2,7 +2,9 @@
 # One device call that runs the named stages in order and leaves logs and results under $OUT:
 #   PYTHONPATH=src bash benchmarks/gpu_run.sh tests convergence bench16 fsdp12b
 # tests        the CUDA test suite (tests/gpu and the CPU files with CUDA variants; GPU_TESTS="files" for a
-#              subset; ~8 minutes: give it a call of its own)
+#              subset). The whole suite runs ~16 minutes, more than one call allows: run it as `tests1`
+#              (every tests/gpu file but the packers', about 8 min) and `tests2` (the packer tests and the
+#              CPU files with CUDA variants, about 5 min), one call each; logs $OUT/gpu_tests1.log, gpu_tests2.log
 # kernels      benchmarks/bench_kernels.py: every packer and GEMM at the Flux-12B shapes
 # layers       benchmarks/bench_layers.py: MXFP6Linear / FusedMXFP6MLP / peer vs bf16
 # layerprofile per-kernel times of single linears (LAYER_PROFILE="proj 16384 proj 32768")
@@ -48,11 +50,19 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests)
-      # (line-buffered: a call cut by its time limit still leaves the log of what ran)
-      python3 -m pytest -q --tb=short --durations=10 ${GPU_TESTS:-tests/gpu tests/test_saved_tensors.py tests/test_nn_repack_weights.py} \
-        -p no:cacheprovider 2>&1 | grep --line-buffered -v "^W11" > "$OUT/gpu_tests.log"
-      grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests.log" | tail -40 ;;
+    tests|tests1|tests2)
+      packer_tests="tests/gpu/test_operands_cuda.py tests/gpu/test_operands_interpreted.py tests/gpu/test_triton_compile.py"
+      case $stage in
+        tests) files="tests/gpu tests/test_saved_tensors.py tests/test_nn_repack_weights.py" ;;
+        tests1) files=$(ls tests/gpu/test_*.py | grep -vxF -f <(tr ' ' '\n' <<<"$packer_tests")) ;;
+        tests2) files="$packer_tests tests/test_saved_tensors.py tests/test_nn_repack_weights.py" ;;
+      esac
+      log="$OUT/gpu_$stage.log"
+      # (-v: one line per test as it ends, line-buffered, so a call cut by its time limit still
+      # names what ran and passed)
+      python3 -m pytest -v --tb=short --durations=10 ${GPU_TESTS:-$files} \
+        -p no:cacheprovider 2>&1 | grep --line-buffered -v "^W11" > "$log"
+      grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$log" | tail -40 ;;
     kernels)
       python3 benchmarks/bench_kernels.py --out "$OUT" 2>&1 | grep -v "^W11" | tail -120 ;;
     layerprofile)  # per-kernel time of single linears' fwd+bwd (LAYER_PROFILE="proj 16384 qkv 32768 ...")
