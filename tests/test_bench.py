@@ -153,6 +153,72 @@ def test_settings_run_side_by_side_each_in_its_own_process(tmp_path):
     assert "vs bf16" in proc.stdout and "[mxfp6] " in proc.stdout  # one table; the children's output, prefixed
 
 
+def test_rounds_alternate_the_settings_and_report_each_settings_median_round(tmp_path):
+    """`--rounds 2`: every setting runs once per round, each time in a fresh process, and the JSON
+    holds each setting's median round with every round's step time."""
+    out = tmp_path / "cmp.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mxflux.cli", "bench", "step", "--recipe", "tiny-bf16", "--settings", "bf16,mxfp6",
+         "--rounds", "2", "--mbs", "2", "--steps", "1", "--warmup", "1", *TINY, "--data-dir", str(tmp_path / "data"),
+         "--json", str(out)], cwd=tmp_path, env=env, timeout=300, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.index("=== round 1 of 2") < proc.stdout.index("=== round 2 of 2")
+    assert proc.stdout.count("=== bf16: ") == 2 and proc.stdout.count("=== mxfp6: ") == 2
+    results = json.loads(out.read_text())
+    assert [r["label"] for r in results] == ["bf16", "mxfp6"]
+    for r in results:
+        ms = r["rounds"]["step_ms"]
+        assert len(ms) == 2 and all(m > 0 for m in ms) and r["step_ms"] == min(ms)  # the lower median of two
+    assert "vs bf16, per round" in proc.stdout and "rounds: min–max" in proc.stdout
+
+
+def test_combined_rounds_keep_the_median_round_and_refuse_mismatched_rounds():
+    from mxflux.bench.compare import combine_rounds
+
+    def res(label, ms):
+        return {"label": label, "step_ms": ms, "images_per_s_per_gpu": 1000 / ms, "breakdown": {"ms": ms}}
+
+    rounds = [[res("bf16", 131.0), res("mxfp6", 109.8)], [res("bf16", 130.0), {"label": "mxfp6", "failed": "boom"}],
+              [res("bf16", 132.0), res("mxfp6", 109.1)]]
+    bf16, mx = combine_rounds(rounds)
+    assert bf16["step_ms"] == 131.0 and bf16["breakdown"] == {"ms": 131.0}  # the median round, whole
+    assert bf16["rounds"]["step_ms"] == [131.0, 130.0, 132.0]
+    assert mx["step_ms"] == 109.1 and mx["rounds"]["step_ms"] == [109.8, None, 109.1]  # lower median of two
+    failed = combine_rounds([[{"label": "mxfp6", "failed": "a"}], [{"label": "mxfp6", "failed": "b"}]])
+    assert failed == [{"label": "mxfp6", "failed": "round 1: a; round 2: b"}]
+    with pytest.raises(ValueError, match="the same settings in every round"):
+        combine_rounds([[res("bf16", 1.0)], [res("bf16", 1.0), res("mxfp6", 1.0)]])
+    with pytest.raises(ValueError, match="one setting per position"):
+        combine_rounds([[res("bf16", 1.0)], [res("mxfp6", 1.0)]])
+
+
+def test_the_table_divides_within_rounds_on_the_h200_deep_model_calls():
+    """Two H200 calls of the 6+12-block model at micro-batch 8 (committed JSON) as two rounds: the
+    per-round ratio of the captured settings is each call's own (1.191x and 1.193x), and the baselines
+    are found by precision, so the "-graph" settings get their "vs" rows too."""
+    from rich.console import Console
+
+    from mxflux.bench.compare import combine_rounds
+    from mxflux.bench.report import print_table
+
+    calls = [json.loads((ROOT / "benchmarks/results" / f).read_text()) for f in
+             ("bench_step_deep6x12_mbs8_graph_bare_2026-12-03.json", "bench_step_deep6x12_mbs8_graph_2026-12-03b.json")]
+    rounds = [[r for r in call if r["label"] in ("bf16-graph", "mxfp6-graph")] for call in calls]
+    results = combine_rounds(rounds)
+    console = Console(record=True, width=240)
+    print_table(results, console=console)
+    rows = {}
+    for line in console.export_text().splitlines():
+        if line.startswith("│"):
+            rows.setdefault(line.split("│")[1].strip(), [c.strip() for c in line.split("│")[2:-1]])
+    ratios = [bf16["step_ms"] / mx["step_ms"] for bf16, mx in rounds]
+    assert [round(x, 3) for x in ratios] == [1.191, 1.193]
+    assert rows["vs bf16-graph, per round"][1] == f"{sum(ratios) / 2:.3f}x (1.191–1.193)"
+    assert rows["ms / step, rounds: min–max"] == ["130.0–131.0 (2 of 2)", "109.1–109.8 (2 of 2)"]
+    assert rows["ms / step"] == ["130.0", "109.1"]  # the lower median of two rounds
+
+
 def test_a_failing_setting_is_reported_and_the_others_still_run(tmp_path):
     from mxflux.bench.compare import run_in_subprocesses
 

@@ -63,6 +63,11 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--memory", metavar="PATH",
                    help="write the memory breakdown of one more step (alive at the peak by allocating frame; "
                         "saved for backward by dtype and module) as JSON, one entry per setting, and print it")
+    s.add_argument("--rounds", type=positive_int, default=1,
+                   help="run the settings this many times, alternating (every setting, then every setting again, "
+                        "each run a fresh process): the table shows each setting's median round, the spread of "
+                        "its step times, and its ratio to bf16 and FP8 within each round, where they ran back to "
+                        "back (default: 1)")
     s.add_argument("--setting-timeout", type=positive_float, metavar="SECONDS",
                    help="stop a setting's process after this long (it is reported as failed)")
     s.add_argument("--synthetic", action="store_true",
@@ -123,9 +128,9 @@ def _step(args) -> int:
     if len(args.settings) > 1 and any(o.split("=", 1)[0].strip() == "precision" for o in user):
         args.parser.error("a whole 'precision=...' override would make every setting the same precision; "
                           "give it with --settings recipe, or override single fields (precision.KEY=VALUE)")
-    if len(args.settings) > 1:
+    if len(args.settings) > 1 or args.rounds > 1:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            args.parser.error("under torchrun, give one setting per job (--settings NAME)")
+            args.parser.error("under torchrun, give one setting per job (--settings NAME) and no --rounds")
         return _compare(args)
     return _one(args)
 
@@ -163,10 +168,11 @@ def _one(args) -> int:
 
 
 def _compare(args) -> int:
-    """Several settings, each in its own process (why: `mxflux.bench.compare`), one table. A
-    setting whose recipe does not validate is reported as failed without a process."""
+    """Several settings (or rounds), each run in its own process (why: `mxflux.bench.compare`),
+    one table. A setting whose recipe does not validate is reported as failed without a process.
+    With rounds, the memory report is each setting's last successful one."""
     from ..train.config import RecipeError, load_recipe
-    from .compare import run_in_subprocesses
+    from .compare import combine_rounds, run_in_subprocesses
     from .report import print_table, write_json
 
     invalid = {}
@@ -178,8 +184,15 @@ def _compare(args) -> int:
     runnable = [n for n in args.settings if n not in invalid]
     if not runnable:
         args.parser.error("no setting validates:\n" + "\n".join(r["failed"] for r in invalid.values()))
-    ran, memory = run_in_subprocesses(
-        runnable, lambda name, j, m: _child_argv(args, name, j, m), timeout_s=args.setting_timeout)
+    rounds, memory = [], {}
+    for i in range(args.rounds):
+        if args.rounds > 1:
+            print(f"=== round {i + 1} of {args.rounds}", flush=True)
+        ran, round_memory = run_in_subprocesses(
+            runnable, lambda name, j, m: _child_argv(args, name, j, m), timeout_s=args.setting_timeout)
+        rounds.append(ran)
+        memory.update(round_memory)
+    ran = combine_rounds(rounds) if args.rounds > 1 else rounds[0]
     by_name = {r["label"]: r for r in ran}
     results = [invalid.get(n) or by_name[n] for n in args.settings]
     print_table(results)

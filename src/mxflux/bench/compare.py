@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 __all__ = ["SETTINGS", "DEFAULT_SETTINGS", "PROXY_RECIPE", "PROXY_OVERRIDES", "parse_settings",
-           "run_in_subprocesses"]
+           "run_in_subprocesses", "combine_rounds"]
 
 SETTINGS: dict[str, tuple[str, ...]] = {
     "recipe": (),  # the recipe's own precision
@@ -134,3 +134,32 @@ def run_in_subprocesses(settings: list[str], child_argv, *, timeout_s: float | N
                 print(f"=== {name} failed: {why}", flush=True)
                 results.append({"label": name, "failed": why + "\n    " + "\n    ".join(tail)})
     return results, memory
+
+
+def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One result per setting from several rounds of the same settings (`--rounds`).
+
+    Each setting's result is its median round by step time (the lower median for an even
+    count), whole (its split, memory and bare loops are that round's), with `rounds` added:
+    `step_ms` and `images_per_s_per_gpu` of every round in order, None where that round's process
+    failed. The report divides step times within a round, where the settings ran back to back,
+    so that the card's drift between rounds does not enter a ratio. A setting that failed in
+    every round is failed, with each round's reason.
+    """
+    if not rounds or any(len(r) != len(rounds[0]) for r in rounds):
+        raise ValueError(f"rounds: expected the same settings in every round, got {[len(r) for r in rounds]}")
+    combined = []
+    for per_round in zip(*rounds):
+        labels = {r["label"] for r in per_round}
+        if len(labels) != 1:
+            raise ValueError(f"rounds: one setting per position in every round, got {sorted(labels)}")
+        ok = [r for r in per_round if not r.get("failed")]
+        if not ok:
+            combined.append({"label": per_round[0]["label"], "failed": "; ".join(
+                f"round {i + 1}: {r['failed']}" for i, r in enumerate(per_round))})
+            continue
+        median = sorted(ok, key=lambda r: r["step_ms"])[(len(ok) - 1) // 2]
+        combined.append({**median, "rounds": {
+            key: [None if r.get("failed") else r[key] for r in per_round]
+            for key in ("step_ms", "images_per_s_per_gpu")}})
+    return combined

@@ -26,12 +26,46 @@ def _get(r: dict, *keys):
     return r
 
 
-def _ratio_row(results: list[dict], base_label: str):
-    base = next((r for r in results if r.get("label") == base_label and not r.get("failed")), None)
-    if base is None:
-        return None
-    b = base["images_per_s_per_gpu"]
-    return (f"vs {base_label}", lambda r: f"{r['images_per_s_per_gpu'] / b:.3f}x")
+def _is_bf16(r: dict) -> bool:
+    return r.get("precision") == "bf16"
+
+
+def _is_fp8_tensorwise(r: dict) -> bool:
+    return r.get("precision") == "fp8" and _get(r, "precision_config", "fp8_scaling") == "tensorwise"
+
+
+# The baselines every MXFP6 number is held against: bf16 and torchao FP8 tensorwise, whichever
+# setting ran them (bf16, bf16-graph, ...: the first of each in the table).
+BASELINES = (_is_bf16, _is_fp8_tensorwise)
+
+
+def _ratio_rows(ok: list[dict]) -> list:
+    """"vs <baseline>" rows (throughput ratio of each column to the baseline's); with rounds also
+    "vs <baseline>, per round": the ratios of step times within each round (settings of one round
+    run back to back, so the card's drift between rounds cancels), as mean (min–max)."""
+    rows = []
+    for is_base in BASELINES:
+        base = next((r for r in ok if is_base(r)), None)
+        if base is None:
+            continue
+        b = base["images_per_s_per_gpu"]
+        rows.append((f"vs {base['label']}", lambda r, b=b: f"{r['images_per_s_per_gpu'] / b:.3f}x"))
+        if base.get("rounds"):
+            def per_round(r, base=base):
+                ratios = [bm / m for bm, m in zip(base["rounds"]["step_ms"], _get(r, "rounds", "step_ms") or [])
+                          if bm and m]
+                if not ratios:
+                    return "–"
+                return f"{sum(ratios) / len(ratios):.3f}x ({min(ratios):.3f}–{max(ratios):.3f})"
+            rows.append((f"vs {base['label']}, per round", per_round))
+    return rows
+
+
+def _rounds_cell(r: dict) -> str:
+    ms = [m for m in _get(r, "rounds", "step_ms") or [] if m]
+    if not ms:
+        return "–"
+    return f"{min(ms):.1f}–{max(ms):.1f} ({len(ms)} of {len(r['rounds']['step_ms'])})"
 
 
 def _split_rows(results: list[dict], which: str, title: str, *, idle_of_profiled: bool = False) -> list:
@@ -72,11 +106,13 @@ def print_table(results: list[dict], *, console=None) -> None:
 
     console = console or Console(width=max(160, Console().width))
     ok = [r for r in results if not r.get("failed")]
+    rounds = max((len(r["rounds"]["step_ms"]) for r in ok if r.get("rounds")), default=0)
     if ok:
         r0 = ok[0]
         console.print(f"{r0['model']} · {r0['device']} x{r0['world_size']} · global batch {r0['global_batch_size']} "
                       f"(micro {r0['micro_batch_size']}) · {r0['image_tokens']}+{r0['text_tokens']} tokens · "
-                      f"compile {r0['compile']} · {r0['steps']} timed steps after {r0['warmup_steps']} warm-up",
+                      f"compile {r0['compile']} · {r0['steps']} timed steps after {r0['warmup_steps']} warm-up"
+                      + (f" · {rounds} rounds, each setting's median round shown" if rounds else ""),
                       style="bold")
     table = Table()
     table.add_column("metric")
@@ -85,8 +121,9 @@ def print_table(results: list[dict], *, console=None) -> None:
     gib = "{:.2f}"
     rows = [
         ("ms / step", lambda r: _fmt(r["step_ms"], ".1f")),
+        *([("ms / step, rounds: min–max", _rounds_cell)] if rounds else []),
         ("images/s/GPU", lambda r: _fmt(r["images_per_s_per_gpu"], ".1f")),
-        *[row for row in (_ratio_row(ok, "bf16"), _ratio_row(ok, "fp8-tensorwise")) if row and len(results) > 1],
+        *(_ratio_rows(ok) if len(results) > 1 else []),
         ("MFU", lambda r: "–" if r["mfu"] is None else f"{100 * r['mfu']:.1f}% of {r['peak_tflops']:.0f}"),
         ("ms per 512 images", lambda r: _fmt(r["ms_per_512"], ".0f")),
         ("peak allocated GiB", lambda r: gib.format(r["memory"]["max_allocated_gib"])),
