@@ -19,6 +19,9 @@
 # memory       `--memory` breakdown of one step at micro-batch 16 for bf16, fp8-tensorwise, mxfp6
 #              ($OUT/memory_mbs16.json, tables in $OUT/memory_mbs16.log; MEMORY_MBS, MEMORY_SETTINGS to change)
 # fsdp12b      flux-12b with FSDP2 over every visible GPU (`mxflux bench step` under torchrun)
+# deep         the flux-12b width at DEEP_BLOCKS (double,single; default 6,12) and micro-batch DEEP_MBS (8),
+#              DEEP_SETTINGS (bf16-graph,mxfp6-graph) alternated DEEP_ROUNDS (3) times: MXFP6 / bf16 within each
+#              round, mean and range (issue 13's deep-model check; ~5 min at 6+12); $OUT/deep_mbs$DEEP_MBS.json
 # fp8seq       benchmarks/probe_fp8_in_process.py: torchao tensorwise then rowwise in one process
 # host         benchmarks/bench_host.py: host time per MX op call (op dispatch, our Python, Triton launch)
 # gemmtune     benchmarks/probe_scaled_mm_autotune.py: cuBLAS's row-wise scaled FP8 GEMM against inductor's
@@ -97,6 +100,13 @@ for stage in "$@"; do
           ${FSDP_ARGS:-model.compile=false model.activation_checkpointing=true} batch.micro_batch_size=$mbs \
           batch.global_batch_size=$((mbs * n)) data.num_workers=2 2>&1 | grep -v "^W11" | tail -22
       done ;;
+    deep)
+      IFS=, read -r nd ns <<<"${DEEP_BLOCKS:-6,12}"; mbs=${DEEP_MBS:-8}
+      timeout ${BENCH_TIMEOUT:-560} python3 -m mxflux.cli bench step --recipe flux12b-mxfp6-dev --synthetic \
+        --set "model.overrides={depth: $nd, depth_single_blocks: $ns}" --set model.compile=true --mbs $mbs \
+        --settings ${DEEP_SETTINGS:-bf16-graph,mxfp6-graph} --rounds ${DEEP_ROUNDS:-3} --setting-timeout ${SETTING_TIMEOUT:-150} \
+        --steps 8 --warmup 3 --json "$OUT/deep_mbs$mbs.json" > "$OUT/deep_mbs$mbs.log" 2>&1
+      grep -v "^\[" "$OUT/deep_mbs$mbs.log" | grep -v "^W11" | tail -40 ;;
     fp8seq)  # torchao tensorwise then rowwise in ONE process, launches blocking (issue: the in-process crash)
       CUDA_LAUNCH_BLOCKING=1 timeout ${FP8SEQ_TIMEOUT:-300} python3 benchmarks/probe_fp8_in_process.py ${FP8SEQ_ARGS:-} \
         > "$OUT/fp8seq.log" 2>&1; echo "rc $?"; grep -vE "W11|I11" "$OUT/fp8seq.log" | tail -40 ;;
