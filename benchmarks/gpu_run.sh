@@ -27,7 +27,8 @@
 # gemmtune     benchmarks/probe_scaled_mm_autotune.py: cuBLAS's row-wise scaled FP8 GEMM against inductor's
 #              autotuned Triton templates at the Flux shapes, contract checked (GEMMTUNE_ARGS)
 # rowgemm      benchmarks/probe_rowwise_gemm.py: every cuBLASLt algorithm for the row-wise scaled GEMM at the Flux
-#              shapes (ctypes), timed beside torch's row-wise and tensor-wise, with and without fast accumulation
+#              shapes (ctypes), timed beside torch's row-wise and tensor-wise, with and without fast accumulation,
+#              and CUTLASS's row-wise grouped GEMM inside torch (`torch._scaled_grouped_mm`, one group)
 # optimizer    benchmarks/bench_optimizer.py: the AdamW step alone, torch's fused kernel (clip pass, grad_scale)
 #              against the Triton kernel at several launch shapes (OPTIM_ARGS, e.g. "--blocks 6,12")
 # passes       benchmarks/probe_pack_passes.py: the row-granularity packer's two passes timed apart;
@@ -121,8 +122,9 @@ for stage in "$@"; do
       timeout ${GEMMTUNE_TIMEOUT:-540} python3 benchmarks/probe_scaled_mm_autotune.py ${GEMMTUNE_ARGS:-} \
         --json "$OUT/scaled_mm_autotune.json" > "$OUT/gemmtune.log" 2>&1
       grep -E "cuBLAS|Error" "$OUT/gemmtune.log" | tail -30 ;;
-    rowgemm)  # cuBLASLt's candidates for the row-wise scaled GEMM (benchmarks/probe_rowwise_gemm.py)
-      timeout ${ROWGEMM_TIMEOUT:-300} python3 benchmarks/probe_rowwise_gemm.py --json "$OUT/rowwise_gemm.json" 2>&1 \
+    rowgemm)  # cuBLASLt's candidates and CUTLASS's grouped GEMM for the row-wise scaled GEMM
+      # (benchmarks/probe_rowwise_gemm.py; ROWGEMM_ARGS="--count 1" for torch's kernels and CUTLASS's alone)
+      timeout ${ROWGEMM_TIMEOUT:-300} python3 benchmarks/probe_rowwise_gemm.py ${ROWGEMM_ARGS:-} --json "$OUT/rowwise_gemm.json" 2>&1 \
         | grep -v "^W11" | tail -40 ;;
     optimizer)  # the optimizer step alone (benchmarks/bench_optimizer.py)
       python3 benchmarks/bench_optimizer.py ${OPTIM_ARGS:-} --json "$OUT/bench_optimizer.json" 2>&1 | grep -v "^W11" | tail -15 ;;

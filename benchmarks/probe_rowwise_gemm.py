@@ -9,6 +9,13 @@ result within the GEMM contract (fp32 summation-order bound, benchmarks/probe_sc
 and prints beside them what torch's other FP8 GEMMs take on the same operands: row-wise with fast
 accumulation, tensor-wise without and with it (torchao's forward uses fast accumulation).
 
+One more row-wise kernel ships inside torch: `torch._scaled_grouped_mm` with fp32 row scales runs
+CUTLASS's sm_90 grouped GEMM (128x256 and 256x128 tiles, warp-specialised; fast accumulation off
+on request), which a single group makes an ordinary GEMM. It takes no bias and writes only bf16,
+so it could serve the dgrad GEMM (bf16 out, no bias) as it is; for the bf16-output GEMMs it is
+timed against torch's row-wise GEMM of the same operands without bias, and checked against it
+within the contract.
+
     PYTHONPATH=src python3 benchmarks/probe_rowwise_gemm.py --json $OUT/rowwise_gemm.json
 """
 
@@ -80,7 +87,27 @@ def main() -> None:
                 def torch_tensorwise(fast=False):
                     return torch._scaled_mm(a, b.t(), one, one, bias=bias, out_dtype=out_dtype, use_fast_accum=fast)
 
+                def grouped_rowwise():  # CUTLASS's grouped GEMM, one group: [1, m, k] x [1, k, n]
+                    return torch._scaled_grouped_mm(a[None], b[None].transpose(-2, -1), sa.reshape(1, m),
+                                                    sbc.reshape(1, n), out_dtype=torch.bfloat16,
+                                                    use_fast_accum=False)[0]
+
                 want = torch_rowwise()
+                grouped = {}
+                if out_dtype == torch.bfloat16:
+                    want_nobias = want if bias is None else torch._scaled_mm(a, b.t(), sa, sb, out_dtype=out_dtype)
+                    try:
+                        got = grouped_rowwise()
+                        torch.cuda.synchronize()
+                        ok, equal, worst = _within_contract(got, want_nobias, a, b, sa, sb)
+                        grouped = dict(cutlass_grouped_ms=_bench(grouped_rowwise), cutlass_grouped_within_contract=ok,
+                                       cutlass_grouped_bit_equal=equal, cutlass_grouped_worst_over_bound=worst,
+                                       torch_rowwise_nobias_ms=_bench(
+                                           lambda: torch._scaled_mm(a, b.t(), sa, sb, out_dtype=out_dtype)))
+                        if m_tok == args.m[0]:
+                            grouped["kernel_cutlass_grouped"] = _kernel_name(grouped_rowwise)
+                    except RuntimeError as e:  # an older torch without the rowwise grouped path
+                        grouped = dict(cutlass_grouped_error=str(e).splitlines()[0])
                 row = dict(shape=name, kind=kind, tokens=m_tok, M=m, N=n, K=k, out=str(out_dtype), bias=has_bias,
                            torch_rowwise_ms=_bench(torch_rowwise),
                            torch_rowwise_fast_ms=_bench(lambda: torch_rowwise(True)),
@@ -107,7 +134,7 @@ def main() -> None:
                     cands.append(c)
                 timed = [c for c in cands if "ms" in c and c.get("within_contract", True)]
                 best = min(timed, key=lambda c: c["ms"]) if timed else None
-                row.update(candidates=cands, best=best)
+                row.update(candidates=cands, best=best, **grouped)
                 if best is not None and m_tok == args.m[0] and name == args.shapes.split(",")[0]:
                     algo = algos[best["i"]]
                     row["kernel_torch"] = _kernel_name(torch_rowwise)
@@ -121,7 +148,11 @@ def main() -> None:
                       f"(fast {row['torch_tensorwise_fast_ms']:.3f}); Lt #0 {first.get('ms', float('nan')):.3f} "
                       f"bit-equal {first.get('bit_equal', float('nan')):.3f}; {len(algos)} candidates, best "
                       + (f"#{best['i']} {best['ms']:.3f} ms x{row['torch_rowwise_ms'] / best['ms']:.3f} "
-                         f"[{best['config']}] contract {best.get('within_contract')}" if best else "none"),
+                         f"[{best['config']}] contract {best.get('within_contract')}" if best else "none")
+                      + (f"; CUTLASS grouped {grouped['cutlass_grouped_ms']:.3f} ms against row-wise without bias "
+                         f"{grouped['torch_rowwise_nobias_ms']:.3f}, contract {grouped['cutlass_grouped_within_contract']}"
+                         if "cutlass_grouped_ms" in grouped else
+                         f"; CUTLASS grouped: {grouped['cutlass_grouped_error']}" if grouped else ""),
                       flush=True)
                 torch.cuda.empty_cache()
     if args.json:
