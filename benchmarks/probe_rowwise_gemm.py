@@ -10,8 +10,8 @@ and prints beside them what torch's other FP8 GEMMs take on the same operands: r
 accumulation, tensor-wise without and with it (torchao's forward uses fast accumulation).
 
 One more row-wise kernel ships inside torch: `torch._scaled_grouped_mm` with fp32 row scales runs
-CUTLASS's sm_90 grouped GEMM (128x256 and 256x128 tiles, warp-specialised; fast accumulation off
-on request), which a single group makes an ordinary GEMM. It takes no bias and writes only bf16,
+CUTLASS's sm_90 grouped GEMM (warp-specialised; without fast accumulation 128x256x64 and
+128x128x128 tiles or 64x128x128 ping-pong), which a single group makes an ordinary GEMM. It takes no bias and writes only bf16,
 so it could serve the dgrad GEMM (bf16 out, no bias) as it is; for the bf16-output GEMMs it is
 timed against torch's row-wise GEMM of the same operands without bias, and checked against it
 within the contract.
