@@ -103,13 +103,21 @@ def packer_bytes_per_step(result: dict) -> int:
 
 def step_row(results: list[dict], copy_gbps: float) -> dict:
     """The MXFP6 step of one `bench step` call with its quantization at the copy floor."""
-    by_precision = {}
+    def kind(r: dict) -> str | None:
+        if r.get("failed"):
+            return None
+        if r["precision"] == "fp8":  # the baseline is torchao's tensorwise recipe, not its rowwise one
+            return "fp8" if r["precision_config"]["fp8_scaling"] == "tensorwise" else None
+        return r["precision"]
+
+    by_kind = {}
     for r in results:
-        by_precision.setdefault(r["precision"], r)  # the first setting of each precision
-    missing = {"bf16", "fp8", "mxfp6"} - set(by_precision)
+        by_kind.setdefault(kind(r), r)  # the first setting of each
+    missing = {"bf16", "fp8", "mxfp6"} - set(by_kind)
     if missing:
-        raise ValueError(f"step: the call has no {sorted(missing)} setting (need bf16, fp8 and mxfp6)")
-    bf16, fp8, mx = by_precision["bf16"], by_precision["fp8"], by_precision["mxfp6"]
+        raise ValueError(f"step: the call has no {sorted(missing)} setting that ran (need bf16, fp8 tensorwise "
+                         f"and mxfp6)")
+    bf16, fp8, mx = by_kind["bf16"], by_kind["fp8"], by_kind["mxfp6"]
     if "breakdown" not in mx:
         raise ValueError(f"step: setting {mx['label']!r} has no device-time split (run with --profile-steps 1)")
     quant = mx["breakdown"]["categories"]["mx_quant"]["ms_per_step"]
@@ -132,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", nargs="*", default=[], help="`mxflux bench step` JSONs")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
+    try:
+        return _report(args)
+    except (ValueError, KeyError, OSError) as e:  # a results file that lacks what this needs
+        sys.exit(f"quant_floor: {e}")
+
+
+def _report(args) -> int:
     kernels = _load(args.kernels)
     out = {"copy_GBps": kernels["copy_GBps"], "layers": [], "steps": []}
     if args.layers:

@@ -225,5 +225,8 @@ def test_quant_floor_bounds_the_packers_from_the_committed_results(tmp_path):
     broken = json.loads(kernels.read_text())
     broken["pack"] = [p for p in broken["pack"] if not (p["linear"] == "proj" and p["tensor"] == "dY")]
     (tmp_path / "k.json").write_text(json.dumps(broken))
-    with pytest.raises(ValueError, match="proj at M=32768"):
+    with pytest.raises(SystemExit, match="quant_floor: kernels: no row-granularity packer times .* proj at M=32768"):
         quant_floor.main(["--kernels", str(tmp_path / "k.json"), "--layers", str(layers)])
+    no_fp8 = results / "bench_step_deep6x12_mbs8_graph_2026-12-03b.json"  # bf16-graph and mxfp6-graph only
+    with pytest.raises(SystemExit, match=r"no \['fp8'\] setting that ran"):
+        quant_floor.main(["--kernels", str(kernels), "--step", str(no_fp8)])
