@@ -9,12 +9,16 @@ result within the GEMM contract (fp32 summation-order bound, benchmarks/probe_sc
 and prints beside them what torch's other FP8 GEMMs take on the same operands: row-wise with fast
 accumulation, tensor-wise without and with it (torchao's forward uses fast accumulation).
 
-One more row-wise kernel ships inside torch: `torch._scaled_grouped_mm` with fp32 row scales runs
+Two more row-wise kernels ship inside torch. `torch._scaled_grouped_mm` with fp32 row scales runs
 CUTLASS's sm_90 grouped GEMM (warp-specialised; without fast accumulation 128x256x64 and
-128x128x128 tiles or 64x128x128 ping-pong), which a single group makes an ordinary GEMM. It takes no bias and writes only bf16,
-so it could serve the dgrad GEMM (bf16 out, no bias) as it is; for the bf16-output GEMMs it is
-timed against torch's row-wise GEMM of the same operands without bias, and checked against it
-within the contract.
+128x128x128 tiles or 64x128x128 ping-pong), which a single group makes an ordinary GEMM; it
+takes no bias and writes only bf16, so it could serve the dgrad GEMM (bf16 out, no bias) as it
+is: for the bf16-output GEMMs it is timed against torch's row-wise GEMM of the same operands
+without bias, and checked against it within the contract. And torch's CUTLASS row-wise kernel
+(`at::cuda::detail::f8f8bf16_rowwise`: 128x128 or 64x128 tiles with 2x1 / 1x2 clusters, bias,
+bf16 out), which `_scaled_mm` does not take on sm_90 with a recent cuBLASLt, is built as a small
+op library (`cutlass_rowwise.py`) and timed on every bf16-output GEMM with its bias, against
+torch's row-wise result.
 
     PYTHONPATH=src python3 benchmarks/probe_rowwise_gemm.py --json $OUT/rowwise_gemm.json
 """
@@ -28,6 +32,7 @@ import sys
 import torch
 
 import cublaslt
+import cutlass_rowwise
 from bench_kernels import LINEARS as _LINEARS
 from probe_scaled_mm_autotune import _within_contract
 
@@ -108,6 +113,24 @@ def main() -> None:
                             grouped["kernel_cutlass_grouped"] = _kernel_name(grouped_rowwise)
                     except RuntimeError as e:  # an older torch without the rowwise grouped path
                         grouped = dict(cutlass_grouped_error=str(e).splitlines()[0])
+                cutlass = {}
+                if out_dtype == torch.bfloat16:
+                    why_not = cutlass_rowwise.load()
+                    if why_not:
+                        cutlass = dict(cutlass_rowwise_error=why_not)
+                    else:
+                        poisoned = torch.full_like(want, float("nan"))  # every element must be written
+
+                        def cutlass_rowwise_mm():
+                            return cutlass_rowwise.rowwise_scaled_mm(a, b, sa, sb, bias, poisoned)
+
+                        cutlass_rowwise_mm()
+                        torch.cuda.synchronize()
+                        ok, equal, worst = _within_contract(poisoned, want, a, b, sa, sb)
+                        cutlass = dict(cutlass_rowwise_ms=_bench(cutlass_rowwise_mm), cutlass_rowwise_within_contract=ok,
+                                       cutlass_rowwise_bit_equal=equal, cutlass_rowwise_worst_over_bound=worst)
+                        if m_tok == args.m[0]:
+                            cutlass["kernel_cutlass_rowwise"] = _kernel_name(cutlass_rowwise_mm)
                 row = dict(shape=name, kind=kind, tokens=m_tok, M=m, N=n, K=k, out=str(out_dtype), bias=has_bias,
                            torch_rowwise_ms=_bench(torch_rowwise),
                            torch_rowwise_fast_ms=_bench(lambda: torch_rowwise(True)),
@@ -134,7 +157,7 @@ def main() -> None:
                     cands.append(c)
                 timed = [c for c in cands if "ms" in c and c.get("within_contract", True)]
                 best = min(timed, key=lambda c: c["ms"]) if timed else None
-                row.update(candidates=cands, best=best, **grouped)
+                row.update(candidates=cands, best=best, **grouped, **cutlass)
                 if best is not None and m_tok == args.m[0] and name == args.shapes.split(",")[0]:
                     algo = algos[best["i"]]
                     row["kernel_torch"] = _kernel_name(torch_rowwise)
@@ -152,7 +175,10 @@ def main() -> None:
                       + (f"; CUTLASS grouped {grouped['cutlass_grouped_ms']:.3f} ms against row-wise without bias "
                          f"{grouped['torch_rowwise_nobias_ms']:.3f}, contract {grouped['cutlass_grouped_within_contract']}"
                          if "cutlass_grouped_ms" in grouped else
-                         f"; CUTLASS grouped: {grouped['cutlass_grouped_error']}" if grouped else ""),
+                         f"; CUTLASS grouped: {grouped['cutlass_grouped_error']}" if grouped else "")
+                      + (f"; CUTLASS row-wise {cutlass['cutlass_rowwise_ms']:.3f} ms, contract "
+                         f"{cutlass['cutlass_rowwise_within_contract']}" if "cutlass_rowwise_ms" in cutlass else
+                         f"; CUTLASS row-wise: {cutlass['cutlass_rowwise_error']}" if cutlass else ""),
                       flush=True)
                 torch.cuda.empty_cache()
     if args.json:

@@ -230,3 +230,26 @@ def test_quant_floor_bounds_the_packers_from_the_committed_results(tmp_path):
     no_fp8 = results / "bench_step_deep6x12_mbs8_graph_2026-12-03b.json"  # bf16-graph and mxfp6-graph only
     with pytest.raises(SystemExit, match=r"no \['fp8'\] setting that ran"):
         quant_floor.main(["--kernels", str(kernels), "--step", str(no_fp8)])
+
+
+def test_cutlass_rowwise_op_library_compiles_against_the_installed_torch():
+    """benchmarks/cutlass_rowwise.cpp (torch's CUTLASS row-wise FP8 GEMM registered as an op) compiles
+    against this torch's headers, so the device call that builds and times it does not find it
+    broken; on a machine without CUDA, loading it says why instead of failing."""
+    import shutil
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import cutlass_rowwise
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler")
+    r = subprocess.run(cutlass_rowwise.compile_command(syntax_only=True), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with pytest.raises(ValueError, match="output path"):
+        cutlass_rowwise.compile_command()
+    if not torch.cuda.is_available():
+        assert cutlass_rowwise.load() == "needs a CUDA device of sm_90 or later"
