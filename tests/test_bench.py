@@ -197,21 +197,13 @@ def test_the_table_divides_within_rounds_on_the_h200_deep_model_calls():
     """Two H200 calls of the 6+12-block model at micro-batch 8 (committed JSON) as two rounds: the
     per-round ratio of the captured settings is each call's own (1.191x and 1.193x), and the baselines
     are found by precision, so the "-graph" settings get their "vs" rows too."""
-    from rich.console import Console
-
     from mxflux.bench.compare import combine_rounds
-    from mxflux.bench.report import print_table
 
     calls = [json.loads((ROOT / "benchmarks/results" / f).read_text()) for f in
              ("bench_step_deep6x12_mbs8_graph_bare_2026-12-03.json", "bench_step_deep6x12_mbs8_graph_2026-12-03b.json")]
     rounds = [[r for r in call if r["label"] in ("bf16-graph", "mxfp6-graph")] for call in calls]
     results = combine_rounds(rounds)
-    console = Console(record=True, width=240)
-    print_table(results, console=console)
-    rows = {}
-    for line in console.export_text().splitlines():
-        if line.startswith("│"):
-            rows.setdefault(line.split("│")[1].strip(), [c.strip() for c in line.split("│")[2:-1]])
+    rows = _table_rows(results)
     ratios = [bf16["step_ms"] / mx["step_ms"] for bf16, mx in rounds]
     assert [round(x, 3) for x in ratios] == [1.191, 1.193]
     assert rows["vs bf16-graph, per round"][1] == f"{sum(ratios) / 2:.3f}x (1.191–1.193)"
@@ -253,16 +245,8 @@ def test_the_table_shows_the_captured_loop_against_its_own_profiled_step():
     trainer's ratio to it, its reserved peak (its activations sit in the graph's pool), and its idle
     share against the profiled step (a replayed graph runs slower under the profiler: against the
     timed step bf16's busy 88.1 ms would read as -13 % idle)."""
-    from rich.console import Console
-
-    from mxflux.bench.report import print_table
-
     results = json.loads((ROOT / "benchmarks/results/bench_step_proxy_mbs16_2026-12-02g.json").read_text())
-    console = Console(record=True, width=240)
-    print_table(results, console=console)
-    text = console.export_text()
-    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
-            for line in text.splitlines() if line.startswith("│")}
+    rows = _table_rows(results)
     assert rows["captured bare loop ms / step"] == ["77.7", "66.5", "64.3"]
     assert rows["trainer / captured bare loop"] == ["1.014", "1.036", "1.034"]
     assert rows["captured peak reserved GiB"] == ["26.04", "24.74", "24.53"]
@@ -273,17 +257,23 @@ def test_the_table_shows_the_captured_loop_against_its_own_profiled_step():
 def test_results_written_before_the_optimizer_category_show_a_dash_for_it():
     """A committed result of the tenth session (no "optimizer" category: the optimizer was in
     "other") prints, with "–" in the optimizer row and its other rows as they were."""
+    results = json.loads((ROOT / "benchmarks/results/bench_step_proxy_mbs16_2026-12-02g.json").read_text())
+    assert all("optimizer" not in r["breakdown"]["categories"] for r in results)
+    rows = _table_rows(results)
+    assert rows["optimizer"] == ["–", "–", "–"]
+    assert rows["other"][2] == "25.3 (40%)"
+
+
+def _table_rows(results: list[dict]) -> dict[str, list[str]]:
+    """The printed comparison table as {row name: its cells}, the first row of each name."""
     from rich.console import Console
 
     from mxflux.bench.report import print_table
 
-    results = json.loads((ROOT / "benchmarks/results/bench_step_proxy_mbs16_2026-12-02g.json").read_text())
-    assert all("optimizer" not in r["breakdown"]["categories"] for r in results)
     console = Console(record=True, width=240)
     print_table(results, console=console)
     rows = {}
     for line in console.export_text().splitlines():
         if line.startswith("│"):
             rows.setdefault(line.split("│")[1].strip(), [c.strip() for c in line.split("│")[2:-1]])
-    assert rows["optimizer"] == ["–", "–", "–"]
-    assert rows["other"][2] == "25.3 (40%)"
+    return rows
