@@ -98,8 +98,8 @@ def main() -> None:
                                                     use_fast_accum=False)[0]
 
                 want = torch_rowwise()
-                grouped = {}
-                if out_dtype == torch.bfloat16:
+                grouped, cutlass = {}, {}
+                if out_dtype == torch.bfloat16:  # the two CUTLASS kernels write bf16 only
                     want_nobias = want if bias is None else torch._scaled_mm(a, b.t(), sa, sb, out_dtype=out_dtype)
                     try:
                         got = grouped_rowwise()
@@ -113,8 +113,6 @@ def main() -> None:
                             grouped["kernel_cutlass_grouped"] = _kernel_name(grouped_rowwise)
                     except RuntimeError as e:  # an older torch without the rowwise grouped path
                         grouped = dict(cutlass_grouped_error=str(e).splitlines()[0])
-                cutlass = {}
-                if out_dtype == torch.bfloat16:
                     why_not = cutlass_rowwise.load()
                     if why_not:
                         cutlass = dict(cutlass_rowwise_error=why_not)

@@ -28,6 +28,7 @@ import fnmatch
 import json
 import sys
 
+from mxflux.bench.report import is_bf16, is_fp8_tensorwise
 from mxflux.model import flux_config
 
 ROW_BYTES = 6  # two-pass row granularity per element: 2 + 2 read, 1 + 1 written
@@ -103,17 +104,14 @@ def packer_bytes_per_step(result: dict) -> int:
 
 def step_row(results: list[dict], copy_gbps: float) -> dict:
     """The MXFP6 step of one `bench step` call with its quantization at the copy floor."""
-    def kind(r: dict) -> str | None:
-        if r.get("failed"):
-            return None
-        if r["precision"] == "fp8":  # the baseline is torchao's tensorwise recipe, not its rowwise one
-            return "fp8" if r["precision_config"]["fp8_scaling"] == "tensorwise" else None
-        return r["precision"]
-
+    # the first setting that ran of each; FP8 is torchao's tensorwise recipe, as in the bench's table
+    kinds = {"bf16": is_bf16, "fp8": is_fp8_tensorwise, "mxfp6": lambda r: r["precision"] == "mxfp6"}
     by_kind = {}
-    for r in results:
-        by_kind.setdefault(kind(r), r)  # the first setting of each
-    missing = {"bf16", "fp8", "mxfp6"} - set(by_kind)
+    for name, is_kind in kinds.items():
+        first = next((r for r in results if not r.get("failed") and is_kind(r)), None)
+        if first is not None:
+            by_kind[name] = first
+    missing = set(kinds) - set(by_kind)
     if missing:
         raise ValueError(f"step: the call has no {sorted(missing)} setting that ran (need bf16, fp8 tensorwise "
                          f"and mxfp6)")

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["print_table", "write_json", "CATEGORY_ORDER"]
+__all__ = ["print_table", "write_json", "CATEGORY_ORDER", "is_bf16", "is_fp8_tensorwise"]
 
 # The device-time categories in table order (mxflux.bench.device_time.CATEGORIES; repeated here so
 # that this module stays torch-free).
@@ -26,17 +26,17 @@ def _get(r: dict, *keys):
     return r
 
 
-def _is_bf16(r: dict) -> bool:
+def is_bf16(r: dict) -> bool:
     return r.get("precision") == "bf16"
 
 
-def _is_fp8_tensorwise(r: dict) -> bool:
+def is_fp8_tensorwise(r: dict) -> bool:
     return r.get("precision") == "fp8" and _get(r, "precision_config", "fp8_scaling") == "tensorwise"
 
 
 # The baselines every MXFP6 number is held against: bf16 and torchao FP8 tensorwise, whichever
 # setting ran them (bf16, bf16-graph, ...: the first of each in the table).
-BASELINES = (_is_bf16, _is_fp8_tensorwise)
+BASELINES = (is_bf16, is_fp8_tensorwise)
 
 
 def _ratio_rows(ok: list[dict]) -> list:
