@@ -36,6 +36,7 @@ DESIGN_HEADINGS = (
     "Fusions",
     "Precisions as converters and the layer map",
     "The trainer",
+    "The weights' operands from the optimizer step",
     "Distributed training",
     "MLPerf",
     "Benchmarks",

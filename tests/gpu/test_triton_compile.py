@@ -142,9 +142,6 @@ def test_the_adamw_step_with_the_erefs_compiles_small_enough_for_several_program
     tile: vector accesses, IEEE division, the maxima as atomic max, and (read from the cubin with
     the Triton wheel's cuobjdump) at most 128 registers, so that its row slices keep several
     programs on an SM (at 168 registers, one 8-warp program per SM, the step measured 15 % slower)."""
-    import subprocess
-    import tempfile
-
     from mxflux.train import adamw_cuda
 
     W = adamw_cuda.WeightErefs
@@ -160,6 +157,45 @@ def test_the_adamw_step_with_the_erefs_compiles_small_enough_for_several_program
     assert len(re.findall(r"st\.global(?:\.\w+)*\.v4\.(?:b32|f32)", ptx)) >= 3
     assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
     assert re.search(r"atom\.global(?:\.\w+)*\.max", ptx) or re.search(r"red\.global(?:\.\w+)*\.max", ptx)
+    assert _registers(asm) <= 128
+
+
+def test_the_adamw_step_that_writes_the_operands_compiles_small_enough_for_several_programs_per_sm():
+    """The step that also writes the MX weights' operands (`_adamw_operands_kernel`) and its fix-up
+    pass, at the shipped tile: vector loads of the four fp32 streams, 16-byte stores of the operand
+    words, IEEE division, hardware E4M3 conversions, and at most 128 registers (several programs per
+    SM, as the step without the operands)."""
+    from mxflux.train import adamw_cuda
+
+    W = adamw_cuda.WeightErefs
+    sig = {"p_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "R": "i32", "C": "i32",
+           "Rp": "i32", "factor_ptr": "*fp32", "lr_ptr": "*fp32", "step_size_ptr": "*fp32", "bc2_sqrt_ptr": "*fp32",
+           "held_row_ptr": "*i32", "held_col_ptr": "*i32", "row_eref_ptr": "*i32", "col_eref_ptr": "*i32",
+           "row_data_ptr": "*i32", "row_scale_ptr": "*fp32", "col_data_ptr": "*i32", "col_scale_ptr": "*fp32",
+           "unheld_ptr": "*i32", "weight_decay": "fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32"}
+    consts = {"HEADROOM": W.HEADROOM, "HADAMARD": True, "HW": True, "BR": W.BR, "NB": W.NB, "SLICES": W.SLICES}
+    asm = _compile(adamw_cuda._adamw_operands_kernel, sig, consts, num_warps=W.NUM_WARPS, aligned=True,
+                   divisible=("C", "Rp"))
+    ptx = asm["ptx"]
+    assert len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.(?:b32|f32)", ptx)) >= 4
+    assert len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx)) >= 4  # the operand words, 16 B per store
+    assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f16x2" in ptx
+    assert _registers(asm) <= 128
+    fix_sig = {"p_ptr": "*fp32", "R": "i32", "C": "i32", "Rp": "i32", "unheld_ptr": "*i32", "row_eref_ptr": "*i32",
+               "col_eref_ptr": "*i32", "row_data_ptr": "*i32", "row_scale_ptr": "*fp32", "col_data_ptr": "*i32",
+               "col_scale_ptr": "*fp32", "outside_ptr": "*i64", "fixups_ptr": "*i64", "n_col_tiles": "i32",
+               "n_tiles": "i32"}
+    fix = _compile(adamw_cuda._operands_fixup_kernel, fix_sig, {"HADAMARD": True, "HW": True, "BR": W.BR, "NB": W.NB},
+                   num_warps=W.NUM_WARPS, aligned=True, divisible=("C", "Rp"))
+    assert "cvt.rn.satfinite.e4m3x2.f16x2" in fix["ptx"]
+
+
+def _registers(asm) -> int:
+    """Registers per thread of a compiled kernel, read from its cubin with the Triton wheel's cuobjdump."""
+    import subprocess
+    import tempfile
+
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         pytest.skip("no cuobjdump in this Triton wheel to read the register count")
@@ -168,4 +204,5 @@ def test_the_adamw_step_with_the_erefs_compiles_small_enough_for_several_program
         f.flush()
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     regs = [int(r) for r in re.findall(r"REG:(\d+)", usage)]
-    assert regs and max(regs) <= 128, usage
+    assert regs, usage
+    return max(regs)

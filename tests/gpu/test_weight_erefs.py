@@ -134,10 +134,135 @@ def test_the_packer_uses_a_buffer_only_while_it_is_current(gen):
         assert_bits_equal(name, got, getattr(want, name))
 
 
+# ---------------------------------------------------------------------- operands kept by the step
+def _dequantized(data, scale):
+    """What an operand stands for: E4M3 data times its row's fp32 scale (exact: both powers of two
+    apart from the 4-bit significands)."""
+    return data.float() * scale
+
+
+def _assert_same_mx_values(got, want, where):
+    for name, data, scale in (("row", got[0], got[1]), ("col", got[2], got[3])):
+        w = _dequantized(getattr(want, f"{name}_data"), getattr(want, f"{name}_scale"))
+        g = _dequantized(data, scale)
+        same = (g == w) | (g.isnan() & w.isnan())
+        assert bool(same.all()), (where, name, int((~same).sum()))
+
+
+def _kept_layers(gen, shapes, lr=3e-3, hadamards=(True, False, True), prepare=None):
+    """MXFP6Linear layers on the kernels' device whose operands an optimizer keeps (`prepare` edits
+    the weights before the optimizer first packs them)."""
+    from mxflux.nn import MXFP6Linear
+
+    layers = []
+    for (r, c), h in zip(shapes, hadamards):
+        m = MXFP6Linear(c, r, bias=False, hadamard=h).to(DEVICE)
+        with torch.no_grad():
+            m.weight.copy_(_fp32_weight(r, c, gen, "normal") * 0.02)
+        layers.append(m)
+    if prepare is not None:
+        with torch.no_grad():
+            prepare([m.weight for m in layers])
+    opt = ClippingAdamW([m.weight for m in layers], kernel="triton", fused=True, **{**HP, "lr": lr})
+    weights = [(m.weight, m.cfg.hadamard) for m in layers]
+    assert opt.track_weight_erefs(weights, layers) == len(layers)
+    assert set(opt.weight_erefs.kept) == {m.weight for m in layers}
+    return layers, opt
+
+
+def _step(opt, layers, g, scale=1.0):
+    for m in layers:
+        m.weight.grad = torch.randn(m.weight.shape, generator=g, device=DEVICE) * scale
+    adamw_cuda.adamw_clipped_step(opt, torch.tensor(1.0, device=DEVICE), erefs=opt.weight_erefs)
+
+
+def test_the_step_keeps_the_operands_of_what_it_writes(gen, monkeypatch):
+    """After each step the kept operands stand for the packer's operands of the updated weight,
+    element for element; they are encoded against the previous e_ref one binade up (the scales are
+    the packer's times 2, or 1 or 4 where a row's or column's largest block moved a binade), and no
+    fix-up ran. A layer's forward with them is its forward without them, bit for bit."""
+    monkeypatch.setattr(adamw_cuda, "LARGE", 1024)
+    layers, opt = _kept_layers(gen, [(224, 96), (128, 64), (64, 160)])
+    g = dev_gen(gen, DEVICE)
+    for step in range(2):
+        _step(opt, layers, g)
+        for m in layers:
+            kept = opt.weight_erefs.kept[m.weight].operands
+            want = mx_operands_reference(m.weight.detach().bfloat16(), granularity=G.ROWWISE, hadamard=m.cfg.hadamard)
+            _assert_same_mx_values(kept, want, (step, tuple(m.weight.shape)))
+            for got, ref in ((kept[1], want.row_scale), (kept[3], want.col_scale)):
+                ratio = got / ref
+                assert bool(((ratio == 1) | (ratio == 2) | (ratio == 4)).all()), (step, ratio.unique())
+                assert float((ratio == 2).float().mean()) > 0.5, (step, ratio.unique())
+        assert int(opt.weight_erefs.fixups) == 0
+    x = torch.randn(48, 96, generator=g, device=DEVICE).bfloat16()
+    m = layers[0]
+    y_kept = m(x)
+    m.weight_operands = None  # the same layer packing its own weight
+    assert torch.equal(y_kept, m(x))
+
+
+def test_blocks_the_previous_e_ref_cannot_hold_are_fixed_up_to_the_packers_operands(gen, monkeypatch):
+    """Weight a: a row's largest block grows by more than two binades between the e_ref the step
+    holds and the step. Weight b: a block eleven binades below its row's largest, inside the weight's
+    own window but not below the raised e_ref, and one twelve below (outside both). Each gets its
+    fix-up pass, which writes the packer's operands bit for bit and counts the window as it does."""
+    monkeypatch.setattr(adamw_cuda, "LARGE", 1024)
+
+    def prepare(ws):
+        b = ws[1]
+        b[7, 0], b[9, 0] = 0.2, 0.2  # largest block exponent -3 in rows 7 and 9
+        b[7, 32:64] = torch.where(b[7, 32:64] < 0, -1.0, 1.0) * 2.0 ** -14  # d = -11
+        b[9, 32:64] = torch.where(b[9, 32:64] < 0, -1.0, 1.0) * 2.0 ** -15  # d = -12: outside
+
+    layers, opt = _kept_layers(gen, [(128, 64), (64, 96)], lr=0.0, hadamards=(False, False), prepare=prepare)
+    a = layers[0].weight
+    with torch.no_grad():
+        a[5, :32] *= 4.5  # written after the optimizer took the e_ref it encodes against
+    for m in layers:
+        m.blocks_outside_window.zero_()
+    _step(opt, layers, dev_gen(gen, DEVICE), scale=0.0)  # lr 0: the weights stay as they are
+    assert int(opt.weight_erefs.fixups) == 2
+    for m in layers:
+        kept = opt.weight_erefs.kept[m.weight].operands
+        want = mx_operands_reference(m.weight.detach().bfloat16(), granularity=G.ROWWISE, hadamard=False)
+        for name, got in zip(FIELDS, kept):
+            assert_bits_equal(name, got, getattr(want, name))
+        assert int(m.blocks_outside_window) == int(want.blocks_outside_window)
+    assert int(layers[1].blocks_outside_window) >= 1
+
+
+def test_a_write_through_torch_is_repacked_before_the_next_eager_forward(gen, monkeypatch):
+    monkeypatch.setattr(adamw_cuda, "LARGE", 1024)
+    layers, opt = _kept_layers(gen, [(128, 64)], hadamards=(True,))
+    m = layers[0]
+    x = torch.randn(32, 64, generator=dev_gen(gen, DEVICE), device=DEVICE).bfloat16()
+    with torch.no_grad():
+        m.weight.mul_(-3.0)  # bumps the version: the kept operands are stale
+    y = m(x)
+    kept = opt.weight_erefs.kept[m.weight].operands
+    want = mx_operands_reference(m.weight.detach().bfloat16(), granularity=G.ROWWISE, hadamard=True)
+    for name, got in zip(FIELDS, kept):
+        assert_bits_equal(name, got, getattr(want, name))
+    m.weight_operands = None
+    assert torch.equal(y, m(x))
+
+
+def test_only_row_granularity_layers_keep_operands():
+    from mxflux.nn import MXFP6Linear
+
+    m = MXFP6Linear(128, 128, mx_gemm="blockwise")
+    with pytest.raises(ValueError, match="keep_weight_operands: .*'blockwise'"):
+        m.keep_weight_operands((), None)
+
+
 # ---------------------------------------------------------------------- end to end, on a GPU
-def _mlp_run(seed: int, track: bool, captured: bool, steps: int = 4):
-    """A two-layer MXFP6 MLP (weights through the kernels) trained with clipping, eager or captured."""
-    from mxflux.nn import MXFP6Linear, rowwise_mx_weights
+def _mlp_run(seed: int, track: bool, captured: bool, steps: int = 4, keep: bool = False, compiled: bool = False):
+    """A two-layer MXFP6 MLP (weights through the kernels) trained with clipping, eager or captured;
+    `keep`: the step also keeps the weights' operands for the layers; `compiled`: the model under
+    torch.compile (which reads kept operands unchecked: refreshed before each step, as the
+    trainer's forward hook does)."""
+    from mxflux.nn import MXFP6Linear, linears_with_own_forward, rowwise_mx_weights
     from mxflux.train.clipping import clip_and_step
 
     torch.manual_seed(seed)
@@ -145,12 +270,16 @@ def _mlp_run(seed: int, track: bool, captured: bool, steps: int = 4):
                                 MXFP6Linear(1024, 512)).cuda()
     opt = ClippingAdamW(model.parameters(), kernel="triton", fused=True, capturable=captured, **HP)
     if track:
-        assert opt.track_weight_erefs(rowwise_mx_weights(model)) == 2
+        assert opt.track_weight_erefs(rowwise_mx_weights(model), linears_with_own_forward(model) if keep else ()) == 2
+        assert len(opt.weight_erefs.kept) == (2 if keep else 0)
+    forward = torch.compile(model) if compiled else model
     xs = [torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) * 4 for _ in range(steps)]
     static = torch.empty_like(xs[0])
 
     def step():
-        loss = model(static).float().square().mean()
+        if compiled:
+            opt.refresh_weight_erefs()
+        loss = forward(static).float().square().mean()
         loss.backward()
         clip_and_step(opt, model.parameters(), 0.5)
         return loss.detach()
@@ -175,10 +304,21 @@ def _mlp_run(seed: int, track: bool, captured: bool, steps: int = 4):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="end-to-end training on a GPU")
 @pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
-def test_training_with_the_erefs_from_the_step_is_bit_identical(captured):
+@pytest.mark.parametrize("keep", [False, True], ids=["erefs", "operands"])
+def test_training_with_the_erefs_from_the_step_is_bit_identical(captured, keep):
     seed = int(torch.randint(0, 2**31, (1,)))
     l0, w0 = _mlp_run(seed, track=False, captured=captured)
-    l1, w1 = _mlp_run(seed, track=True, captured=captured)
+    l1, w1 = _mlp_run(seed, track=True, captured=captured, keep=keep)
+    assert l0 == l1, (seed, l0, l1)
+    for a, b in zip(w0, w1):
+        assert torch.equal(a, b), seed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="end-to-end training on a GPU")
+def test_compiled_training_with_the_kept_operands_is_bit_identical():
+    seed = int(torch.randint(0, 2**31, (1,)))
+    l0, w0 = _mlp_run(seed, track=False, captured=False, compiled=True)
+    l1, w1 = _mlp_run(seed, track=True, captured=False, keep=True, compiled=True)
     assert l0 == l1, (seed, l0, l1)
     for a, b in zip(w0, w1):
         assert torch.equal(a, b), seed

@@ -69,6 +69,9 @@ SETTINGS.update({f"{name}-graph": (*SETTINGS[name], "train.cuda_graph=true")
 # A/B of the weights' e_ref computed by the optimizer step: with it off the packer runs its pass 1
 # over every fp32 MX weight at each forward (optim.weight_exponents_in_optimizer)
 SETTINGS["mxfp6-graph-pass1"] = (*SETTINGS["mxfp6-graph"], "optim.weight_exponents_in_optimizer=false")
+# A/B of the weights' operands written by the optimizer step: with it off each forward packs the
+# weights (pass 2 on the step's e_ref; optim.weight_operands_in_optimizer)
+SETTINGS["mxfp6-graph-pack-weights"] = (*SETTINGS["mxfp6-graph"], "optim.weight_operands_in_optimizer=false")
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 
 # The throughput proxy of flux-12b (`--proxy`): its width (3072) and attention heads, 2 double + 4

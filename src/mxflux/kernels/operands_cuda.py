@@ -374,6 +374,76 @@ if HAS_TRITON:
         e, bad, live = _block_info(_amax_only(xc, HADAMARD))
         return tl.max(tl.where(live, e + 128, 0), axis=0)
 
+    @triton.jit
+    def _held_eref(v, HEADROOM: tl.constexpr):
+        """The e_ref a stored maximum (e + 128, 0 for none) encodes against: HEADROOM binades above it."""
+        return tl.where(v > 0, v - 128 + HEADROOM, 0)
+
+    @triton.jit
+    def tile_operands(t, row0, col0, R, C, Rp, row_eref_ptr, col_eref_ptr, row_new_ptr, col_new_ptr,
+                      row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
+                      NEW: tl.constexpr, HEADROOM: tl.constexpr, HADAMARD: tl.constexpr, BR: tl.constexpr,
+                      NB: tl.constexpr, HW: tl.constexpr):
+        """Pass 2 of the row granularity on one [BR, NB·MX_BLOCK] bf16 tile in the coalesced layout
+        (row 0 = row `row0` of x [R, C], column 0 = column `col0`; rows from R all zero), for kernels
+        that produce the tile themselves: both orientations encoded and stored as `_pack_kernel`'s
+        pass 2 stores them (data as int32 words, one fp32 scale per row of each orientation, written by
+        the tiles at col0 == 0 / row0 == 0).
+
+        The group e_ref is the stored maximum (row_eref_ptr / col_eref_ptr, e + 128 or 0) raised by
+        HEADROOM binades: any e_ref at or above a group's largest live block exponent gives the same
+        MX values as the group's own, as long as every live block stays within the window below it.
+        Returns (blocks the e_ref does not hold: above it, more than the window below it, or live in a
+        group stored as empty; blocks outside the window), summed over both orientations. With NEW the
+        tile's own per-row and per-column maxima are also atomically maxed into row_new_ptr / col_new_ptr
+        (pass 1 of the same values, from the same block exponents)."""
+        RB: tl.constexpr = BR // _BLOCK
+        BC: tl.constexpr = NB * _BLOCK
+        rows = row0 + tl.arange(0, BR)
+        cols = col0 + tl.arange(0, BC)
+        # ---------------- row orientation: [NB, BR] blocks
+        ys, ab = _rotate_amax(_blocks_of_rows(t, BR, NB, HW), HADAMARD)
+        e, bad, live = _block_info(ab)
+        if NEW:
+            rmax = tl.max(tl.where(live, e + 128, 0), axis=0)
+            tl.atomic_max(row_new_ptr + rows, rmax, mask=(rows < R) & (rmax > 0), sem="relaxed")
+        rv = tl.load(row_eref_ptr + rows, mask=rows < R, other=0)[None, :]
+        e_ref = _held_eref(rv, HEADROOM)
+        d = e - e_ref
+        unheld = tl.sum(tl.sum((live & ((rv == 0) | (d > 0) | (d < -_WINDOW))).to(tl.int32), axis=1), axis=0)
+        outside = tl.sum(tl.sum((live & (d < -_WINDOW)).to(tl.int32), axis=1), axis=0)
+        zl, zh = _word_halves(_encode_words(ys, e, e_ref, bad, HW))
+        r3 = tl.arange(0, BR)[:, None, None]
+        rest = (tl.arange(0, NB) * (_BLOCK // 4))[None, :, None] + tl.arange(0, 4)[None, None, :]
+        cblk3 = col0 + (tl.arange(0, NB) * _BLOCK)[None, :, None]
+        _store_blocks(row_data_ptr + col0 // 4, row0 + r3, tl.multiple_of(C // 4, 8), R, rest,
+                      tl.permute(zl, (1, 0, 2)), tl.permute(zh, (1, 0, 2)), cblk3 < C, False, HW)
+        if col0 == 0:
+            tl.store(row_scale_ptr + rows[None, :], pow2_f32(e_ref - _SHIFT), mask=rows[None, :] < R)
+        # ---------------- column orientation: [RB, BC] blocks (the transpose, through shared memory)
+        tc = unzip(tl.reshape(tl.permute(tl.reshape(t, (RB, _BLOCK, BC)), (0, 2, 1)), (RB, BC, 2, 2, 2, 2, 2)), 5)
+        xc = ()
+        for j in tl.static_range(_BLOCK):
+            xc = xc + (bf16_to_f32(tc[j], HW),)
+        ys, ab = _rotate_amax(xc, HADAMARD)
+        e, bad, live = _block_info(ab)
+        if NEW:
+            cmax = tl.max(tl.where(live, e + 128, 0), axis=0)
+            tl.atomic_max(col_new_ptr + cols, cmax, mask=(cols < C) & (cmax > 0), sem="relaxed")
+        cv = tl.load(col_eref_ptr + cols, mask=cols < C, other=0)[None, :]
+        e_ref = _held_eref(cv, HEADROOM)
+        d = e - e_ref
+        unheld += tl.sum(tl.sum((live & ((cv == 0) | (d > 0) | (d < -_WINDOW))).to(tl.int32), axis=1), axis=0)
+        outside += tl.sum(tl.sum((live & (d < -_WINDOW)).to(tl.int32), axis=1), axis=0)
+        zl, zh = _word_halves(_encode_words(ys, e, e_ref, bad, HW))
+        ct = col0 + tl.arange(0, BC)[:, None, None]
+        rt3 = row0 + tl.arange(0, RB)[None, :, None] * _BLOCK
+        _store_blocks(col_data_ptr, ct, tl.multiple_of(Rp // 4, 8), C, rt3 // 4 + tl.arange(0, 4)[None, None, :],
+                      tl.permute(zl, (1, 0, 2)), tl.permute(zh, (1, 0, 2)), rt3 < Rp, False, HW)
+        if row0 == 0:
+            tl.store(col_scale_ptr + cols[None, :], pow2_f32(e_ref - _SHIFT), mask=cols[None, :] < C)
+        return unheld, outside
+
     # R and the loop bounds vary per call: no value specialisation, one compiled kernel per variant
     @triton.jit(do_not_specialize=["R", "n_row_tiles", "n_prog_r"])
     def _pack_kernel(

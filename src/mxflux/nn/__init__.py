@@ -1,9 +1,9 @@
 """MXFP6 layers and the precision converters that install them (and torchao's FP8) in a model."""
 
 from .linear import MXFP6Linear, rowwise_mx_weights
-from .mlp import FusedMXFP6MLP
+from .mlp import FusedMXFP6MLP, linears_with_own_forward
 from .precision import (PrecisionConfig, PrecisionConverter, PrecisionReport, apply_precision,
                         register_precision)
 
 __all__ = ["FusedMXFP6MLP", "MXFP6Linear", "PrecisionConfig", "PrecisionConverter", "PrecisionReport",
-           "apply_precision", "register_precision", "rowwise_mx_weights"]
+           "apply_precision", "linears_with_own_forward", "register_precision", "rowwise_mx_weights"]

@@ -154,10 +154,15 @@ def _weight_col(saved, cfg: MXConfig, blocks_outside_window) -> Operand:
 
 class _MXLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig):
+    def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig, w_row_data, w_row_scale, w_col_data,
+                w_col_scale):
         counter = _forward_counter(blocks_outside_window, cfg)
         x_row, x_col, _ = _pack(x, cfg, counter, col=weight.requires_grad)
-        w_row, w_saved = _pack_weight(weight, cfg, counter, col=x.requires_grad)
+        ctx.w_kept = w_row_data is not None
+        if ctx.w_kept:  # the weight's operands as the optimizer step left them: nothing to pack
+            w_row, w_saved = Operand(w_row_data, w_row_scale), (w_col_data, None, w_col_scale)
+        else:
+            w_row, w_saved = _pack_weight(weight, cfg, counter, col=x.requires_grad)
         _add_forward_count(blocks_outside_window, counter)
         y = _gemm(x_row, w_row, cfg, _compute(bias, x.dtype), x.dtype)
         ctx.save_for_backward(*_stash(x_col, cfg), *w_saved)
@@ -174,17 +179,21 @@ class _MXLinear(torch.autograd.Function):
         dy_row, dy_col, dbias = _pack(dy, cfg, ctx.blocks_outside_window, row=need_x, col=need_w,
                                       colsum=need_b and ctx.b_dtype is not None)
         # each saved operand is expanded right before the GEMM that reads it (one at a time alive)
-        dx = _gemm(dy_row, _weight_col(saved[3:6], cfg, ctx.blocks_outside_window), cfg, None, dy.dtype) \
-            if need_x else None
+        w_col = _unstash(*saved[3:6]) if ctx.w_kept else _weight_col(saved[3:6], cfg, ctx.blocks_outside_window)
+        dx = _gemm(dy_row, w_col, cfg, None, dy.dtype) if need_x else None
         dw = _gemm(dy_col, _unstash(*saved[0:3]), cfg, None, ctx.w_dtype) if need_w else None
         db = dbias.to(ctx.b_dtype) if need_b and ctx.b_dtype is not None else None
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
-def mx_linear(x, weight, bias, blocks_outside_window, cfg: MXConfig):
+def mx_linear(x, weight, bias, blocks_outside_window, cfg: MXConfig, weight_operands=None):
     """Y = X·Wᵀ + b in MXFP6 for bf16 2-D `x`; `blocks_outside_window` (int64 [1]) collects the
-    count of blocks outside the fold window, in place."""
-    return _MXLinear.apply(x, weight, bias, blocks_outside_window, cfg)
+    count of blocks outside the fold window, in place. `weight_operands`: the weight's row-granularity
+    operands (row data, row scale, col data, col scale) already packed from its current values (the
+    optimizer step's, `mxflux.train.adamw_cuda.WeightErefs`), used as they are instead of packing
+    `weight`; its gradient is computed as without them."""
+    w = (None,) * 4 if weight_operands is None else weight_operands
+    return _MXLinear.apply(x, weight, bias, blocks_outside_window, cfg, *w)
 
 
 class _FusedMXMLP(torch.autograd.Function):

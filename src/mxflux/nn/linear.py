@@ -93,6 +93,21 @@ class MXFP6Linear(nn.Linear):
         self.register_buffer("blocks_outside_window", torch.zeros(1, dtype=torch.int64,
                                                                 device=self.weight.device),
                              persistent=False)
+        # The weight's packed operands, kept current by the optimizer step that updates the weight
+        # (`keep_weight_operands`); None: forward packs the weight itself.
+        self.weight_operands: tuple[torch.Tensor, ...] | None = None
+        self.weight_operands_keeper = None
+
+    def keep_weight_operands(self, operands: tuple[torch.Tensor, ...], keeper) -> None:
+        """Take the weight's row-granularity operands (row data, row scale, col data, col scale)
+        from these tensors instead of packing the weight at each forward. `keeper` rewrites them
+        whenever the weight changes (`keeper.ensure_current(weight)`, called here before each eager
+        forward; a compiled forward reads them unchecked, so whoever runs it checks first:
+        `mxflux.train.adamw_cuda.WeightErefs`)."""
+        if self.cfg.granularity is not FoldGranularity.ROWWISE:
+            raise ValueError(f"keep_weight_operands: the operands kept are the row granularity's, this "
+                             f"layer's mx_gemm is {self.cfg.mx_gemm!r}")
+        self.weight_operands, self.weight_operands_keeper = tuple(operands), keeper
 
     def compute_params(self, x: torch.Tensor):
         """(x in bf16, the dtype every MX GEMM takes its inputs in; weight; bias). The parameters
@@ -104,7 +119,10 @@ class MXFP6Linear(nn.Linear):
             raise ValueError(
                 f"MXFP6Linear: input's last dimension is {x.shape[-1]}, expected {self.in_features}")
         x2, lead = as_2d(x)
-        y = mx_linear(*self.compute_params(x2), self.blocks_outside_window, self.cfg)
+        kept = self.weight_operands
+        if kept is not None and not torch.compiler.is_compiling():
+            self.weight_operands_keeper.ensure_current(self.weight)
+        y = mx_linear(*self.compute_params(x2), self.blocks_outside_window, self.cfg, kept)
         return y.reshape(*lead, self.out_features).to(output_dtype(x))
 
     def extra_repr(self) -> str:

@@ -8,9 +8,11 @@ import torch
 from torch import nn
 
 from .functional import fused_mx_mlp
+from ..mx import FoldGranularity
 from .linear import MXFP6Linear, as_2d, output_dtype
 
-__all__ = ["FUSED_ACTIVATION", "FUSED_MLP_MODES", "FusedMXFP6MLP", "activation_module", "activation_name"]
+__all__ = ["FUSED_ACTIVATION", "FUSED_MLP_MODES", "FusedMXFP6MLP", "activation_module", "activation_name",
+           "linears_with_own_forward"]
 
 FUSED_MLP_MODES = ("auto", "on", "off")
 FUSED_ACTIVATION = "gelu_tanh"  # the one activation the packer's prologue computes
@@ -121,3 +123,12 @@ class FusedMXFP6MLP(nn.Sequential):
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, fused={self.fused}"
+
+
+def linears_with_own_forward(model: nn.Module) -> list[MXFP6Linear]:
+    """The row-granularity MXFP6Linear modules of `model` that run their own forward, that is all but
+    the fc1 / fc2 of a FusedMXFP6MLP (whose Function packs their weights): those that can take their
+    weight's operands from the optimizer step (`MXFP6Linear.keep_weight_operands`)."""
+    inside_fused = {id(m) for f in model.modules() if isinstance(f, FusedMXFP6MLP) for m in f.modules()}
+    return [m for m in model.modules() if isinstance(m, MXFP6Linear) and id(m) not in inside_fused
+            and m.cfg.granularity is FoldGranularity.ROWWISE]

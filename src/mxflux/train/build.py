@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..model import Flux
-from ..nn import PrecisionReport, apply_precision, rowwise_mx_weights
+from ..nn import PrecisionReport, apply_precision, linears_with_own_forward, rowwise_mx_weights
 from .config import RunConfig
 from .optimizer import ClippingAdamW
 
@@ -36,7 +36,8 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, *, capturable: bool 
     clipping factor (`train.optimizer`, `train.adamw_cuda`); `fused` is torch's kernel throughout.
     `capturable`: step counts kept on the device, so that a step can be captured in a CUDA graph.
     With `weight_exponents_in_optimizer` (and the clipping in the optimizer, whose step is the
-    Triton one) the step also computes the MX weights' e_ref for the packer."""
+    Triton one) the step also computes the MX weights' e_ref for the packer, and with
+    `weight_operands_in_optimizer` the MXFP6Linear weights' operands for their forward."""
     o = cfg.optim
     impl = "fused" if o.implementation == "auto" else o.implementation
     extra = {"capturable": True} if capturable else {}
@@ -45,5 +46,9 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, *, capturable: bool 
                               **{impl: True}, **extra)
     on_gpu = any(p.is_cuda for p in model.parameters())  # the Triton step runs on CUDA parameters only
     if o.weight_exponents_in_optimizer and o.clip_in_optimizer and on_gpu:
-        optimizer.track_weight_erefs(rowwise_mx_weights(model))
+        linears = linears_with_own_forward(model) if o.weight_operands_in_optimizer else ()
+        optimizer.track_weight_erefs(rowwise_mx_weights(model), linears)
+        if optimizer.weight_erefs is not None and optimizer.weight_erefs.kept:
+            # compiled blocks read the kept operands unchecked: bring them up to date before each forward
+            model.register_forward_pre_hook(lambda module, args: optimizer.refresh_weight_erefs())
     return optimizer

@@ -126,6 +126,10 @@ class OptimSection(_Section):
     # e_ref of the MX weights it updates, so that the next forward's packer skips its first pass
     # over them (train.adamw_cuda.WeightErefs; false: the packer reads each weight twice).
     weight_exponents_in_optimizer: bool = True
+    # With weight_exponents_in_optimizer, the step also writes the packed MX operands of the weights of
+    # MXFP6Linear layers, which their forward then uses instead of packing the weight (the same
+    # values; 2 bytes per weight element kept between steps; train.adamw_cuda.WeightErefs).
+    weight_operands_in_optimizer: bool = True
 
 
 class BatchSection(_Section):

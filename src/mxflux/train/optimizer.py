@@ -38,19 +38,22 @@ class ClippingAdamW(torch.optim.AdamW):
         self.lr_scalars: dict[int, torch.Tensor] = {}  # the Triton step's learning rates on the device
         self.weight_erefs: adamw_cuda.WeightErefs | None = None
 
-    def track_weight_erefs(self, weights) -> int:
+    def track_weight_erefs(self, weights, linears=()) -> int:
         """Have the Triton step compute the row-granularity e_ref of these MX weights ((parameter,
-        hadamard) pairs) as it updates them, so that the packer skips its first pass over them
-        (`adamw_cuda.WeightErefs`). Returns how many qualify; none with the "torch" kernel."""
+        hadamard) pairs) as it updates them, so that the packer skips its first pass over them, and
+        for the weights of `linears` (MXFP6Linear modules) their packed operands, which those layers
+        then use as they are (`adamw_cuda.WeightErefs`). Returns how many weights qualify; none with
+        the "torch" kernel. Whoever runs a compiled forward of those layers calls
+        `refresh_weight_erefs` first (`build_optimizer` hooks it onto the model)."""
         if self.kernel != "triton":
             return 0
-        self.weight_erefs = adamw_cuda.WeightErefs(weights)
+        self.weight_erefs = adamw_cuda.WeightErefs(weights, linears)
         return len(self.weight_erefs.of)
 
     def refresh_weight_erefs(self) -> None:
-        """Recompute the e_ref of tracked weights written by anything but this optimizer's step
-        since (a captured step calls this before each replay: the graph's forward reads them
-        unchecked)."""
+        """Recompute the e_ref (and kept operands) of tracked weights written by anything but this
+        optimizer's step since (before every forward of the model; a captured step before each
+        replay: the graph's forward reads them unchecked)."""
         if self.weight_erefs is not None:
             self.weight_erefs.refresh()
 
