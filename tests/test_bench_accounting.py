@@ -37,6 +37,8 @@ NAMES = {  # one real-looking kernel name per category, the kind it must land in
     "::FusedOptimizerTensorListMetadata<4>, ...>": "optimizer",
     "_adamw_kernel": "optimizer",
     "_adamw_erefs_kernel": "optimizer",  # the step that also computes the MX weights' e_ref
+    "_adamw_operands_kernel": "optimizer",  # the step that also writes the MX weights' operands
+    "_operands_fixup_kernel": "mx_quant",  # their fix-up: packing
     "triton_poi_fused_add_mul_sqrt_div_5": "other",
 }
 

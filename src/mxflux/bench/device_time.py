@@ -56,10 +56,13 @@ CATEGORIES = ("gemm", "mx_quant", "attention", "communication", "optimizer", "ot
 
 # Our MX quantization kernels by their Triton function names (mxflux.kernels); the one place to
 # rename them.
+# (The fix-up pass of the weights' operands the optimizer step writes is packing; the step that
+# writes them, `_adamw_operands_kernel`, is counted as the optimizer's.)
 MX_QUANT_KERNELS = (r"_pack_kernel|_prologue_kernel|_dequant_kernel|_fp8_amax_kernel|_fp8_cast_kernel"
-                    r"|_compact_kernel|_expand_kernel")
+                    r"|_compact_kernel|_expand_kernel|_operands_fixup_kernel")
 # The optimizer step's kernels (mxflux.train.adamw_cuda's, torch's foreach and fused optimizer ops).
-OPTIMIZER_KERNELS = r"_adamw_kernel|_adamw_erefs_kernel|multi_tensor_apply_kernel|FusedOptimizer|fused_adamw?_"
+OPTIMIZER_KERNELS = (r"_adamw_kernel|_adamw_erefs_kernel|_adamw_operands_kernel|multi_tensor_apply_kernel"
+                     r"|FusedOptimizer|fused_adamw?_")
 # Inductor-generated kernels of FP8 amax/cast work (see the module docstring: a name heuristic).
 FP8_CAST_KERNELS = r"^triton_(poi|red|per)_\w*(amax|to_float8|clamp)"
 
