@@ -105,9 +105,8 @@ if HAS_TRITON:
     @triton.jit
     def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, R, C, row0, col0, factor_ptr, lr_ptr, step_size_ptr, bc2_sqrt_ptr,
                     weight_decay, beta1, beta2, eps, BR: tl.constexpr, BC: tl.constexpr, SLICES: tl.constexpr):
-        """`_adamw_kernel` on one [BR, BC] tile of a weight [R, C] (contiguous): the updated
-        parameters as torch's bf16 rounding of them, what the packer reads (zero outside the
-        weight). The update runs in SLICES (1, 2 or 4) row slices: each slice's stores come before
+        """`_adamw_kernel` on one [BR, BC] tile of a weight [R, C] (contiguous): the updated fp32
+        parameters, zero outside the weight. The update runs in SLICES (1, 2 or 4) row slices: each slice's stores come before
         the next slice's loads (the pointers may alias, so the compiler cannot hoist them), which
         divides the registers the loads hold (sm_90: 231 per thread in one piece, 106 in four)."""
         S: tl.constexpr = BR // SLICES
