@@ -11,10 +11,16 @@ device copy measured in the same run.
 
 The step that also computes the MX weights' e_ref (`adamw_cuda.WeightErefs`, at several tiles) is
 timed against what it replaces: the plain step plus the packer's pass 1 over each fp32 MX weight
-(of the MXFP6 recipe), which the next forward runs without it.
+(of the MXFP6 recipe), which the next forward runs without it. So is the step that also writes the
+weights' operands (`--operands` tiles; MXFP6Linear layers over the same parameters keep them),
+against the step with the e_ref plus the packer's pass 2 over each MX weight, which the next forward
+runs without it (the bandwidth column still counts 28 bytes per element: the operands add 2 per MX
+weight element).
 
     PYTHONPATH=src python3 benchmarks/bench_optimizer.py --blocks 2,4 --json $OUT/bench_optimizer.json
     PYTHONPATH=src python3 benchmarks/bench_optimizer.py --blocks 6,12 --launch 2048x8 4096x8 1024x4
+    PYTHONPATH=src python3 benchmarks/bench_optimizer.py --blocks 6,12 --launch 1024x4 --erefs 64x2x4x4 \
+        --operands 64x2x4x4 128x2x8x4 64x4x8x4 32x2x2x2
 """
 
 from __future__ import annotations
@@ -25,10 +31,10 @@ import sys
 
 import torch
 
-from mxflux.kernels.operands_cuda import weight_exponents_cuda
+from mxflux.kernels.operands_cuda import mx_operands_cuda, weight_exponents_cuda
 from mxflux.kernels.weight_erefs import buffer_words
 from mxflux.model import Flux, flux_config
-from mxflux.nn import apply_precision, rowwise_mx_weights
+from mxflux.nn import MXFP6Linear, apply_precision, rowwise_mx_weights
 from mxflux.train import adamw_cuda
 from mxflux.train.config import load_recipe
 from mxflux.train.optimizer import ClippingAdamW
@@ -97,6 +103,8 @@ def main() -> None:
                     help="Triton kernel shapes to time, BLOCKxNUM_WARPS")
     ap.add_argument("--erefs", nargs="+", default=["128x2x8x4", "64x2x4x4", "64x2x4x2", "128x2x8x2"],
                     help="tiles of the step that also computes the MX weights' e_ref, BRxNBxNUM_WARPSxSLICES")
+    ap.add_argument("--operands", nargs="+", default=["64x2x4x4"],
+                    help="tiles of the step that also writes the MX weights' operands, BRxNBxNUM_WARPSxSLICES")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -149,6 +157,31 @@ def main() -> None:
             record(f"triton, e_ref in the step {tile}", _time(lambda: opt.step(grad_factor=factor), args.steps))
     finally:
         W.BR, W.NB, W.NUM_WARPS, W.SLICES = tile0
+    # What the kept operands replace: the packer's pass 2 over each fp32 MX weight at the next forward
+    erefs = opt.weight_erefs.of
+
+    def pass2():
+        for p, h in mx:
+            mx_operands_cuda(p.detach(), hadamard=h, erefs=erefs[p][1])
+
+    record("triton, e_ref in the step + packer pass 2 on MX weights",
+           _time(lambda: (opt.step(grad_factor=factor), pass2()), args.steps))
+    record("  (packer pass 2 on MX weights alone)", _time(pass2, args.steps))
+    layers = []
+    for p, h in mx:
+        with torch.device(dev):
+            m = MXFP6Linear(p.shape[1], p.shape[0], bias=False, hadamard=h)
+        m.weight = p  # the layer over the optimizer's parameter
+        layers.append(m)
+    opt.track_weight_erefs(mx, layers)
+    assert len(opt.weight_erefs.kept) == len(mx)
+    try:
+        for tile in args.operands:
+            W.BR, W.NB, W.NUM_WARPS, W.SLICES = (int(x) for x in tile.split("x"))
+            record(f"triton, operands in the step {tile}", _time(lambda: opt.step(grad_factor=factor), args.steps))
+    finally:
+        W.BR, W.NB, W.NUM_WARPS, W.SLICES = tile0
+    print(f"fix-up passes run: {int(opt.weight_erefs.fixups)}", flush=True)
     print(f"MX weights: {len(mx)}, {sum(p.numel() for p, _ in mx) / 1e9:.3f} B elements", flush=True)
     print(f"{len(shapes)} parameters, {n / 1e9:.3f} B elements ({big / n:.1%} through the Triton kernel); "
           f"copy {copy_gbps:.0f} GB/s", flush=True)

@@ -264,6 +264,20 @@ def test_results_written_before_the_optimizer_category_show_a_dash_for_it():
     assert rows["other"][2] == "25.3 (40%)"
 
 
+def test_the_table_shows_the_kept_weight_operands_and_their_fix_ups_where_a_setting_had_them():
+    """The A/B of the weights' operands from the optimizer step (committed, measured before the bench
+    recorded them): no row; with the counts the bench now records on the MXFP6 result, the row shows
+    them there and a dash for the settings whose step keeps none."""
+    path = ROOT / "benchmarks/results/bench_step_deep6x12_mbs8_operands_ab_2026-12-03.json"
+    results = json.loads(path.read_text())
+    assert [r["label"] for r in results] == ["bf16-graph", "fp8-tensorwise-graph", "mxfp6-graph",
+                                             "mxfp6-graph-pack-weights"]
+    assert "weight operands kept / fix-ups" not in _table_rows(results)
+    for r in results:
+        r["weight_operands_kept"], r["weight_operand_fixups"] = (72, 0) if r["label"] == "mxfp6-graph" else (None, None)
+    assert _table_rows(results)["weight operands kept / fix-ups"] == ["–", "–", "72 / 0", "–"]
+
+
 def _table_rows(results: list[dict]) -> dict[str, list[str]]:
     """The printed comparison table as {row name: its cells}, the first row of each name."""
     from rich.console import Console

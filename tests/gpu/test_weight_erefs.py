@@ -176,12 +176,16 @@ def _step(opt, layers, g, scale=1.0):
     adamw_cuda.adamw_clipped_step(opt, torch.tensor(1.0, device=DEVICE), erefs=opt.weight_erefs)
 
 
-def test_the_step_keeps_the_operands_of_what_it_writes(gen, monkeypatch):
+@pytest.mark.parametrize("tile", [None, (32, 2, 2, 2), (128, 4, 8, 4)], ids=lambda t: "x".join(map(str, t or ("shipped",))))
+def test_the_step_keeps_the_operands_of_what_it_writes(gen, monkeypatch, tile):
     """After each step the kept operands stand for the packer's operands of the updated weight,
     element for element; they are encoded against the previous e_ref one binade up (the scales are
     the packer's times 2, or 1 or 4 where a row's or column's largest block moved a binade), and no
-    fix-up ran. A layer's forward with them is its forward without them, bit for bit."""
+    fix-up ran. A layer's forward with them is its forward without them, bit for bit. At the shipped
+    tile and at others benchmarks/bench_optimizer.py may time."""
     monkeypatch.setattr(adamw_cuda, "LARGE", 1024)
+    for name, value in zip(("BR", "NB", "NUM_WARPS", "SLICES"), tile or ()):
+        monkeypatch.setattr(adamw_cuda.WeightErefs, name, value)
     layers, opt = _kept_layers(gen, [(224, 96), (128, 64), (64, 160)])
     g = dev_gen(gen, DEVICE)
     for step in range(2):

@@ -131,6 +131,9 @@ def print_table(results: list[dict], *, console=None) -> None:
         ("device used GiB", lambda r: _fmt(r["memory"]["device_used_gib"], ".2f")),
         ("last loss", lambda r: _fmt(r["loss"], ".4f")),
     ]
+    if any(r.get("weight_operands_kept") for r in ok):  # the optimizer step writes the MX weights' operands
+        rows.append(("weight operands kept / fix-ups", lambda r: "–" if r.get("weight_operands_kept") is None
+                     else f"{r['weight_operands_kept']} / {r['weight_operand_fixups']}"))
     if any(r.get("bare_loop") for r in ok):
         rows += [("bare loop ms / step", lambda r: _fmt(_get(r, "bare_loop", "step_ms"), ".1f")),
                  ("trainer / bare loop", lambda r: _fmt(r.get("trainer_over_bare_loop"), ".3f")),

@@ -329,6 +329,7 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
 
             mem_report = memory_breakdown(trainer_step, model=tr.model, optimizer=tr.optimizer, device=device)
         precision = cfg.precision.name
+        kept = _kept_weight_operands(tr.optimizer)
         _release(tr.model, tr.optimizer)
         del tr, pool, last
     gc.collect()
@@ -374,6 +375,7 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
         "memory": memory,
         "loss": loss,
         "breakdown": breakdown,
+        **kept,
         "bare_loop": bare,
         "trainer_over_bare_loop": (elapsed / steps * 1e3) / bare["step_ms"] if bare else None,
         "bare_loop_graph": bare_graph,
@@ -389,6 +391,16 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
         write_json(memory_path, {result["label"]: mem_report})
         print_memory_report(mem_report, title=f"{result['label']}: ")
     return result
+
+
+def _kept_weight_operands(optimizer) -> dict:
+    """How many MX layers took their weight's operands from the optimizer step, and how many fix-up
+    passes the trainer's steps (warm-up, timed and profiled) ran (docs/design.md, "The weights'
+    operands from the optimizer step"); None where the step keeps none. Read once, after the timing."""
+    erefs = getattr(optimizer, "weight_erefs", None)
+    if erefs is None or not erefs.kept:
+        return {"weight_operands_kept": None, "weight_operand_fixups": None}
+    return {"weight_operands_kept": len(erefs.kept), "weight_operand_fixups": int(erefs.fixups)}
 
 
 def bench_settings(recipe: str, settings: list[tuple[str, list[str]]], *, common=(), **kwargs) -> list[dict]:
