@@ -148,15 +148,19 @@ def main() -> None:
     record("triton + packer pass 1 on MX weights", _time(step_then_pass1, args.steps))
     record("  (packer pass 1 on MX weights alone)",
            _time(lambda: [weight_exponents_cuda(p.detach(), h, b) for (p, h), b in zip(mx, bufs)], args.steps))
+    def at_tiles(what: str, tiles: list[str]) -> None:
+        """The step at each WeightErefs tile BRxNBxNUM_WARPSxSLICES (the shipped one restored after)."""
+        W = adamw_cuda.WeightErefs
+        tile0 = (W.BR, W.NB, W.NUM_WARPS, W.SLICES)
+        try:
+            for tile in tiles:
+                W.BR, W.NB, W.NUM_WARPS, W.SLICES = (int(x) for x in tile.split("x"))
+                record(f"triton, {what} in the step {tile}", _time(lambda: opt.step(grad_factor=factor), args.steps))
+        finally:
+            W.BR, W.NB, W.NUM_WARPS, W.SLICES = tile0
+
     opt.track_weight_erefs(mx)
-    W = adamw_cuda.WeightErefs
-    tile0 = (W.BR, W.NB, W.NUM_WARPS, W.SLICES)
-    try:
-        for tile in args.erefs:
-            W.BR, W.NB, W.NUM_WARPS, W.SLICES = (int(x) for x in tile.split("x"))
-            record(f"triton, e_ref in the step {tile}", _time(lambda: opt.step(grad_factor=factor), args.steps))
-    finally:
-        W.BR, W.NB, W.NUM_WARPS, W.SLICES = tile0
+    at_tiles("e_ref", args.erefs)
     # What the kept operands replace: the packer's pass 2 over each fp32 MX weight at the next forward
     erefs = opt.weight_erefs.of
 
@@ -175,12 +179,7 @@ def main() -> None:
         layers.append(m)
     opt.track_weight_erefs(mx, layers)
     assert len(opt.weight_erefs.kept) == len(mx)
-    try:
-        for tile in args.operands:
-            W.BR, W.NB, W.NUM_WARPS, W.SLICES = (int(x) for x in tile.split("x"))
-            record(f"triton, operands in the step {tile}", _time(lambda: opt.step(grad_factor=factor), args.steps))
-    finally:
-        W.BR, W.NB, W.NUM_WARPS, W.SLICES = tile0
+    at_tiles("operands", args.operands)
     print(f"fix-up passes run: {int(opt.weight_erefs.fixups)}", flush=True)
     print(f"MX weights: {len(mx)}, {sum(p.numel() for p, _ in mx) / 1e9:.3f} B elements", flush=True)
     print(f"{len(shapes)} parameters, {n / 1e9:.3f} B elements ({big / n:.1%} through the Triton kernel); "

@@ -375,9 +375,21 @@ if HAS_TRITON:
         return tl.max(tl.where(live, e + 128, 0), axis=0)
 
     @triton.jit
-    def _held_eref(v, HEADROOM: tl.constexpr):
-        """The e_ref a stored maximum (e + 128, 0 for none) encodes against: HEADROOM binades above it."""
-        return tl.where(v > 0, v - 128 + HEADROOM, 0)
+    def _against_held(e, live, idx, n, held_ptr, new_ptr, NEW: tl.constexpr, HEADROOM: tl.constexpr):
+        """One orientation of `tile_operands`: blocks [A, G] whose groups run along axis 0 (group g
+        is x's row or column idx[g] of n). Returns the e_ref to encode against ([1, G]: the stored
+        maximum at held_ptr, e + 128 or 0 for none, raised by HEADROOM binades), the blocks it does
+        not hold and the blocks outside the window; with NEW, each group's own maximum is atomically
+        maxed into new_ptr first."""
+        if NEW:
+            m = tl.max(tl.where(live, e + 128, 0), axis=0)
+            tl.atomic_max(new_ptr + idx, m, mask=(idx < n) & (m > 0), sem="relaxed")
+        v = tl.load(held_ptr + idx, mask=idx < n, other=0)[None, :]
+        e_ref = tl.where(v > 0, v - 128 + HEADROOM, 0)
+        d = e - e_ref
+        unheld = tl.sum(tl.sum((live & ((v == 0) | (d > 0) | (d < -_WINDOW))).to(tl.int32), axis=1), axis=0)
+        outside = tl.sum(tl.sum((live & (d < -_WINDOW)).to(tl.int32), axis=1), axis=0)
+        return e_ref, unheld, outside
 
     @triton.jit
     def tile_operands(t, row0, col0, R, C, Rp, row_eref_ptr, col_eref_ptr, row_new_ptr, col_new_ptr,
@@ -404,14 +416,7 @@ if HAS_TRITON:
         # ---------------- row orientation: [NB, BR] blocks
         ys, ab = _rotate_amax(_blocks_of_rows(t, BR, NB, HW), HADAMARD)
         e, bad, live = _block_info(ab)
-        if NEW:
-            rmax = tl.max(tl.where(live, e + 128, 0), axis=0)
-            tl.atomic_max(row_new_ptr + rows, rmax, mask=(rows < R) & (rmax > 0), sem="relaxed")
-        rv = tl.load(row_eref_ptr + rows, mask=rows < R, other=0)[None, :]
-        e_ref = _held_eref(rv, HEADROOM)
-        d = e - e_ref
-        unheld = tl.sum(tl.sum((live & ((rv == 0) | (d > 0) | (d < -_WINDOW))).to(tl.int32), axis=1), axis=0)
-        outside = tl.sum(tl.sum((live & (d < -_WINDOW)).to(tl.int32), axis=1), axis=0)
+        e_ref, unheld, outside = _against_held(e, live, rows, R, row_eref_ptr, row_new_ptr, NEW, HEADROOM)
         zl, zh = _word_halves(_encode_words(ys, e, e_ref, bad, HW))
         r3 = tl.arange(0, BR)[:, None, None]
         rest = (tl.arange(0, NB) * (_BLOCK // 4))[None, :, None] + tl.arange(0, 4)[None, None, :]
@@ -427,14 +432,7 @@ if HAS_TRITON:
             xc = xc + (bf16_to_f32(tc[j], HW),)
         ys, ab = _rotate_amax(xc, HADAMARD)
         e, bad, live = _block_info(ab)
-        if NEW:
-            cmax = tl.max(tl.where(live, e + 128, 0), axis=0)
-            tl.atomic_max(col_new_ptr + cols, cmax, mask=(cols < C) & (cmax > 0), sem="relaxed")
-        cv = tl.load(col_eref_ptr + cols, mask=cols < C, other=0)[None, :]
-        e_ref = _held_eref(cv, HEADROOM)
-        d = e - e_ref
-        unheld += tl.sum(tl.sum((live & ((cv == 0) | (d > 0) | (d < -_WINDOW))).to(tl.int32), axis=1), axis=0)
-        outside += tl.sum(tl.sum((live & (d < -_WINDOW)).to(tl.int32), axis=1), axis=0)
+        e_ref, col_unheld, col_outside = _against_held(e, live, cols, C, col_eref_ptr, col_new_ptr, NEW, HEADROOM)
         zl, zh = _word_halves(_encode_words(ys, e, e_ref, bad, HW))
         ct = col0 + tl.arange(0, BC)[:, None, None]
         rt3 = row0 + tl.arange(0, RB)[None, :, None] * _BLOCK
@@ -442,7 +440,7 @@ if HAS_TRITON:
                       tl.permute(zl, (1, 0, 2)), tl.permute(zh, (1, 0, 2)), rt3 < Rp, False, HW)
         if row0 == 0:
             tl.store(col_scale_ptr + cols[None, :], pow2_f32(e_ref - _SHIFT), mask=cols[None, :] < C)
-        return unheld, outside
+        return unheld + col_unheld, outside + col_outside
 
     # R and the loop bounds vary per call: no value specialisation, one compiled kernel per variant
     @triton.jit(do_not_specialize=["R", "n_row_tiles", "n_prog_r"])
