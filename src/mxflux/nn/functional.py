@@ -12,8 +12,11 @@ the transposed copy along its first). Forward saves only the quantized col copie
 backward needs (Xᵀ, Wᵀ), never bf16 activations; with `saved_operands="e2m3"` as 6-bit codes
 that backward expands back to the same FP8 bytes. With `repack_weights` forward keeps no Wᵀ:
 it packs W's row operand only, and backward packs Wᵀ again from the parameter, which is alive
-anyway (the same bytes: the packer is deterministic). The bias is added in the GEMM's fp32
-epilogue and its gradient is the column sum the dY packer produces while it quantizes dY.
+anyway (the same bytes: the packer is deterministic). With the weight's operands kept by the
+optimizer step (`mx_linear(..., weight_operands)`, docs/design.md, "The weights' operands from the
+optimizer step"), forward packs no weight and saves the kept Wᵀ, which lives anyway. The bias is
+added in the GEMM's fp32 epilogue and its gradient is the column sum the dY packer produces while
+it quantizes dY.
 
 Weights and biases come in their own dtype (fp32 master parameters, or bf16 under FSDP's
 mixed precision). The packer reads an fp32 weight directly and rounds it to bf16 as it loads it

@@ -7,8 +7,8 @@ import warnings
 import torch
 from torch import nn
 
-from .functional import fused_mx_mlp
 from ..mx import FoldGranularity
+from .functional import fused_mx_mlp
 from .linear import MXFP6Linear, as_2d, output_dtype
 
 __all__ = ["FUSED_ACTIVATION", "FUSED_MLP_MODES", "FusedMXFP6MLP", "activation_module", "activation_name",
