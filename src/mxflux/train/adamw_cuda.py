@@ -106,9 +106,10 @@ if HAS_TRITON:
     def _adamw_tile(p_ptr, g_ptr, m_ptr, v_ptr, R, C, row0, col0, factor_ptr, lr_ptr, step_size_ptr, bc2_sqrt_ptr,
                     weight_decay, beta1, beta2, eps, BR: tl.constexpr, BC: tl.constexpr, SLICES: tl.constexpr):
         """`_adamw_kernel` on one [BR, BC] tile of a weight [R, C] (contiguous): the updated fp32
-        parameters, zero outside the weight. The update runs in SLICES (1, 2 or 4) row slices: each slice's stores come before
-        the next slice's loads (the pointers may alias, so the compiler cannot hoist them), which
-        divides the registers the loads hold (sm_90: 231 per thread in one piece, 106 in four)."""
+        parameters, zero outside the weight. The update runs in SLICES (1, 2 or 4) row slices: each
+        slice's stores come before the next slice's loads (the pointers may alias, so the compiler
+        cannot hoist them), which divides the registers the loads hold (sm_90: 231 per thread in one
+        piece, 106 in four)."""
         S: tl.constexpr = BR // SLICES
         factor = tl.load(factor_ptr)
         lr = tl.load(lr_ptr)
@@ -372,7 +373,6 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
                 if p in tracked:
                     hadamard, view = tracked[p]
                     R, C = p.shape
-                    rows = weight_erefs.buffer_words(R, C) - C
                     W = WeightErefs
                     grid = (triton.cdiv(C, W.NB * 32), triton.cdiv(R, W.BR))
                     hyper = (float(group["weight_decay"]), float(beta1), float(beta2), float(group["eps"]))
@@ -380,13 +380,13 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
                     if kept is None:
                         _adamw_erefs_kernel[grid](
                             p, p.grad, s["exp_avg"], s["exp_avg_sq"], R, C, factor, lr, step_size[j:], bc2_sqrt[j:],
-                            view[:rows], view[rows:], *hyper, HADAMARD=hadamard, HW=not interpreting(), BR=W.BR,
+                            *_rows_and_columns(view, p), *hyper, HADAMARD=hadamard, HW=not interpreting(), BR=W.BR,
                             NB=W.NB, SLICES=W.SLICES, num_warps=W.NUM_WARPS)
                     else:
                         rd, rs, cd, cs = kept.operands
                         _adamw_operands_kernel[grid](
                             p, p.grad, s["exp_avg"], s["exp_avg_sq"], R, C, cd.shape[1], factor, lr, step_size[j:],
-                            bc2_sqrt[j:], kept.held[:rows], kept.held[rows:], view[:rows], view[rows:],
+                            bc2_sqrt[j:], *_rows_and_columns(kept.held, p), *_rows_and_columns(view, p),
                             rd.view(torch.int32), rs, cd.view(torch.int32), cs, kept.unheld, *hyper,
                             HEADROOM=W.HEADROOM, HADAMARD=hadamard, HW=not interpreting(), BR=W.BR, NB=W.NB,
                             SLICES=W.SLICES, num_warps=W.NUM_WARPS)
@@ -407,6 +407,12 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
         _fix_up_operands(erefs, fixups)
 
 
+def _rows_and_columns(erefs: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight's e_ref buffer (`weight_erefs` layout) as its rows' part and its columns' part."""
+    rows = weight_erefs.buffer_words(*p.shape) - p.shape[1]
+    return erefs[:rows], erefs[rows:]
+
+
 def _fix_up_operands(erefs: WeightErefs, updated: list) -> None:
     """After the step wrote the operands of `updated`: the fix-up pass of each (it writes only where
     the step's e_ref did not hold a block), then the new e_ref become what the next step encodes
@@ -416,12 +422,11 @@ def _fix_up_operands(erefs: WeightErefs, updated: list) -> None:
         hadamard, view = erefs.of[p]
         kept = erefs.kept[p]
         R, C = p.shape
-        rows = weight_erefs.buffer_words(R, C) - C
         rd, rs, cd, cs = kept.operands
         n_col_tiles = triton.cdiv(C, W.NB * 32)
         n_tiles = n_col_tiles * triton.cdiv(R, W.BR)
         _operands_fixup_kernel[(min(n_tiles, W.FIXUP_PROGRAMS),)](
-            p, R, C, cd.shape[1], kept.unheld, view[:rows], view[rows:], rd.view(torch.int32), rs,
+            p, R, C, cd.shape[1], kept.unheld, *_rows_and_columns(view, p), rd.view(torch.int32), rs,
             cd.view(torch.int32), cs, kept.counter, erefs.fixups, n_col_tiles, n_tiles, HADAMARD=hadamard,
             HW=not interpreting(), BR=W.BR, NB=W.NB, num_warps=W.NUM_WARPS)
     erefs.held.copy_(erefs.buffer)
