@@ -6,7 +6,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from mxflux.nn import FusedMXFP6MLP, MXFP6Linear
-from mxflux.ops.custom_ops import mx_operands, scaled_gemm
+from mxflux.ops.custom_ops import mx_operands, scaled_gemm_op
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +61,7 @@ def test_custom_ops_pass_opcheck(gen):
     # (test_schema compares FP8 inputs arithmetically, which CPU FP8 tensors do not support.)
     for granularity in ("rowwise", "exact"):
         rd, rs, _, _, _ = mx_operands(x, None, outside, True, False, granularity, True, "none", False)
-        torch.library.opcheck(scaled_gemm, (rd, rs, rd[:32], rs[:32], granularity, None, torch.bfloat16),
+        torch.library.opcheck(scaled_gemm_op, (rd, rs, rd[:32], rs[:32], granularity, None, torch.bfloat16),
                               test_utils=("test_faketensor",))
 
 

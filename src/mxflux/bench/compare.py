@@ -72,6 +72,11 @@ SETTINGS["mxfp6-graph-pass1"] = (*SETTINGS["mxfp6-graph"], "optim.weight_exponen
 # A/B of the weights' operands written by the optimizer step: with it off each forward packs the
 # weights (pass 2 on the step's e_ref; optim.weight_operands_in_optimizer)
 SETTINGS["mxfp6-graph-pack-weights"] = (*SETTINGS["mxfp6-graph"], "optim.weight_operands_in_optimizer=false")
+# Each precision with every compiled block replayed as CUDA graphs of its own (torch.compile's
+# cudagraph trees, `model.compile_mode: reduce-overhead`): the host's per-op cost without capturing
+# the whole step, so with gradient accumulation too.
+SETTINGS.update({f"{name}-block-graphs": (*SETTINGS[name], "model.compile_mode=reduce-overhead")
+                 for name in ("bf16", "fp8-tensorwise", "mxfp6")})
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 
 # The throughput proxy of flux-12b (`--proxy`): its width (3072) and attention heads, 2 double + 4

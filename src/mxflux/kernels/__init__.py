@@ -10,7 +10,7 @@ clear RuntimeError where it cannot run (check `cuda_kernel_available()` first), 
 """
 
 from .compact_cuda import compact_operand_cuda, expand_operand_cuda
-from .gemm import GEMM_SHAPE_RULES, scaled_gemm_cuda
+from .gemm import GEMM_SHAPE_RULES, scaled_gemm_cuda, scaled_gemm_cuda_traceable
 from .gemm_cpu import dequantize_operand_cpu, scaled_gemm_cpu
 from .operands_cpu import HAS_NUMBA, cpu_kernel_available, mx_operands_cpu
 from .operands_cuda import cuda_kernel_available, mx_operands_cuda, mx_operands_cuda_counted, prologue_cuda
@@ -31,4 +31,5 @@ __all__ = [
     "prologue_cuda",
     "scaled_gemm_cpu",
     "scaled_gemm_cuda",
+    "scaled_gemm_cuda_traceable",
 ]

@@ -34,7 +34,7 @@ if HAS_TRITON:
 
     _BLOCK = tl.constexpr(MX_BLOCK)
 
-__all__ = ["GEMM_SHAPE_RULES", "scaled_gemm_cuda"]
+__all__ = ["GEMM_SHAPE_RULES", "scaled_gemm_cuda", "scaled_gemm_cuda_traceable"]
 
 # What cuBLAS (through torch 2.11 + CUDA 13 on an H200) needs; see benchmarks/RESULTS.md.
 GEMM_SHAPE_RULES = {
@@ -276,3 +276,36 @@ def scaled_gemm_cuda(
         a_data, a_scale, b_data, b_scale = (t.contiguous() if c else t
                                             for t, c in zip((a_data, a_scale, b_data, b_scale), copies))
     return fn(a_data, a_scale, b_data, b_scale, bias, out_dtype)
+
+
+def scaled_gemm_cuda_traceable(
+    a_data: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale: torch.Tensor,
+    granularity: FoldGranularity,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor | None:
+    """`scaled_gemm_cuda` as torch ops that torch.compile can trace, for the row granularity;
+    None for any other (the caller then uses the opaque op).
+
+    Traced, the GEMM is `aten._scaled_mm` in the graph, which inductor launches from its generated
+    code like any other GEMM: no custom-op dispatch and none of our Python per call (about a third
+    of an MX GEMM's host time). The same cuBLAS call with the same arguments as `_rowwise`, so the
+    same bits. Validation runs once, while tracing; there is no plan cache and no capability
+    probe (a probe would run GEMMs inside the trace): the fp32-output form that `_rowwise` probes
+    for is taken as present, as it is on every CUDA build of the torch versions this package
+    supports (>= 2.11)."""
+    fn, copies = _gemm_plan(a_data, a_scale, b_data, b_scale, granularity, bias, out_dtype)
+    if fn is not _rowwise:
+        return None
+    if copies is not None:
+        a_data, a_scale, b_data, b_scale = (t.contiguous() if c else t
+                                            for t, c in zip((a_data, a_scale, b_data, b_scale), copies))
+    sb = b_scale.t()
+    if out_dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
+        return torch._scaled_mm(a_data, b_data.t(), a_scale, sb, bias=bias, out_dtype=out_dtype,
+                                use_fast_accum=False)
+    out = torch._scaled_mm(a_data, b_data.t(), a_scale, sb, out_dtype=torch.float32, use_fast_accum=False)
+    return _finish(out, bias, out_dtype)

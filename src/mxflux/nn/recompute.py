@@ -60,7 +60,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..ops.custom_ops import mx_operands, scaled_gemm
+from ..ops.custom_ops import mx_operands, scaled_gemm_op
 
 __all__ = ["MXPackerRecompute", "mark_recomputed", "mx_packer_checkpoint_context"]
 
@@ -73,7 +73,7 @@ _GEMM_AND_ATTENTION = frozenset(
                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                  "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
                  "_efficient_attention_forward")
-    if hasattr(_aten, name)) | {scaled_gemm.default}
+    if hasattr(_aten, name)) | {scaled_gemm_op.default}
 
 
 class MXPackerRecompute:

@@ -21,6 +21,10 @@ Backends, chosen per call from the input's device:
 
 `MXFLUX_REFERENCE=1` in the environment forces the references everywhere (for A/B numerics
 checks). It is read once, when this module is imported, into `FORCE_REFERENCE`.
+
+Compiled, the row-granularity GEMM on CUDA is not this op but torch's `_scaled_mm` traced into the
+graph (`scaled_gemm`): inductor then launches it from its generated code, as it launches a bf16
+GEMM, instead of calling back into Python for each GEMM.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import os
 import torch
 
 from ..kernels import (compact_operand_cuda, cpu_kernel_available, expand_operand_cuda, mx_operands_cpu,
-                       mx_operands_cuda_counted, scaled_gemm_cpu, scaled_gemm_cuda)
+                       mx_operands_cuda_counted, scaled_gemm_cpu, scaled_gemm_cuda, scaled_gemm_cuda_traceable)
 from ..mx.compact import compact_operand as compact_operand_reference
 from ..mx.compact import compacted_shapes
 from ..mx.compact import expand_operand as expand_operand_reference
@@ -38,9 +42,13 @@ from ..mx.granularity import FoldGranularity
 from ..mx.operands import mx_operands_reference, padded_rows
 from ..mx.scaled_gemm import scaled_gemm_reference
 
-__all__ = ["FORCE_REFERENCE", "compact_operand", "expand_operand", "mx_operands", "scaled_gemm", "use_kernels"]
+__all__ = ["FORCE_REFERENCE", "INLINE_GEMM", "compact_operand", "expand_operand", "mx_operands", "scaled_gemm",
+           "scaled_gemm_op", "use_kernels"]
 
 FORCE_REFERENCE = os.environ.get("MXFLUX_REFERENCE", "0") == "1"
+# MXFLUX_INLINE_GEMM=0 keeps compiled regions on the opaque GEMM op (A/B runs of host time; the
+# numerics are the same either way). Read once, at import.
+INLINE_GEMM = os.environ.get("MXFLUX_INLINE_GEMM", "1") != "0"
 
 _EMPTY_DTYPE = torch.float32
 
@@ -156,7 +164,21 @@ def _scaled_gemm_fake(a_data, a_scale, b_data, b_scale, granularity, bias, out_d
     return a_data.new_empty(a_data.shape[0], b_data.shape[0], dtype=out_dtype)
 
 
-scaled_gemm = _register("scaled_gemm", _scaled_gemm, _scaled_gemm_fake)
+scaled_gemm_op = _register("scaled_gemm", _scaled_gemm, _scaled_gemm_fake)
+
+
+def scaled_gemm(a_data, a_scale, b_data, b_scale, granularity: str, bias, out_dtype) -> torch.Tensor:
+    """The MX GEMM (`_scaled_gemm`'s contract). Being traced by torch.compile on CUDA, the row
+    granularity's GEMM goes into the graph as torch's own row-scaled FP8 GEMM
+    (`scaled_gemm_cuda_traceable`: the same cuBLAS call, so the same bits), which inductor
+    launches from its generated code at a plain GEMM's host cost; everything else, and every
+    eager call, is the opaque op `torch.ops.mxflux.scaled_gemm` (`INLINE_GEMM` off: always)."""
+    if INLINE_GEMM and torch.compiler.is_compiling() and use_kernels(a_data):
+        out = scaled_gemm_cuda_traceable(a_data, a_scale, b_data, b_scale, FoldGranularity.from_mx_gemm(granularity),
+                                         bias, out_dtype)
+        if out is not None:
+            return out
+    return scaled_gemm_op(a_data, a_scale, b_data, b_scale, granularity, bias, out_dtype)
 
 
 def _compact_operand(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
