@@ -49,6 +49,7 @@ class _NoLaunch:
 
     def __init__(self, real):
         self.arg_names = list(real.arg_names)
+        self.warmup = real.warmup  # plans compile (never launch) each pass first to read its layout
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: _NoCompiled(self.arg_names, args, kwargs)

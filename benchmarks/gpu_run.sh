@@ -23,7 +23,8 @@
 #              DEEP_SETTINGS (bf16-graph,mxfp6-graph) alternated DEEP_ROUNDS (3) times: MXFP6 / bf16 within each
 #              round, mean and range (issue 13's deep-model check; ~5 min at 6+12); $OUT/deep_mbs$DEEP_MBS.json
 # fp8seq       benchmarks/probe_fp8_in_process.py: torchao tensorwise then rowwise in one process
-# host         benchmarks/bench_host.py: host time per MX op call (op dispatch, our Python, Triton launch)
+# host         benchmarks/bench_host.py: host time per MX op call (op dispatch, our Python, Triton launch), and
+#              benchmarks/bench_host_linear.py: per compiled linear fwd+bwd against nn.Linear and torchao FP8
 # gemmtune     benchmarks/probe_scaled_mm_autotune.py: cuBLAS's row-wise scaled FP8 GEMM against inductor's
 #              autotuned Triton templates at the Flux shapes, contract checked (GEMMTUNE_ARGS)
 # rowgemm      benchmarks/probe_rowwise_gemm.py: every cuBLASLt algorithm for the row-wise scaled GEMM at the Flux
@@ -129,7 +130,8 @@ for stage in "$@"; do
     optimizer)  # the optimizer step alone (benchmarks/bench_optimizer.py)
       python3 benchmarks/bench_optimizer.py ${OPTIM_ARGS:-} --json "$OUT/bench_optimizer.json" 2>&1 | grep -v "^W11" | tail -15 ;;
     host)  # host time per op call (benchmarks/bench_host.py)
-      python3 benchmarks/bench_host.py --json "$OUT/bench_host.json" 2>&1 | grep -v "^W11" | tail -15 ;;
+      python3 benchmarks/bench_host.py --json "$OUT/bench_host.json" 2>&1 | grep -v "^W11" | tail -15
+      python3 benchmarks/bench_host_linear.py --json "$OUT/bench_host_linear.json" 2>&1 | grep -v "^W11" | tail -16 ;;
     sweepcomm)  # FSDP2 blocks per unit (communication granularity), SWEEP_RECIPE on all visible GPUs
       n=$(nvidia-smi -L | wc -l)
       timeout ${SWEEP_TIMEOUT:-540} python3 -m torch.distributed.run --nproc_per_node $n benchmarks/sweep_comm.py \

@@ -87,3 +87,19 @@ def test_model_overrides_replace_config_fields_and_reject_unknown_ones():
         load_recipe("tiny-bf16", ["model.overrides={hiden: 768}"])
     with pytest.raises(RecipeError, match="overrides: hidden_size 128 is not divisible by num_heads 5"):
         load_recipe("tiny-bf16", ["model.overrides={num_heads: 5}"])
+
+
+def test_block_cuda_graphs_are_refused_for_several_processes_with_the_reason():
+    import torch
+
+    from mxflux.train.build import build_model
+    from mxflux.train.distributed import DistContext
+    from mxflux.train.parallelize import parallelize
+
+    cfg = load_recipe("tiny-mxfp6", ["model.compile=true", "model.compile_mode=reduce-overhead"])
+    model, _ = build_model(cfg, torch.device("cpu"))
+    for world in (2, 8):
+        ctx = DistContext(rank=0, world_size=world, local_rank=0, device=torch.device("cpu"))
+        with pytest.raises(ValueError, match=f"model.compile_mode: reduce-overhead .* one process only, got world "
+                                             f"size {world}: under FSDP2"):
+            parallelize(model, cfg, ctx)

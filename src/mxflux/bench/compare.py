@@ -77,6 +77,12 @@ SETTINGS["mxfp6-graph-pack-weights"] = (*SETTINGS["mxfp6-graph"], "optim.weight_
 # the whole step, so with gradient accumulation too.
 SETTINGS.update({f"{name}-block-graphs": (*SETTINGS[name], "model.compile_mode=reduce-overhead")
                  for name in ("bf16", "fp8-tensorwise", "mxfp6")})
+# Each precision with torch's fused AdamW for every parameter (`optim.implementation: fused`): the loop
+# a user writes around our layers, where no optimizer step keeps the MX weights' operands and every
+# forward packs its weights; with and without the per-block CUDA graphs.
+SETTINGS.update({f"{name}-torch-adamw": (*SETTINGS[name], "optim.implementation=fused")
+                 for name in ("bf16", "fp8-tensorwise", "mxfp6", "bf16-block-graphs", "fp8-tensorwise-block-graphs",
+                              "mxfp6-block-graphs")})
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 
 # The throughput proxy of flux-12b (`--proxy`): its width (3072) and attention heads, 2 double + 4

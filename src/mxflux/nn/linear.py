@@ -107,6 +107,11 @@ class MXFP6Linear(nn.Linear):
         if self.cfg.granularity is not FoldGranularity.ROWWISE:
             raise ValueError(f"keep_weight_operands: the operands kept are the row granularity's, this "
                              f"layer's mx_gemm is {self.cfg.mx_gemm!r}")
+        for t in operands:
+            # The step rewrites these in place, so their addresses never change: compiled with
+            # CUDA graphs (`model.compile_mode: reduce-overhead`) the replays read them where they
+            # are instead of copying them into the graph's own input buffers each time.
+            torch._dynamo.mark_static_address(t)
         self.weight_operands, self.weight_operands_keeper = tuple(operands), keeper
 
     def compute_params(self, x: torch.Tensor):

@@ -32,7 +32,17 @@ from ..nn.recompute import mark_recomputed, mx_packer_checkpoint_context
 from .config import DistributedSection, RunConfig
 from .distributed import DistContext
 
-__all__ = ["checkpoint_block", "mx_packer_rebuilt_ops", "parallelize"]
+__all__ = ["BLOCK_GRAPHS_ONE_PROCESS", "checkpoint_block", "mx_packer_rebuilt_ops", "parallelize"]
+
+# Why per-block CUDA graphs (cudagraph trees) are one process's: a replay reads the addresses it was
+# recorded with, and FSDP2 frees each unit's all-gathered parameters after use and allocates them
+# again on the next step; DDP's all-reduce runs from autograd hooks on a stream of its own between
+# the blocks' graphs, which no multi-GPU run of this project has checked yet.
+BLOCK_GRAPHS_ONE_PROCESS = (
+    "model.compile_mode: reduce-overhead (each block replayed as CUDA graphs) runs in one process only, got "
+    "world size {world_size}: under FSDP2 the blocks' all-gathered parameters are freed after use and allocated "
+    "anew each step, so a replay would read stale addresses; under DDP it is not validated. Use "
+    "model.compile_mode: default (the compiled blocks then launch the MX GEMMs from inductor's code)")
 
 
 def parallelize(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> nn.Module:
@@ -40,6 +50,8 @@ def parallelize(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> nn.Module
     `Flux`, changed in place) and return the module to train with: `model` itself, or its DDP
     wrapper."""
     m = cfg.model
+    if m.compile and m.compile_mode == "reduce-overhead" and ctx.world_size > 1:
+        raise ValueError(BLOCK_GRAPHS_ONE_PROCESS.format(world_size=ctx.world_size))
     if m.activation_checkpointing != "none":
         for blocks in (model.double_blocks, model.single_blocks):
             for i, block in enumerate(blocks):

@@ -1,0 +1,77 @@
+"""The compiled blocks' fast paths without a captured step (no `train.cuda_graph`).
+
+- Compiled, an MX linear's GEMMs are torch's row-scaled `_scaled_mm` traced into the graph (which
+  inductor launches from its own code), not calls back into the `mxflux::scaled_gemm` op, with the
+  same output and gradients bit for bit as the eager op path, and no graph break.
+- `model.compile_mode: reduce-overhead` (each compiled block replayed as CUDA graphs) trains as the
+  default compiled model does, with gradient accumulation and with the weights' operands kept by
+  the optimizer step (its refusal for more than one process: tests/test_train_config.py)."""
+
+import pytest
+import torch
+
+from mxflux.data import build_demo_dataset
+from mxflux.nn import MXFP6Linear
+from mxflux.ops import custom_ops
+from mxflux.train import load_recipe
+from mxflux.train.trainer import Trainer
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _fwd_bwd(layer, x, g):
+    x = x.detach().requires_grad_()
+    layer.weight.grad = layer.bias.grad = None
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    y.backward(g)
+    return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "opaque"])
+def test_compiled_mx_gemms_are_scaled_mm_in_the_graph_and_bit_identical(monkeypatch, inline):
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(custom_ops, "INLINE_GEMM", inline)
+    layer = MXFP6Linear(1024, 768, device="cuda")
+    x = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(300, 768, device="cuda", dtype=torch.bfloat16)
+    want = _fwd_bwd(layer, x, g)
+    compiled = torch.compile(layer, fullgraph=True)
+    got, code = run_and_get_code(lambda: _fwd_bwd(compiled, x, g))
+    code = "\n".join(code)
+    for w, o, name in zip(want, got, ("y", "dx", "dw", "db")):
+        assert torch.equal(w, o), name
+    assert ("mxflux.scaled_gemm" in code) is not inline
+    assert ("_scaled_mm" in code) is inline
+    assert "mxflux.mx_operands" in code  # the packers stay our kernels
+
+
+def _trainer(tmp_path, recipe, mode, *extra):
+    root = tmp_path / "data"
+    if not root.exists():
+        build_demo_dataset(root, n_train=128, n_eval=16)
+    torch._dynamo.reset()
+    cfg = load_recipe(recipe, [f"data.root={root}", f"train.out_dir={tmp_path}/run-{mode}", "model.compile=true",
+                               f"model.compile_mode={mode}", "batch.global_batch_size=16",
+                               "batch.micro_batch_size=8", "data.num_workers=0", "optim.warmup_steps=3", *extra])
+    return Trainer(cfg, device="cuda")
+
+
+@pytest.mark.parametrize("recipe", ["tiny-bf16", "tiny-mxfp6"])
+def test_block_graphs_train_as_the_compiled_model_with_accumulation(tmp_path, recipe):
+    rows = {}
+    for mode in ("default", "reduce-overhead"):
+        tr = _trainer(tmp_path, recipe, mode)
+        assert tr.accum == 2
+        batches = tr.batches()
+        rows[mode] = [tr.train_step([next(batches) for _ in range(tr.accum)]).read() for _ in range(6)]
+        rows[mode + " params"] = [p.detach().clone() for p in tr.model.parameters()]
+        if recipe == "tiny-mxfp6":
+            assert tr.optimizer.weight_erefs is not None and tr.optimizer.weight_erefs.kept
+    losses = {m: [r["loss"] for r in rows[m]] for m in ("default", "reduce-overhead")}
+    assert losses["default"][-1] < losses["default"][0]
+    assert losses["reduce-overhead"] == losses["default"]  # the same kernels on the same inputs
+    for a, b in zip(rows["default params"], rows["reduce-overhead params"]):
+        assert torch.equal(a, b)
