@@ -76,6 +76,10 @@ def measure(tokens: int, features: int, iters: int) -> dict:
             custom_ops.INLINE_GEMM = inline
             layer = build(kind, features)
             compiled = torch.compile(layer, mode=mode)
+            # gradients allocated outside the graphs: each backward adds into them, as in training
+            # with accumulation (a replay's own output kept as .grad would be overwritten)
+            for t in (x, *layer.parameters()):
+                t.grad = torch.zeros_like(t)
 
             def step():
                 with torch.autocast("cuda", dtype=torch.bfloat16):

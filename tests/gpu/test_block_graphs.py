@@ -41,8 +41,10 @@ def test_compiled_mx_gemms_are_scaled_mm_in_the_graph_and_bit_identical(monkeypa
     compiled = torch.compile(layer, fullgraph=True)
     got, code = run_and_get_code(lambda: _fwd_bwd(compiled, x, g))
     code = "\n".join(code)
-    for w, o, name in zip(want, got, ("y", "dx", "dw", "db")):
+    for w, o, name in zip(want[:3], got[:3], ("y", "dx", "dw")):
         assert torch.equal(w, o), name
+    # the bias gradient is the dY packer's column sums, added by atomics: equal up to fp32 order
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-4)
     assert ("mxflux.scaled_gemm" in code) is not inline
     assert ("_scaled_mm" in code) is inline
     assert "mxflux.mx_operands" in code  # the packers stay our kernels
@@ -72,6 +74,8 @@ def test_block_graphs_train_as_the_compiled_model_with_accumulation(tmp_path, re
             assert tr.optimizer.weight_erefs is not None and tr.optimizer.weight_erefs.kept
     losses = {m: [r["loss"] for r in rows[m]] for m in ("default", "reduce-overhead")}
     assert losses["default"][-1] < losses["default"][0]
-    assert losses["reduce-overhead"] == losses["default"]  # the same kernels on the same inputs
+    # the same kernels on the same inputs; only the bias gradients' atomic column sums (MX) may
+    # round in another order
+    assert losses["reduce-overhead"] == pytest.approx(losses["default"], rel=1e-5, abs=1e-6)
     for a, b in zip(rows["default params"], rows["reduce-overhead params"]):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)

@@ -22,6 +22,7 @@ import contextlib
 import torch
 
 from ..model import image_ids, text_ids
+from ..train.block_graphs import BlockGraphs
 from ..train.clipping import clip_and_step
 from ..train.config import RunConfig
 from ..train.distributed import DistContext
@@ -48,6 +49,7 @@ class BareLoop:
         self.optimizer = build_optimizer(cfg, self.model, capturable=cuda_graph)
         self.captured = CapturedStep(self.optimizer, device, warmup=graph_warmup) if cuda_graph else None
         self.accum = cfg.batch.accumulation_steps(ctx.world_size)
+        self.block_graphs = BlockGraphs(cfg.model, device, self.accum)
         self.compute_dtype = getattr(torch, cfg.train.compute_dtype)
         mc = cfg.model.flux_config()
         b, (h, w) = cfg.batch.micro_batch_size, latent_hw
@@ -80,7 +82,7 @@ class BareLoop:
         `cuda_graph` the first call runs the eager warm-up steps and the capture, and every call
         returns the loss of one replay."""
         if self.captured is None:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.block_graphs.zero_grad(self.optimizer)
             return self._core()[0]
         while True:  # the inputs live on the device already: no micro-batches to copy in
             (loss,) = self.captured.run(self._core, (), 0)
@@ -92,6 +94,7 @@ class BareLoop:
         inputs are fixed and the bare loop draws no noise)."""
         self.train_model.train()
         for i, (inputs, target) in enumerate(zip(self.inputs, self.targets)):
+            self.block_graphs.micro_batch()
             with self._autocast():
                 pred = self.train_model(**inputs)
             loss = per_sample_mse(pred, target).mean()

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..model import image_ids, init_from_checkpoint, patchify, text_ids
 from ..nn.linear import MXFP6Linear
+from .block_graphs import BlockGraphs
 from .build import build_model, build_optimizer
 from .callbacks import Callback
 from .captured import CapturedStep, one_process_error
@@ -69,6 +70,7 @@ class Trainer:
         self.callbacks = list(callbacks)
         self.compute_dtype = getattr(torch, cfg.train.compute_dtype)
         self.accum = cfg.batch.accumulation_steps(self.world)
+        self.block_graphs = BlockGraphs(cfg.model, self.device, self.accum)
         self.total_steps = total_steps(cfg)
 
         self.model, self.precision_report = build_model(cfg, self.device)  # fp32 master weights
@@ -180,7 +182,7 @@ class Trainer:
         if self.captured is not None:
             mean, grad_norm = self.captured.run(self._step_core, micro_batches, self.step)
         else:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.block_graphs.zero_grad(self.optimizer)
             mean, grad_norm = self._step_core(micro_batches, self.step, to_device=self._to_device)
         self.scheduler.step()
         self.step += 1
@@ -201,6 +203,7 @@ class Trainer:
         norm). What `train.cuda_graph` captures."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, batch in enumerate(micro_batches):
+            self.block_graphs.micro_batch()
             loss = self.training_loss(to_device(batch) if to_device is not None else batch, step)
             # The reported value is a detached copy taken before the 1/accum scaling, so that
             # nothing below (or in a distributed wrapper) can rescale it in place.
