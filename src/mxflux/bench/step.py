@@ -11,7 +11,8 @@ trainer's own cost per step is their difference (the bare loop runs after the tr
 same process, the trainer freed first; its memory figures are for reference, the trainer's are
 the measurement). Warm-up and profiled steps are not timed. It reports:
 
-- images/s (global) and images/s/GPU = global images/s / world size;
+- images/s (global) and images/s per device (`images_per_s_per_gpu`, also on the CPU) = global
+  images/s / world size;
 - ms per 512 images = 512 / global images/s (one MLPerf flux1 global batch on this job);
 - MFU = images/s/GPU x training FLOPs per sample / the device's peak dense bf16 rate, with the
   FLOPs from `mxflux.model.configs.flops_per_sample` for the model and token counts of the data
@@ -415,6 +416,7 @@ def bench_settings(recipe: str, settings: list[tuple[str, list[str]]], *, common
         r = bench_step(cfg, recipe=recipe, label=label, **kwargs)
         if r is not None:
             results.append(r)
-            print(f"{label}: {r['images_per_s_per_gpu']:.2f} images/s/GPU, {r['step_ms']:.1f} ms/step, "
+            unit = "CPU" if r["device"].startswith("cpu") else "GPU"
+            print(f"{label}: {r['images_per_s_per_gpu']:.2f} images/s/{unit}, {r['step_ms']:.1f} ms/step, "
                   f"peak {r['memory']['max_allocated_gib']:.1f} GiB", flush=True)
     return results
