@@ -72,16 +72,12 @@ def _model_config(cfg: RunConfig):
 
 def _synthetic_reason(cfg: RunConfig, mc) -> str | None:
     """Why the recipe's own data cannot be benchmarked on (None: it can)."""
-    root = cfg.data.root
-    if root is None:
-        from ..data.demo import DEMO_CLIP_DIM, DEMO_T5_DIM
+    from ..data.fit import data_model_mismatch
 
-        if (mc.context_in_dim, mc.vec_in_dim) != (DEMO_T5_DIM, DEMO_CLIP_DIM):
-            return f"the built-in demo data does not fit {cfg.model.name}"
-        return None
-    if not (Path(root) / "meta.json").is_file():
+    root = cfg.data.root
+    if root is not None and not (Path(root) / "meta.json").is_file():
         return f"data.root {root!r} not found"
-    return None
+    return data_model_mismatch(root, mc, model_name=cfg.model.name, recipe=cfg.name)
 
 
 def _synthetic_root(mc, *, n_train: int, image_size: int, text_len: int, data_dir: str | None,

@@ -83,6 +83,7 @@ def _check_config(args) -> int:
 
     cfg = _load(args)
     _check_init_from(cfg, args.parser)
+    _check_data_fits(cfg, args.parser)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
     # Precision patterns are checked against the real module names: a dry run on the meta device.
     import torch
@@ -122,6 +123,19 @@ def _check_init_from(cfg, parser) -> None:
                            source=f"model.init_from {cfg.model.init_from}")
     except FluxWeightsError as e:
         parser.error(str(e))
+
+
+def _check_data_fits(cfg, parser) -> None:
+    """The recipe's data has the dims its model reads (`mxflux.data.fit`): one line naming both if not."""
+    from ..data import DataError
+    from ..data.fit import data_model_mismatch
+
+    try:
+        why = data_model_mismatch(cfg.data.root, cfg.model.flux_config(), model_name=cfg.model.name, recipe=cfg.name)
+    except DataError as e:
+        parser.error(str(e))
+    if why:
+        parser.error(why)
 
 
 def _with_init_from(cfg, weights: str | None):
@@ -186,6 +200,7 @@ def _train(args) -> int:
     else:
         cfg = _load(args, args.recipe or DEFAULT_RECIPE)
         run_dir, out = None, Path(args.out) if args.out else cfg.out_dir
+    _check_data_fits(cfg, args.parser)
     ctx = init_distributed(device.type if device is not None else None)  # gloo for --device cpu
     try:
         if run_dir is None or out.resolve() != run_dir.resolve():
