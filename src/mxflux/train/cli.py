@@ -82,7 +82,7 @@ def _check_config(args) -> int:
     import yaml
 
     cfg = _load(args)
-    _check_init_from(cfg, args.parser)
+    _check_init_from(cfg, args.parser, missing_ok=True)
     _check_data_fits(cfg, args.parser)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
     # Precision patterns are checked against the real module names: a dry run on the meta device.
@@ -112,9 +112,10 @@ def _recipe_paths(cfg) -> list[tuple[str, str]]:
     if isinstance(init_from, str):
         paths.append(("model.init_from", init_from))
     return [(f, p) for f, p in paths if p]
-def _check_init_from(cfg, parser) -> None:
-    """model.init_from exists and fits the model config (read from the file headers, no tensor)."""
-    if not cfg.model.init_from:
+def _check_init_from(cfg, parser, *, missing_ok: bool = False) -> None:
+    """model.init_from exists and fits the model config (read from the file headers, no tensor).
+    `missing_ok`: a path that does not exist is not checked (check-config warns about it)."""
+    if not cfg.model.init_from or (missing_ok and not Path(cfg.model.init_from).exists()):
         return
     from ..model import FluxCheckpoint, FluxWeightsError, check_flux_weights
 
