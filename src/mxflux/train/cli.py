@@ -84,6 +84,8 @@ def _check_config(args) -> int:
     cfg = _load(args)
     _check_init_from(cfg, args.parser, missing_ok=True)
     _check_data_fits(cfg, args.parser)
+    if cfg.data.root is None:  # the demo dataset: its encoder draws the recipe's samples
+        _warn_unknown_prompt_words(cfg.train.sample_prompts)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
     # Precision patterns are checked against the real module names: a dry run on the meta device.
     import torch
@@ -137,6 +139,15 @@ def _check_data_fits(cfg, parser) -> None:
         parser.error(str(e))
     if why:
         parser.error(why)
+
+
+def _warn_unknown_prompt_words(prompts) -> None:
+    """One line on stderr for prompt words the demo text encoder's captions never had."""
+    from ..data.demo import unknown_prompt_words_warning
+
+    warning = unknown_prompt_words_warning(list(prompts))
+    if warning:
+        print(warning, file=sys.stderr)
 
 
 def _with_init_from(cfg, weights: str | None):
@@ -202,6 +213,8 @@ def _train(args) -> int:
         cfg = _load(args, args.recipe or DEFAULT_RECIPE)
         run_dir, out = None, Path(args.out) if args.out else cfg.out_dir
     _check_data_fits(cfg, args.parser)
+    if cfg.data.root is None:  # said now, not after the run when samples.png is drawn
+        _warn_unknown_prompt_words(cfg.train.sample_prompts)
     ctx = init_distributed(device.type if device is not None else None)  # gloo for --device cpu
     try:
         if run_dir is None or out.resolve() != run_dir.resolve():
@@ -491,6 +504,8 @@ def _sample_to_grid(model, dataset, prompts, *, steps, seed, out, dtype, encoder
         if source.get("kind") != "demo" and not source.get("decoder"):
             return None
         from ..data import encode_demo_prompts as encode
+
+        _warn_unknown_prompt_words(prompts)
 
     if vae is not None:
         if image_size is None:
