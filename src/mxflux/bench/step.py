@@ -406,13 +406,14 @@ def bench_settings(recipe: str, settings: list[tuple[str, list[str]]], *, common
     ([] on the other ranks). For settings that share compiled code and precision, e.g. FSDP
     wrapping variants under one torchrun job; settings of different precisions belong in
     separate processes (`mxflux.bench.compare`)."""
+    from .report import per_device_unit
+
     results = []
     for label, overrides in settings:
         cfg = load_bench_recipe(recipe, [*overrides, *common])
         r = bench_step(cfg, recipe=recipe, label=label, **kwargs)
         if r is not None:
             results.append(r)
-            unit = "CPU" if r["device"].startswith("cpu") else "GPU"
-            print(f"{label}: {r['images_per_s_per_gpu']:.2f} images/s/{unit}, {r['step_ms']:.1f} ms/step, "
+            print(f"{label}: {r['images_per_s_per_gpu']:.2f} images/s/{per_device_unit([r])}, {r['step_ms']:.1f} ms/step, "
                   f"peak {r['memory']['max_allocated_gib']:.1f} GiB", flush=True)
     return results

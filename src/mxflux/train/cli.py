@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..argtypes import non_negative_int, positive_int
+from .datacheck import check_recipe_data, warn_unknown_prompt_words
 
 __all__ = ["add_train_parser", "add_eval_parser", "add_sample_parser", "add_check_config_parser",
            "add_recipes_parser"]
@@ -83,9 +84,7 @@ def _check_config(args) -> int:
 
     cfg = _load(args)
     _check_init_from(cfg, args.parser, missing_ok=True)
-    _check_data_fits(cfg, args.parser)
-    if cfg.data.root is None:  # the demo dataset: its encoder draws the recipe's samples
-        _warn_unknown_prompt_words(cfg.train.sample_prompts)
+    check_recipe_data(cfg, args.parser)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
     # Precision patterns are checked against the real module names: a dry run on the meta device.
     import torch
@@ -126,28 +125,6 @@ def _check_init_from(cfg, parser, *, missing_ok: bool = False) -> None:
                            source=f"model.init_from {cfg.model.init_from}")
     except FluxWeightsError as e:
         parser.error(str(e))
-
-
-def _check_data_fits(cfg, parser) -> None:
-    """The recipe's data has the dims its model reads (`mxflux.data.fit`): one line naming both if not."""
-    from ..data import DataError
-    from ..data.fit import data_model_mismatch
-
-    try:
-        why = data_model_mismatch(cfg.data.root, cfg.model.flux_config(), model_name=cfg.model.name, recipe=cfg.name)
-    except DataError as e:
-        parser.error(str(e))
-    if why:
-        parser.error(why)
-
-
-def _warn_unknown_prompt_words(prompts) -> None:
-    """One line on stderr for prompt words the demo text encoder's captions never had."""
-    from ..data.demo import unknown_prompt_words_warning
-
-    warning = unknown_prompt_words_warning(list(prompts))
-    if warning:
-        print(warning, file=sys.stderr)
 
 
 def _with_init_from(cfg, weights: str | None):
@@ -212,9 +189,7 @@ def _train(args) -> int:
     else:
         cfg = _load(args, args.recipe or DEFAULT_RECIPE)
         run_dir, out = None, Path(args.out) if args.out else cfg.out_dir
-    _check_data_fits(cfg, args.parser)
-    if cfg.data.root is None:  # said now, not after the run when samples.png is drawn
-        _warn_unknown_prompt_words(cfg.train.sample_prompts)
+    check_recipe_data(cfg, args.parser)  # before any work, not at the first forward or at the end's samples
     ctx = init_distributed(device.type if device is not None else None)  # gloo for --device cpu
     try:
         if run_dir is None or out.resolve() != run_dir.resolve():
@@ -505,7 +480,7 @@ def _sample_to_grid(model, dataset, prompts, *, steps, seed, out, dtype, encoder
             return None
         from ..data import encode_demo_prompts as encode
 
-        _warn_unknown_prompt_words(prompts)
+        warn_unknown_prompt_words(prompts)
 
     if vae is not None:
         if image_size is None:
