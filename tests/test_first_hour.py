@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 # A 1+1-block tiny-mxfp6, 4 images a step, logging each step, no evaluation, no samples.
@@ -41,7 +42,7 @@ def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
 # bench step
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="what a machine without CUDA does")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA does")
 def test_bench_step_on_a_cpu_runs_what_can_run_and_names_the_skipped_in_one_line(tmp_path):
     out = tmp_path / "b.json"
     proc = mxflux("bench", "step", "tiny-mxfp6", "--steps", "1", "--warmup", "0", "--synthetic", "--image-size", "32",
@@ -62,7 +63,7 @@ def test_bench_step_on_a_cpu_runs_what_can_run_and_names_the_skipped_in_one_line
     assert set(results["fp8-rowwise"]) == {"label", "skipped", "wall_s_including_compile"}
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="what a machine without CUDA does")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA does")
 def test_bench_step_of_one_setting_that_cannot_run_here_is_one_line_and_exit_2(tmp_path):
     proc = mxflux("bench", "step", "tiny-mxfp6", "--settings", "fp8-rowwise", cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
