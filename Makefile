@@ -1,31 +1,42 @@
 # mxflux developer entry points. Everything is installed into .venv by `make setup`;
 # nothing needs to be installed by hand.
 #
-#   make run    set up, then run the default job (`mxflux train`: tiny MXFP6 Flux on the demo dataset)
-#   make test   set up, then run the test suite
+#   make run    set up the runtime, then run the default job (`mxflux train`: tiny MXFP6 Flux on the demo dataset)
+#   make test   set up the runtime and the test extras, then run the test suite
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+# One stamp per install step: the runtime (what `make run` needs) and the test extras on top of it
+# (pytest, and diffusers / transformers for the equivalence and `data prepare` tests), so that
+# `make run` never installs what only the tests use, and `make test` after `make run` still does.
+RUNTIME := $(VENV)/.installed-runtime
+TESTING := $(VENV)/.installed-test
 # Pinned and installed first on its own: pip then sees torch>=2.11 as satisfied and does not
 # replace it with a multi-GB CUDA build when it resolves the package's dependencies.
 TORCH  := torch==2.13.0
 
-.PHONY: setup run test clean
+.PHONY: setup setup-test run test clean
 
-setup: $(STAMP)
+setup: $(RUNTIME)
 
-$(STAMP): pyproject.toml
+setup-test: $(TESTING)
+
+$(RUNTIME): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(TORCH)
+	$(BIN)/pip install -e .
+	touch $@
+
+# Redone whenever the runtime is (a changed pyproject.toml may change the extras too).
+$(TESTING): $(RUNTIME)
 	$(BIN)/pip install -e '.[test]'
 	touch $@
 
 run: setup
 	$(BIN)/mxflux train
 
-test: setup
+test: setup-test
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -33,7 +33,7 @@ def test_one_setting_in_process_with_bare_loop_breakdown_and_memory(tmp_path, ca
                "batch.global_batch_size=8", "batch.micro_batch_size=4"])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "images/s/GPU" in printed and "trainer / bare loop" in printed and "saved for backward" in printed
+    assert "images/s/CPU" in printed and "trainer / bare loop" in printed and "saved for backward" in printed
     (r,) = json.loads(out.read_text())
 
     assert (r["model"], r["precision"], r["world_size"], r["steps"], r["warmup_steps"]) == ("flux-tiny", "bf16", 1, 2, 1)

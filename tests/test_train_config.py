@@ -31,8 +31,11 @@ def _raw(name):
 
 def test_mlperf_recipes_differ_only_in_the_precision_block():
     fp8, mx, bf = _raw("flux12b-fp8-mlperf"), _raw("flux12b-mxfp6-mlperf"), _raw("flux12b-bf16-mlperf")
-    for other in (mx, bf):
-        assert {k: v for k, v in other.items() if k != "precision"} == {k: v for k, v in fp8.items() if k != "precision"}
+    for other in (mx, bf):  # the description names the precision too (`mxflux recipes` tells them apart)
+        assert ({k: v for k, v in other.items() if k not in ("precision", "description")}
+                == {k: v for k, v in fp8.items() if k not in ("precision", "description")})
+    assert [r["description"].rsplit("), ", 1)[1] for r in (fp8, mx, bf)] == [
+        "torchao FP8 tensorwise", "MXFP6 linears", "bf16: the baseline"]
     cfg = load_recipe("flux12b-mxfp6-mlperf")
     # The MLPerf reference point for GBS 512 (rcps_flux1.json) and the rules' fixed constants.
     assert (cfg.batch.global_batch_size, cfg.optim.lr, cfg.optim.warmup_steps) == (512, 2e-4, 1600)

@@ -25,7 +25,8 @@ def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: `mxflux bench step` (training-step throughput, MFU, memory)")
     bench = p.add_subparsers(title="benchmarks", metavar="BENCH")
     s = bench.add_parser(
-        "step", help="training-step throughput of a recipe in several precisions side by side: images/s/GPU, "
+        "step", help="training-step throughput of a recipe in several precisions side by side: images/s per "
+                     "device (GPU or CPU), "
                      "MFU, memory, device-time split, the bare loop",
         description="Build the trainer of a recipe, run warm-up steps, then time optimizer steps (one device "
                     "synchronisation after them); optionally profile more steps for the device-time split and "
@@ -33,7 +34,8 @@ def add_bench_parser(sub) -> None:
                     "in its own process, one after the other, and one table compares them. Batches are read "
                     "before timing and reused, so data loading is not timed; the host-to-device copy is. Under "
                     "torchrun (one setting per job): images/s/GPU = global images/s / world size, memory = the "
-                    "largest over ranks.")
+                    "largest over ranks. A setting this machine cannot run (torchao FP8 without a CUDA GPU of "
+                    "compute capability 8.9+, a CUDA-graph setting without CUDA) is skipped and named in one line.")
     s.add_argument("--recipe", help="built-in recipe name or a YAML file (required unless --proxy)")
     s.add_argument("--proxy", action="store_true",
                    help=f"the flux-12b-width throughput proxy: --recipe {PROXY_RECIPE} with "
@@ -82,6 +84,9 @@ def add_bench_parser(sub) -> None:
                    help="the device's peak dense bf16 TFLOP/s for MFU (default: 989 on H100/H200; none on CPU)")
     s.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda if available; LOCAL_RANK under torchrun)")
     s.add_argument("--json", metavar="PATH", help="also write the results (a list, one per setting) as JSON")
+    # A comparison's child process: a setting this machine cannot run is written as skipped (with
+    # the reason) instead of being an error, so that the comparison runs the others.
+    s.add_argument("--skip-unavailable", action="store_true", help=argparse.SUPPRESS)
     s.set_defaults(handler=_step, parser=s)
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1], parser=p)
 
@@ -95,7 +100,7 @@ def _user_overrides(args) -> list[str]:
 
 def _child_argv(args, setting: str, json_path: Path, memory_path: Path) -> list[str]:
     """The argv of one setting's own process: this command with that one setting."""
-    argv = ["--recipe", args.recipe, "--settings", setting, "--json", str(json_path),
+    argv = ["--recipe", args.recipe, "--settings", setting, "--json", str(json_path), "--skip-unavailable",
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps),
             "--image-size", str(args.image_size), "--text-len", str(args.text_len)]
     for flag, on in (("--proxy", args.proxy), ("--bare-loop", args.bare_loop), ("--cuda-graph", args.cuda_graph),
@@ -135,10 +140,22 @@ def _step(args) -> int:
     return _one(args)
 
 
+def _device(name: str | None):
+    """The device a setting will run on, as `bench_step` picks it (under torchrun: LOCAL_RANK's GPU)."""
+    import torch
+
+    if name:
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def _one(args) -> int:
     """One setting, in this process (also under torchrun)."""
     from ..train.config import RecipeError
     from . import step
+    from .availability import setting_unavailability
     from .report import print_table, write_json
 
     (setting,) = args.settings
@@ -146,12 +163,17 @@ def _one(args) -> int:
         cfg = step.load_bench_recipe(args.recipe, [*SETTINGS[setting], *_user_overrides(args)])
     except RecipeError as e:
         args.parser.error(str(e))
+    device = _device(args.device)
+    unavailable = setting_unavailability(cfg, device)
+    if unavailable:
+        if not args.skip_unavailable:
+            args.parser.error(f"--settings {setting}: cannot run here: {unavailable}")
+        if args.json:
+            write_json(args.json, [{"label": setting, "skipped": unavailable}])
+        return 0
     if args.cuda_graph or cfg.train.cuda_graph:
-        import torch
-
-        device_type = torch.device(args.device).type if args.device else "cuda" if torch.cuda.is_available() else "cpu"
         refused = step.captured_step_error(cfg, cuda_graph=args.cuda_graph, warmup=args.warmup,
-                                           device_type=device_type,
+                                           device_type=device.type,
                                            world_size=int(os.environ.get("WORLD_SIZE", "1")))
         if refused:
             args.parser.error(refused)
@@ -173,7 +195,7 @@ def _compare(args) -> int:
     With rounds, the memory report is each setting's last successful one."""
     from ..train.config import RecipeError, load_recipe
     from .compare import combine_rounds, run_in_subprocesses
-    from .report import print_table, write_json
+    from .report import print_table, skipped_line, write_json
 
     invalid = {}
     for name in args.settings:
@@ -195,6 +217,8 @@ def _compare(args) -> int:
     ran = combine_rounds(rounds) if args.rounds > 1 else rounds[0]
     by_name = {r["label"]: r for r in ran}
     results = [invalid.get(n) or by_name[n] for n in args.settings]
+    if all(r.get("skipped") for r in results):
+        args.parser.error("no setting can run here: " + skipped_line(results))
     print_table(results)
     if args.json:
         write_json(args.json, results)

@@ -108,7 +108,8 @@ def run_in_subprocesses(settings: list[str], child_argv, *, timeout_s: float | N
     setting, one after the other, streaming each child's output with its setting as prefix.
 
     Returns (results in setting order, {setting: memory report}); a setting whose process failed,
-    timed out or wrote no result is {"label": setting, "failed": "<why and its last lines>"}.
+    timed out or wrote no result is {"label": setting, "failed": "<why and its last lines>"}, one
+    that this machine cannot run (`mxflux.bench.availability`) {"label": setting, "skipped": "<why>"}.
     """
     results, memory = [], {}
     with tempfile.TemporaryDirectory(prefix="mxflux-bench-settings-") as tmp:
@@ -158,7 +159,7 @@ def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
     `step_ms` and `images_per_s_per_gpu` of every round in order, None where that round's process
     failed. The report divides step times within a round, where the settings ran back to back,
     so that the card's drift between rounds does not enter a ratio. A setting that failed in
-    every round is failed, with each round's reason.
+    every round is failed, with each round's reason; a skipped one is skipped.
     """
     if not rounds or any(len(r) != len(rounds[0]) for r in rounds):
         raise ValueError(f"rounds: expected the same settings in every round, got {[len(r) for r in rounds]}")
@@ -167,6 +168,9 @@ def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
         labels = {r["label"] for r in per_round}
         if len(labels) != 1:
             raise ValueError(f"rounds: one setting per position in every round, got {sorted(labels)}")
+        if any(r.get("skipped") for r in per_round):  # the machine cannot run it: the same in every round
+            combined.append(per_round[0])
+            continue
         ok = [r for r in per_round if not r.get("failed")]
         if not ok:
             combined.append({"label": per_round[0]["label"], "failed": "; ".join(

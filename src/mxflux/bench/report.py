@@ -7,7 +7,8 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["print_table", "write_json", "CATEGORY_ORDER", "is_bf16", "is_fp8_tensorwise"]
+__all__ = ["print_table", "write_json", "skipped_line", "per_device_unit", "CATEGORY_ORDER", "is_bf16",
+           "is_fp8_tensorwise"]
 
 # The device-time categories in table order (mxflux.bench.device_time.CATEGORIES; repeated here so
 # that this module stays torch-free).
@@ -24,6 +25,22 @@ def _get(r: dict, *keys):
             return None
         r = r.get(k)
     return r
+
+
+def per_device_unit(results: list[dict]) -> str:
+    """What "per device" is in these results: GPU, or CPU where every one ran on the CPU (the JSON
+    key stays `images_per_s_per_gpu` for either, so that saved results and scripts keep reading)."""
+    ran = [r for r in results if r.get("device")]
+    return "CPU" if ran and all(r["device"].startswith("cpu") for r in ran) else "GPU"
+
+
+def skipped_line(results: list[dict]) -> str:
+    """The skipped settings in one line, grouped by their reason: "a, b: why; c: why"."""
+    by_reason: dict[str, list[str]] = {}
+    for r in results:
+        if r.get("skipped"):
+            by_reason.setdefault(r["skipped"], []).append(r["label"])
+    return "; ".join(f"{', '.join(labels)}: {why}" for why, labels in by_reason.items())
 
 
 def is_bf16(r: dict) -> bool:
@@ -105,7 +122,10 @@ def print_table(results: list[dict], *, console=None) -> None:
     from rich.table import Table
 
     console = console or Console(width=max(160, Console().width))
+    skipped = skipped_line(results)
+    results = [r for r in results if not r.get("skipped")]
     ok = [r for r in results if not r.get("failed")]
+    unit = per_device_unit(ok)
     rounds = max((len(r["rounds"]["step_ms"]) for r in ok if r.get("rounds")), default=0)
     if ok:
         r0 = ok[0]
@@ -122,7 +142,7 @@ def print_table(results: list[dict], *, console=None) -> None:
     rows = [
         ("ms / step", lambda r: _fmt(r["step_ms"], ".1f")),
         *([("ms / step, rounds: min–max", _rounds_cell)] if rounds else []),
-        ("images/s/GPU", lambda r: _fmt(r["images_per_s_per_gpu"], ".1f")),
+        (f"images/s/{unit}", lambda r: _fmt(r["images_per_s_per_gpu"], ".1f")),
         *(_ratio_rows(ok) if len(results) > 1 else []),
         ("MFU", lambda r: "–" if r["mfu"] is None else f"{100 * r['mfu']:.1f}% of {r['peak_tflops']:.0f}"),
         ("ms per 512 images", lambda r: _fmt(r["ms_per_512"], ".0f")),
@@ -153,13 +173,15 @@ def print_table(results: list[dict], *, console=None) -> None:
         table.add_row(name, *("failed" if r.get("failed") and i == 0 else "–" if r.get("failed") else fn(r)
                               for r in results))
     console.print(table)
-    notes = ["MFU = images/s/GPU x FLOP/sample / peak dense bf16; device used = total - free (mem_get_info)"]
+    notes = [f"MFU = images/s/{unit} x FLOP/sample / peak dense bf16; device used = total - free (mem_get_info)"]
     if any(r.get("breakdown") for r in ok):
         notes.append("device split: the union of kernels, memcpy and memset over the profiled steps (excluded "
                      "from the timing), shared equally among the categories active at once, so they sum to busy")
     if any(r.get("synthetic_data") for r in ok):
         notes.append("data: synthetic MLPerf-shaped shards")
     console.print("; ".join(notes), style="dim")
+    if skipped:
+        console.print(f"skipped {skipped}", style="yellow")
     for r in results:
         if r.get("failed"):
             console.print(f"{r['label']} failed: {r['failed']}", style="red")

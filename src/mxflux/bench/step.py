@@ -11,7 +11,8 @@ trainer's own cost per step is their difference (the bare loop runs after the tr
 same process, the trainer freed first; its memory figures are for reference, the trainer's are
 the measurement). Warm-up and profiled steps are not timed. It reports:
 
-- images/s (global) and images/s/GPU = global images/s / world size;
+- images/s (global) and images/s per device (`images_per_s_per_gpu`, also on the CPU) = global
+  images/s / world size;
 - ms per 512 images = 512 / global images/s (one MLPerf flux1 global batch on this job);
 - MFU = images/s/GPU x training FLOPs per sample / the device's peak dense bf16 rate, with the
   FLOPs from `mxflux.model.configs.flops_per_sample` for the model and token counts of the data
@@ -71,16 +72,12 @@ def _model_config(cfg: RunConfig):
 
 def _synthetic_reason(cfg: RunConfig, mc) -> str | None:
     """Why the recipe's own data cannot be benchmarked on (None: it can)."""
-    root = cfg.data.root
-    if root is None:
-        from ..data.demo import DEMO_CLIP_DIM, DEMO_T5_DIM
+    from ..data.fit import data_model_mismatch
 
-        if (mc.context_in_dim, mc.vec_in_dim) != (DEMO_T5_DIM, DEMO_CLIP_DIM):
-            return f"the built-in demo data does not fit {cfg.model.name}"
-        return None
-    if not (Path(root) / "meta.json").is_file():
+    root = cfg.data.root
+    if root is not None and not (Path(root) / "meta.json").is_file():
         return f"data.root {root!r} not found"
-    return None
+    return data_model_mismatch(root, mc, model_name=cfg.model.name, recipe=cfg.name)
 
 
 def _synthetic_root(mc, *, n_train: int, image_size: int, text_len: int, data_dir: str | None,
@@ -409,12 +406,14 @@ def bench_settings(recipe: str, settings: list[tuple[str, list[str]]], *, common
     ([] on the other ranks). For settings that share compiled code and precision, e.g. FSDP
     wrapping variants under one torchrun job; settings of different precisions belong in
     separate processes (`mxflux.bench.compare`)."""
+    from .report import per_device_unit
+
     results = []
     for label, overrides in settings:
         cfg = load_bench_recipe(recipe, [*overrides, *common])
         r = bench_step(cfg, recipe=recipe, label=label, **kwargs)
         if r is not None:
             results.append(r)
-            print(f"{label}: {r['images_per_s_per_gpu']:.2f} images/s/GPU, {r['step_ms']:.1f} ms/step, "
+            print(f"{label}: {r['images_per_s_per_gpu']:.2f} images/s/{per_device_unit([r])}, {r['step_ms']:.1f} ms/step, "
                   f"peak {r['memory']['max_allocated_gib']:.1f} GiB", flush=True)
     return results

@@ -31,17 +31,24 @@ def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
     data.set_defaults(handler=no_subcommand)
 
-    p = sub.add_parser("synth", help="write a random dataset (loader benchmarks, tests)",
-                       description="Write a dataset of random tensors with realistic statistics. "
-                                   "Defaults are the MLPerf dims (T5 256x4096, CLIP 768, latent 16x32x32).")
+    p = sub.add_parser("synth", help="write a random dataset that fits a recipe's model (smoke runs, benchmarks)",
+                       description="Write a dataset of random tensors with realistic statistics. With --for "
+                                   "RECIPE its widths are the recipe's model's (T5 = context_in_dim, CLIP = "
+                                   "vec_in_dim, latent channels = in_channels / 4) and its sizes the recipe's "
+                                   "data's (the demo dataset's T5 32 and latent 16 for the tiny recipes, else "
+                                   "MLPerf's 256 and 32). Without it: the MLPerf dims (T5 256x4096, CLIP 768, "
+                                   "latent 16x32x32), which fit the flux-535m and flux12b recipes only.")
+    p.add_argument("--for", dest="recipe", metavar="RECIPE",
+                   help="write data that fits this recipe (a built-in name or a YAML file)")
     p.add_argument("--out", required=True, metavar="DIR", help="new dataset directory (must not hold files)")
     p.add_argument("--train", type=non_negative_int, required=True, metavar="N", help="training samples")
     p.add_argument("--eval", type=non_negative_int, required=True, metavar="N", help="evaluation samples")
-    p.add_argument("--t5-len", type=positive_int, default=256, metavar="L", help="T5 tokens (default: 256)")
-    p.add_argument("--t5-dim", type=positive_int, default=4096, metavar="D", help="T5 width (default: 4096)")
-    p.add_argument("--clip-dim", type=positive_int, default=768, metavar="D", help="CLIP width (default: 768)")
-    p.add_argument("--latent-size", type=positive_int, default=32, metavar="HW",
-                   help="latent height = width (default: 32)")
+    p.add_argument("--t5-len", type=positive_int, metavar="L", help="T5 tokens (default: 256, or as --for's data)")
+    p.add_argument("--t5-dim", type=positive_int, metavar="D", help="T5 width (default: 4096; with --for: its model's)")
+    p.add_argument("--clip-dim", type=positive_int, metavar="D",
+                   help="CLIP width (default: 768; with --for: its model's)")
+    p.add_argument("--latent-size", type=positive_int, metavar="HW",
+                   help="latent height = width (default: 32, or as --for's data)")
     p.add_argument("--shard-size", type=positive_int, metavar="N", help="samples per shard (default: ~1 GiB shards)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     p.set_defaults(handler=_synth, parser=p)
@@ -114,14 +121,40 @@ def _run(args: argparse.Namespace, fn) -> int:
         args.parser.error(str(e))  # exits 2
 
 
+def _synth_dims(args: argparse.Namespace):
+    """The dims `data synth` writes: --for's recipe's (its model's widths, its data's sizes), or the
+    MLPerf dims; explicit sizes replace either."""
+    from .fit import DataDims, demo_dims, dims_for_model
+
+    if args.recipe is None:
+        return DataDims(l_txt=args.t5_len or 256, d_t5=args.t5_dim or 4096, d_clip=args.clip_dim or 768,
+                        latent_channels=16, latent_hw=args.latent_size or 32)
+    for flag, value in (("--t5-dim", args.t5_dim), ("--clip-dim", args.clip_dim)):
+        if value is not None:
+            args.parser.error(f"{flag}: --for {args.recipe} takes it from the recipe's model; give one of them")
+    from ..train.config import RecipeError, load_recipe  # a CLI handler: it may read a recipe
+
+    try:
+        cfg = load_recipe(args.recipe)
+    except RecipeError as e:
+        args.parser.error(str(e))
+    sizes = demo_dims() if cfg.data.root is None else None
+    return dims_for_model(cfg.model.flux_config(),
+                          l_txt=args.t5_len or (sizes.l_txt if sizes else 256),
+                          latent_hw=args.latent_size or (sizes.latent_hw if sizes else 32))
+
+
 def _synth(args: argparse.Namespace) -> int:
     def go() -> int:
+        from dataclasses import asdict
+
         from .synth import write_synthetic
 
-        out = write_synthetic(args.out, n_train=args.train, n_eval=args.eval, l_txt=args.t5_len,
-                              d_t5=args.t5_dim, d_clip=args.clip_dim, latent_hw=args.latent_size,
+        dims = _synth_dims(args)
+        out = write_synthetic(args.out, n_train=args.train, n_eval=args.eval, **asdict(dims),
                               seed=args.seed, samples_per_shard=args.shard_size)
-        print(f"wrote {args.train} train + {args.eval} eval random samples to {out}")
+        print(f"wrote {args.train} train + {args.eval} eval random samples ({dims.describe()}) to {out}"
+              + (f"; train on it: mxflux train {args.recipe} --set data.root={out}" if args.recipe else ""))
         return 0
 
     return _run(args, go)

@@ -47,8 +47,8 @@ from .shards import META_FILE, DatasetExistsError, DatasetFormatError, DatasetWr
 __all__ = [
     "DEMO_CLIP_DIM", "DEMO_EXAMPLE_PROMPTS", "DEMO_IMAGE_SIZE", "DEMO_LATENT_SCALE", "DEMO_LATENT_SHIFT",
     "DEMO_LOGVAR", "DEMO_T5_DIM", "DEMO_T5_LEN", "DEMO_VERSION", "Shape", "build_demo_dataset",
-    "decode_demo_latents", "demo_caption", "encode_demo_images", "encode_demo_prompts",
-    "ensure_demo_dataset", "render_demo_images", "sample_demo_scenes",
+    "decode_demo_latents", "demo_caption", "demo_vocabulary", "encode_demo_images", "encode_demo_prompts",
+    "ensure_demo_dataset", "render_demo_images", "sample_demo_scenes", "unknown_prompt_words_warning",
 ]
 
 DEMO_VERSION = 3  # bump when images, captions or encoders change (ensure_demo_dataset then refuses old demos)
@@ -229,6 +229,30 @@ def _clip_projection() -> torch.Tensor:
 
 def _words(prompt: str) -> list[str]:
     return re.findall(r"[a-z0-9]+", prompt.lower())[:DEMO_T5_LEN]
+
+
+def demo_vocabulary() -> frozenset[str]:
+    """Every word of the demo's captions: the words the demo text encoder's model was trained on."""
+    phrases = [*COLORS, *KINDS, *SIZES, *PLACES.values(), "a", "and"]
+    return frozenset(w for phrase in phrases for w in _words(phrase))
+
+
+def unknown_prompt_words_warning(prompts: list[str] | tuple[str, ...]) -> str | None:
+    """One line naming the prompt words outside the demo's captions (None: there are none). Any
+    word encodes (the embeddings are hashes), but a model trained on the demo never saw these, so
+    a sample of such a prompt silently draws something else."""
+    known = demo_vocabulary()
+    unknown: dict[str, list[str]] = {}  # prompt -> its unknown words, in order
+    for prompt in prompts:
+        words = [w for w in dict.fromkeys(_words(prompt)) if w not in known]
+        if words:
+            unknown[prompt] = words
+    if not unknown:
+        return None
+    listed = "; ".join(f"{', '.join(words)} (in {prompt!r})" for prompt, words in unknown.items())
+    return (f"warning: the demo text encoder does not know {listed}: the demo's captions name only a colour "
+            f"({', '.join(COLORS)}), a shape ({', '.join(KINDS)}), a size ({', '.join(SIZES)}) and a place "
+            f"(e.g. 'at the top left', 'in the center')")
 
 
 def encode_demo_prompts(prompts: list[str] | tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:

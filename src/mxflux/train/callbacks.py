@@ -41,23 +41,40 @@ class Callback:
 
 
 class ProgressBar(Callback):
-    """A rich progress bar: steps done of the run's end step, loss, LR and images/s."""
+    """A rich progress bar: steps done of the run's end step, loss, LR, images/s and the time left
+    at the mean speed of the last minutes (`mxflux.train.eta`). `clock`: seconds, monotonic."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, *, clock=None, console=None):
+        import time
+
+        from .eta import SmoothedETA
+
         self.name = name
         self.bar = None
+        self.clock = clock or time.monotonic
+        self.console = console
+        self.eta = SmoothedETA()
 
     def on_fit_start(self, trainer, end_step: int) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+        self.end_step = end_step
         self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[stats]}"), TimeRemainingColumn())
+                            TextColumn("{task.fields[stats]}"), TextColumn("[cyan]{task.fields[left]}"),
+                            console=self.console)
         self.bar.start()
-        self.task = self.bar.add_task(self.name, total=end_step, completed=trainer.step, stats="")
+        self.task = self.bar.add_task(self.name, total=end_step, completed=trainer.step, stats="",
+                                      left="-:--:--")
 
     def on_log(self, trainer, row: dict) -> None:
+        from .eta import format_remaining
+
+        # The first sample is the first log, not the fit's start: the first steps' one-time costs
+        # (allocation, compiled kernels' first calls) would otherwise enter the mean.
+        self.eta.update(row["step"], self.clock())
         self.bar.update(self.task, completed=row["step"],
-                        stats=f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['images_per_s']:.1f} img/s")
+                        stats=f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['images_per_s']:.1f} img/s",
+                        left=format_remaining(self.eta.remaining_s(self.end_step)))
 
     def on_eval_end(self, trainer, loss: float) -> bool:
         self.bar.console.print(f"step {trainer.step}: eval loss {loss:.4f}")

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..argtypes import non_negative_int, positive_int
+from .datacheck import check_recipe_data, warn_unknown_prompt_words
 
 __all__ = ["add_train_parser", "add_eval_parser", "add_sample_parser", "add_check_config_parser",
            "add_recipes_parser"]
@@ -82,7 +83,8 @@ def _check_config(args) -> int:
     import yaml
 
     cfg = _load(args)
-    _check_init_from(cfg, args.parser)
+    _check_init_from(cfg, args.parser, missing_ok=True)
+    check_recipe_data(cfg, args.parser)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False).rstrip())
     # Precision patterns are checked against the real module names: a dry run on the meta device.
     import torch
@@ -111,9 +113,10 @@ def _recipe_paths(cfg) -> list[tuple[str, str]]:
     if isinstance(init_from, str):
         paths.append(("model.init_from", init_from))
     return [(f, p) for f, p in paths if p]
-def _check_init_from(cfg, parser) -> None:
-    """model.init_from exists and fits the model config (read from the file headers, no tensor)."""
-    if not cfg.model.init_from:
+def _check_init_from(cfg, parser, *, missing_ok: bool = False) -> None:
+    """model.init_from exists and fits the model config (read from the file headers, no tensor).
+    `missing_ok`: a path that does not exist is not checked (check-config warns about it)."""
+    if not cfg.model.init_from or (missing_ok and not Path(cfg.model.init_from).exists()):
         return
     from ..model import FluxCheckpoint, FluxWeightsError, check_flux_weights
 
@@ -186,6 +189,7 @@ def _train(args) -> int:
     else:
         cfg = _load(args, args.recipe or DEFAULT_RECIPE)
         run_dir, out = None, Path(args.out) if args.out else cfg.out_dir
+    check_recipe_data(cfg, args.parser)  # before any work, not at the first forward or at the end's samples
     ctx = init_distributed(device.type if device is not None else None)  # gloo for --device cpu
     try:
         if run_dir is None or out.resolve() != run_dir.resolve():
@@ -475,6 +479,8 @@ def _sample_to_grid(model, dataset, prompts, *, steps, seed, out, dtype, encoder
         if source.get("kind") != "demo" and not source.get("decoder"):
             return None
         from ..data import encode_demo_prompts as encode
+
+        warn_unknown_prompt_words(prompts)
 
     if vae is not None:
         if image_size is None:
