@@ -3,7 +3,7 @@
 FLUX.1-dev was distilled from classifier-free guidance: its guidance embedder (`guidance_in`,
 `FluxConfig.guidance_embed`) takes the guidance scale as a second, timestep-like input, and the
 model predicts the guided velocity for that scale. Fine-tuning such weights feeds one constant
-value for it (`train.distilled_guidance`; 1.0 is the common choice of fine-tuning tools), and the
+value for it (`train.distilled_guidance`; kohya's sd-scripts documents 1.0 for training), and the
 run's evaluation and samples use the same value, so that they measure the model that is trained.
 Models without the embedder (schnell, MLPerf's) have no such input; the recipe schema refuses a
 value for them rather than carrying a setting that nothing reads.

@@ -8,7 +8,7 @@ every method is a no-op and no file is created.
 
 `lowest_numerical_precision_in_linear` is `mxfp6` for an MXFP6 recipe: MXFP6 is an allowed format
 from ruleset 6.1.0 on (mlcommons/training_policies #595), and the 6.1.0 rules of mlperf-logging
-4.1.65 and later accept it (4.1.64's list lacks it). Every rule of closed_flux1 but one is met by the
+4.1.65 and later accept it (4.1.64's list lacks it). Every 6.1.0 closed flux1 rule but one is met by the
 log of any run of an MLPerf recipe; the exception needs the real data and a full run: at least
 one `eval_accuracy` ≤ 0.586, the validation loss on MLPerf's COCO subset after training on its CC12M
 subset. (A shortened run also fails `evaluation_frequency`, which fixes the 262,144-sample interval.)
