@@ -153,6 +153,23 @@ def test_precision_keys(tmp_path, recipe, overrides, linear, comm):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_the_checker_reads_the_linear_precision_and_accepts_only_allowed_formats(tmp_path, mxfp6_cfg):
+    """mxfp6 passes because the rules list it (mlperf-logging >= 4.1.65), not because the key goes
+    unchecked: the same log claiming a format the rules do not list fails on that key alone."""
+    log = tmp_path / "result_0.txt"
+    simulate_run(log, mxfp6_cfg, CONVERGING[-2:])
+    assert run_checker(log).returncode == 0
+    forged = tmp_path / "forged.txt"
+    forged.write_text(log.read_text().replace('"value": "mxfp6"', '"value": "mxfp5"'))
+    assert forged.read_text().count('"mxfp5"') == 1
+    res = run_checker(forged)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out
+    msgs = checker_messages(out)
+    assert len(msgs) == 1 and msgs[0].startswith("CHECK for 'lowest_numerical_precision_in_linear' failed"), out
+    assert '"value": "mxfp5"' in msgs[0] and "'mxfp6', 'nvfp4'" in msgs[0], out  # the rule's own list
+
+
 def test_rank_nonzero_writes_nothing(tmp_path, mxfp6_cfg):
     log = tmp_path / "sub" / "result_0.txt"
     simulate_run(log, mxfp6_cfg, CONVERGING, rank=3)

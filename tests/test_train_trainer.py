@@ -329,6 +329,8 @@ def test_mlperf_warmup_leaves_no_trace_and_the_log_fails_only_where_it_must(demo
                 '"lowest_numerical_precision_in_linear", "value": "mxfp6"'):
         assert key in text, key
     assert text.count('"eval_accuracy"') == 3 and '"status": "aborted"' in text
+    # The sizes of the data the run read: the demo's 96 training samples, 16 of its 24 eval samples.
+    assert '"key": "train_samples", "value": 96' in text and '"key": "eval_samples", "value": 16' in text
     out = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
                           "--ruleset", "6.1.0", "--log_output", str(tmp_path / "cc.log"), str(log)],
                          capture_output=True, text=True)

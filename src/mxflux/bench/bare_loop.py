@@ -27,6 +27,7 @@ from ..train.clipping import clip_and_step
 from ..train.config import RunConfig
 from ..train.distributed import DistContext
 from ..train.flow import per_sample_mse
+from ..train.guidance import guidance_input
 
 __all__ = ["BareLoop"]
 
@@ -68,7 +69,8 @@ class BareLoop:
                             txt=randn(b, text_tokens, mc.context_in_dim),
                             txt_ids=text_ids(b, text_tokens, device=device),
                             y=randn(b, mc.vec_in_dim),
-                            timesteps=torch.rand((b,), generator=g, device=device))
+                            timesteps=torch.rand((b,), generator=g, device=device),
+                            guidance=guidance_input(cfg.train.distilled_guidance, b, device))
                        for _ in range(self.accum)]
         self.targets = [randn(b, image_tokens, mc.in_channels, dtype=torch.float32) for _ in range(self.accum)]
 

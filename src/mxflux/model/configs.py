@@ -58,6 +58,9 @@ _SCHNELL = dict(in_channels=64, out_channels=64, vec_in_dim=768, context_in_dim=
 FLUX_CONFIGS: dict[str, FluxConfig] = {
     # 11,891,178,560 parameters: the MLPerf Training Flux.1 model.
     "flux-12b": FluxConfig(**_SCHNELL, depth=19, depth_single_blocks=38),
+    # FLUX.1-dev: flux-12b with the guidance embedder of a guidance-distilled model
+    # (11,901,408,320 parameters).
+    "flux-12b-dev": FluxConfig(**{**_SCHNELL, "guidance_embed": True}, depth=19, depth_single_blocks=38),
     # 1 double + 1 single block at full width (535,318,336 parameters): full-size GEMM shapes on
     # one GPU, for kernel and end-to-end benchmarks; same data dims as flux-12b.
     "flux-535m": FluxConfig(**_SCHNELL, depth=1, depth_single_blocks=1),

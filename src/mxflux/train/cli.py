@@ -226,7 +226,8 @@ def _train(args) -> int:
                     grid = _sample_to_grid(trainer.model, trainer.train_set, list(cfg.train.sample_prompts),
                                            steps=cfg.train.sample_steps, seed=cfg.train.seed,
                                            out=trainer.out_dir / "samples.png", dtype=trainer.compute_dtype,
-                                           guidance=cfg.train.sample_guidance, time_shift=cfg.train.sampler_shift)
+                                           guidance=cfg.train.sample_guidance, time_shift=cfg.train.sampler_shift,
+                                           distilled_guidance=cfg.train.distilled_guidance)
                 if grid:
                     result["samples_png"] = str(grid)
             result["checkpoint"] = str(trainer.last_checkpoint)
@@ -361,7 +362,8 @@ def add_sample_parser(sub) -> None:
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale, 1 = none (default: the "
                                                   "checkpoint recipe's train.sample_guidance; 1 with --weights)")
     p.add_argument("--distilled-guidance", type=float, default=None, metavar="G",
-                   help="the guidance input of guidance-distilled models (FLUX.1-dev; default: 3.5)")
+                   help="the guidance input of a guidance-distilled model (FLUX.1-dev; default: the checkpoint "
+                        "recipe's train.distilled_guidance; 3.5 with --weights)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the initial noise (default: 0)")
     p.add_argument("--out", default="samples.png", help="PNG grid to write (default: samples.png)")
     p.add_argument("--no-ema", action="store_true",
@@ -411,13 +413,14 @@ def _sample(args) -> int:
             args.parser.error(f"--weights: {e}")
         # Without real text encoders, prompts go through a dataset's own (the demo's) encoder.
         dataset = None if args.t5 else LatentDataset(args.data or ensure_demo_dataset(DEMO_DATA_DIR), "train")
-        default_guidance, default_shift = 1.0, 1.0
+        default_guidance, default_shift, trained_distilled = 1.0, 1.0, None
         weights = contextlib.nullcontext()
     else:
         trainer = _trainer_from_checkpoint(args)
         model, dataset, device = trainer.model, trainer.train_set, trainer.device
         dtype = getattr(torch, args.dtype) if args.dtype else trainer.compute_dtype
         default_guidance, default_shift = trainer.cfg.train.sample_guidance, trainer.cfg.train.sampler_shift
+        trained_distilled = trainer.cfg.train.distilled_guidance
         weights = contextlib.nullcontext() if args.no_ema else trainer.sampling_weights()
     guidance = default_guidance if args.guidance is None else args.guidance
     if guidance < 0:
@@ -425,6 +428,12 @@ def _sample(args) -> int:
     time_shift = default_shift if args.shift is None else args.shift
     if time_shift <= 0:
         args.parser.error(f"--shift: expected a shift > 0, got {time_shift}")
+    from .guidance import sampling_distilled_guidance
+
+    try:
+        distilled = sampling_distilled_guidance(model.config.guidance_embed, args.distilled_guidance, trained_distilled)
+    except ValueError as e:
+        args.parser.error(str(e))
 
     encoders = vae = None
     if args.t5:
@@ -449,7 +458,7 @@ def _sample(args) -> int:
         with weights:
             grid = _sample_to_grid(model, dataset, args.prompt, steps=args.steps, seed=args.seed,
                                    out=Path(args.out), dtype=dtype, encoders=encoders, guidance=guidance, vae=vae,
-                                   image_size=size, distilled_guidance=args.distilled_guidance,
+                                   image_size=size, distilled_guidance=distilled,
                                    time_shift=time_shift)
     except ValueError as e:
         args.parser.error(str(e))
@@ -469,7 +478,7 @@ def _sample_to_grid(model, dataset, prompts, *, steps, seed, out, dtype, encoder
     """
     from ..data import load_empty_encodings
 
-    from .sample import DEFAULT_DISTILLED_GUIDANCE, VaeDecoder, generate_latents, save_grid
+    from .sample import VaeDecoder, generate_latents, save_grid
 
     if encoders is not None:
         encode = encoders.captions
@@ -511,7 +520,6 @@ def _sample_to_grid(model, dataset, prompts, *, steps, seed, out, dtype, encoder
             empty = (t5_empty[0], clip_empty[0])
     z = generate_latents(model, t5, clip, latent_shape=latent_shape, steps=steps, seed=seed, shift=shift,
                          scale=scale, dtype=dtype, guidance=guidance, empty=empty,
-                         distilled_guidance=DEFAULT_DISTILLED_GUIDANCE if distilled_guidance is None
-                         else distilled_guidance, time_shift=time_shift)
+                         distilled_guidance=distilled_guidance, time_shift=time_shift)
     images = decode(z if vae is not None else z.cpu())
     return save_grid(images.cpu(), out, captions=list(prompts))

@@ -27,7 +27,7 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     name: str = "flux-tiny"  # a name from mxflux.model.FLUX_CONFIGS
     # Fields of that FluxConfig to replace, e.g. {depth: 4, depth_single_blocks: 8} (studies, benchmarks)
-    overrides: dict[str, int | float] = {}
+    overrides: dict[str, bool | int | float] = {}  # bool first: guidance_embed: true stays a bool
     compile: bool = False  # torch.compile each transformer block
     # torch.compile's mode for those blocks; "reduce-overhead" replays them as CUDA graphs (fewer
     # host launches and inter-kernel bubbles; not yet measured here, see benchmarks/NOTES.md)
@@ -168,6 +168,10 @@ class TrainSection(_Section):
     sample_prompts: tuple[str, ...] = ()
     sample_steps: int = Field(20, ge=1)
     sample_guidance: float = Field(1.0, ge=0.0)  # classifier-free guidance scale for samples (1 = none)
+    # The guidance input of a guidance-distilled model (FLUX.1-dev: guidance_embed), fed in training,
+    # evaluation and the run's samples (mxflux.train.guidance). Required for such a model; refused for
+    # any other, which has no such input.
+    distilled_guidance: float | None = Field(None, ge=0.0)
     # Training times t ~ U(0, 1) moved towards the noise: s·t / (1 + (s − 1)·t) (1 = none; SD3, Flux)
     timestep_shift: float = Field(1.0, gt=0.0)
     # The sampler's time grid, shifted the same way; None: timestep_shift
@@ -230,6 +234,20 @@ class RunConfig(_Section):
             # which cannot run inside the captured step
             raise ValueError("train.cuda_graph: true captures the whole step, which cannot hold the per-block "
                              "CUDA graphs of model.compile_mode: reduce-overhead; use compile_mode: default")
+        return self
+
+    @model_validator(mode="after")
+    def _guidance_input(self) -> "RunConfig":
+        embedded, value, name = self.model.flux_config().guidance_embed, self.train.distilled_guidance, self.model.name
+        if embedded and value is None:
+            raise ValueError(f"train.distilled_guidance: required: model {name} has a guidance embedder "
+                             "(guidance_embed: a guidance-distilled model such as FLUX.1-dev) and needs the value "
+                             "fed as its guidance input; set it, e.g. --set train.distilled_guidance=1.0 "
+                             "(flux12b-mxfp6-finetune-dev's)")
+        if value is not None and not embedded:
+            raise ValueError(f"train.distilled_guidance: {value} is set, but model {name} has no guidance embedder "
+                             "(guidance_embed false), so nothing would read it; remove it, or train a "
+                             "guidance-distilled model (e.g. model.name=flux-12b-dev)")
         return self
 
 
@@ -313,9 +331,10 @@ def config_from_dict(data: dict, label: str, overrides: list[str] | tuple[str, .
     except ValidationError as e:
         lines = []
         for err in e.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            where = ".".join(str(p) for p in err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 msg = "unknown key"
-            lines.append(f"  {where}: {msg}")
+            # a check across sections names its own fields first ("train.cuda_graph: ...")
+            lines.append(f"  {where}: {msg}" if where else f"  {msg}")
         raise RecipeError(f"recipe {label} is invalid:\n" + "\n".join(lines)) from None

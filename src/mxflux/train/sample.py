@@ -9,12 +9,9 @@ import torch
 from ..data.prepare import vae_latent_normalisation
 from ..model import image_ids, patchify, text_ids, unpatchify
 from .flow import euler_sample
+from .guidance import guidance_input
 
-__all__ = ["DEFAULT_DISTILLED_GUIDANCE", "VaeDecoder", "generate_latents", "save_grid"]
-
-# FLUX.1-dev's guidance input (the embedded, distilled guidance scale), as diffusers' FluxPipeline
-# defaults it; models without a guidance embedder (schnell, MLPerf) ignore it.
-DEFAULT_DISTILLED_GUIDANCE = 3.5
+__all__ = ["VaeDecoder", "generate_latents", "save_grid"]
 
 
 @torch.no_grad()
@@ -22,14 +19,15 @@ def generate_latents(model, t5: torch.Tensor, clip: torch.Tensor, *, latent_shap
                      steps: int, seed: int, shift: float, scale: float,
                      dtype: torch.dtype = torch.bfloat16, guidance: float = 1.0,
                      empty: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     distilled_guidance: float = DEFAULT_DISTILLED_GUIDANCE,
+                     distilled_guidance: float | None = None,
                      time_shift: float = 1.0) -> torch.Tensor:
     """Sample VAE latents [B, C, H, W] (un-normalised: z = x/scale + shift) for encoded prompts.
 
     `guidance` > 1 is classifier-free guidance with the empty prompt's encodings `empty` =
     (t5 [L, D], clip [D]) (what CFG dropout trained the model on): v = v_empty + g·(v_prompt −
     v_empty), both halves in one batch. 1.0 is the plain conditional model.
-    `distilled_guidance` is the guidance input of models with a guidance embedder (FLUX.1-dev).
+    `distilled_guidance` is the guidance input of a model with a guidance embedder (FLUX.1-dev), which
+    needs one (`mxflux.train.guidance.sampling_distilled_guidance` picks it); other models take none.
     `time_shift` shifts the Euler steps' times towards the noise (`mxflux.train.flow.shift_time`).
     """
     if guidance != 1.0 and empty is None:
@@ -46,9 +44,11 @@ def generate_latents(model, t5: torch.Tensor, clip: torch.Tensor, *, latent_shap
     ids_img, ids_txt = image_ids(n, h // 2, w // 2, device=device), text_ids(n, t5.shape[1], device=device)
     t5, clip = t5.to(device, dtype), clip.to(device, dtype)
     autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-    config = getattr(model, "config", None)
-    embedded = torch.full((n,), float(distilled_guidance), device=device) \
-        if config is not None and config.guidance_embed else None
+    embed = model.config.guidance_embed
+    if embed and distilled_guidance is None:
+        raise ValueError("distilled_guidance: this model has a guidance embedder (FLUX.1-dev style) and needs "
+                         "the value of its guidance input")
+    embedded = guidance_input(distilled_guidance if embed else None, n, device)
 
     def velocity(x, t):
         if guidance != 1.0:

@@ -39,6 +39,7 @@ from .config import RecipeError, RunConfig
 from .distributed import DistContext, init_distributed
 from .ema import WeightEMA
 from .flow import cfg_dropout, eval_noise, noised, per_sample_mse, sample_latents, shift_time
+from .guidance import guidance_input
 from .noise import training_draws
 from .parallelize import parallelize
 from .results import StepResult
@@ -123,7 +124,8 @@ class Trainer:
         b, _, h, w = x_t.shape
         dt = self.compute_dtype
         return dict(img=patchify(x_t).to(dt), img_ids=image_ids(b, h // 2, w // 2, device=self.device),
-                    txt=t5.to(dt), txt_ids=text_ids(b, t5.shape[1], device=self.device), y=clip.to(dt))
+                    txt=t5.to(dt), txt_ids=text_ids(b, t5.shape[1], device=self.device), y=clip.to(dt),
+                    guidance=guidance_input(self.cfg.train.distilled_guidance, b, self.device))
 
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
