@@ -9,7 +9,10 @@ Checked over the repository as it is (generic: new citations are checked as they
   names a heading of docs/design.md, and no one cites it by section number;
 - docs/design.md has exactly the section headings other modules cite;
 - every relative link or image in docs/*.md, benchmarks/*.md and README.md resolves, including
-  its `#anchor` when it points into a markdown file.
+  its `#anchor` when it points into a markdown file;
+- benchmarks/results/ holds only files something cites (the docs, or code and tests that read them),
+  every results file the markdown cites exists, and benchmarks/RESULTS.md stays a page of current
+  claims (at most RESULTS_MAX_LINES lines; history is in git).
 
 The checkers are plain functions, each also tested on text that must fail.
 """
@@ -59,6 +62,16 @@ _HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
 _INLINE_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _REFERENCE_LINK = re.compile(r"^[ \t]{0,3}\[[^\]]+\]:[ \t]*<?(\S+?)>?(?:[ \t]+\"[^\"]*\")?[ \t]*$", re.MULTILINE)
 _FENCE = re.compile(r"^\s*(```|~~~)")
+# A file of benchmarks/results/ named in text: `results/NAME.EXT` or `benchmarks/results/NAME.EXT`.
+_RESULTS_FILE = re.compile(r"(?<![\w/.-])(?:benchmarks/)?results/([\w.+-]+\.[A-Za-z]\w*)")
+RESULTS_DIR = REPO / "benchmarks" / "results"
+RESULTS_MAX_LINES = 300
+# Where a results file may be cited: the markdown that states the numbers, and the code and tests
+# that read committed results.
+CITING_FILES = ("README.md", "benchmarks/*.md", "docs/**/*.md", "benchmarks/*.py", "benchmarks/*.sh",
+                "tests/**/*.py", "src/**/*.py")
+# The markdown whose results citations must resolve.
+RESULTS_CITING_MARKDOWN = ("README.md", "benchmarks/RESULTS.md", "benchmarks/NOTES.md", "docs/*.md")
 _INLINE_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1")
 
 
@@ -180,6 +193,29 @@ def broken_links(md_file: Path, text: str | None = None) -> list[tuple[int, str]
     return out
 
 
+def cited_results_files(text: str) -> set[str]:
+    """Names of benchmarks/results/ files that `text` mentions."""
+    return {m.group(1) for m in _RESULTS_FILE.finditer(text)}
+
+
+def uncited_results_files(results_dir: Path, citing_texts: list[str]) -> list[str]:
+    """Files of `results_dir` whose name no citing text mentions."""
+    names = {p.name for p in results_dir.iterdir() if p.is_file()}
+    cited = set().union(*(cited_results_files(t) | {n for n in names if n in t} for t in citing_texts))
+    return sorted(names - cited)
+
+
+def missing_results_files(text: str, results_dir: Path) -> list[tuple[int, str]]:
+    """(line, name) of every results file `text` cites that `results_dir` does not hold."""
+    return [(line_of(text, m.start()), m.group(1)) for m in _RESULTS_FILE.finditer(text)
+            if not (results_dir / m.group(1)).is_file()]
+
+
+def _files(patterns: tuple[str, ...], root: Path = REPO) -> list[Path]:
+    return sorted({p for pattern in patterns for p in root.glob(pattern) if p.is_file()
+                   and not SKIPPED_DIRS & set(p.relative_to(root).parts)})
+
+
 def _report(problems: dict[Path, list[tuple[int, str]]]) -> str:
     return "\n".join(f"{p.relative_to(REPO)}:{line}: {what}" for p, items in problems.items()
                      for line, what in items)
@@ -236,6 +272,30 @@ def test_every_relative_markdown_link_resolves(md_file):
         f"  line {line}: {target}" for line, target in broken)
 
 
+def test_every_results_file_is_cited_by_the_docs_or_read_by_code():
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in _files(CITING_FILES)
+             if p != Path(__file__).resolve()]
+    uncited = uncited_results_files(RESULTS_DIR, texts)
+    assert not uncited, ("benchmarks/results/ files nothing cites (cite them from RESULTS.md or NOTES.md, "
+                         "or git rm them):\n  " + "\n  ".join(uncited))
+
+
+def test_every_results_file_the_markdown_cites_exists():
+    problems = {}
+    for f in _files(RESULTS_CITING_MARKDOWN):
+        found = missing_results_files(f.read_text(encoding="utf-8"), RESULTS_DIR)
+        if found:
+            problems[f] = found
+    assert not problems, "results files cited that benchmarks/results/ does not hold:\n" + _report(problems)
+
+
+def test_results_md_holds_current_claims_only():
+    lines = (REPO / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= RESULTS_MAX_LINES, (
+        f"benchmarks/RESULTS.md has {len(lines)} lines (at most {RESULTS_MAX_LINES}): keep the current claims, "
+        "drop superseded sections (their history is in git)")
+
+
 # --- the checkers on text that must fail -----------------------------------------------------
 
 
@@ -279,3 +339,14 @@ def test_broken_links_finds_missing_files_and_anchors_and_skips_code_and_urls(tm
         "[ref]: ../gone/c.md\n")
     assert broken_links(doc) == [(3, "missing.md"), (3, "a.md#third-part"), (3, "img/plot.png"),
                                  (8, "../gone/c.md")]
+
+
+def test_results_checkers_find_uncited_and_missing_files(tmp_path):
+    (tmp_path / "bench_a_2026-12-03.json").write_text("{}")
+    (tmp_path / "bench_b_2026-12-03.log").write_text("")
+    (tmp_path / "read_by_a_test.json").write_text("{}")
+    md = ("see [a](results/bench_a_2026-12-03.json) and benchmarks/results/gone_2026-12-01.json;\n"
+          "results/ alone names no file, nor $OUT/results/x or other/results/y.json\n")
+    code = 'json.loads((ROOT / "benchmarks/results" / "read_by_a_test.json").read_text())'
+    assert uncited_results_files(tmp_path, [md, code]) == ["bench_b_2026-12-03.log"]
+    assert missing_results_files(md, tmp_path) == [(1, "gone_2026-12-01.json")]
