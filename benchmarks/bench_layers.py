@@ -184,7 +184,7 @@ def fold_window_study(batch: int = 4):
             captured.setdefault(f"{name}:dY", []).append(gout[0].detach().reshape(-1, gout[0].shape[-1]))
         return fwd_hook, bwd_hook
 
-    from mxflux.model import DEFAULT_PRECISION_INCLUDE
+    from mxflux.nn.precision.default_layers import DEFAULT_PRECISION_INCLUDE
     import fnmatch
 
     for name, mod in model.named_modules():

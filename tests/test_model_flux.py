@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from mxflux.model import (FLUX_CONFIGS, DEFAULT_PRECISION_INCLUDE, Flux, flops_per_sample, flux_config,
+from mxflux.nn.precision.default_layers import DEFAULT_PRECISION_INCLUDE
+from mxflux.model import (FLUX_CONFIGS, Flux, flops_per_sample, flux_config,
                           forward_flops, image_ids, patchify, text_ids, unpatchify)
 from mxflux.model import layers
 from mxflux.model.layers import EmbedND, apply_rope, explicit_attention, timestep_embedding

@@ -7,7 +7,8 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from mxflux.model import DEFAULT_PRECISION_INCLUDE, Flux, flux_config
+from mxflux.model import Flux, flux_config
+from mxflux.nn.precision.default_layers import DEFAULT_PRECISION_INCLUDE
 from mxflux.nn import FusedMXFP6MLP, MXFP6Linear, PrecisionConfig, PrecisionConverter, apply_precision
 from mxflux.nn.precision import register_precision, registered_precisions
 from mxflux.nn.precision.fp8 import float8_linear_config

@@ -86,7 +86,7 @@ def flux_config(name: str, **overrides) -> FluxConfig:
 class ForwardFlops:
     """Matmul FLOPs of one sample's forward pass (2 per multiply-add), by where they run."""
 
-    mx_linear: float  # the linears DEFAULT_PRECISION_INCLUDE selects (qkv, proj, MLPs, linear1/2)
+    mx_linear: float  # the linears nn.precision's DEFAULT_PRECISION_INCLUDE selects (qkv, proj, MLPs, linear1/2)
     other_linear: float  # img_in, txt_in, embedders, modulation, final layer (stay bf16)
     attention: float  # Q·Kᵀ and P·V inside scaled_dot_product_attention
 

@@ -1,8 +1,8 @@
 """The Flux DiT (black-forest-labs/flux `model.py`), its MLPerf initialisation, and its inputs.
 
 State-dict names equal BFL's, so BFL checkpoints load unchanged (diffusers ones through
-`mxflux.model.convert`). The model knows nothing about precision: `DEFAULT_PRECISION_INCLUDE` names
-the linears a recipe's precision converts unless the recipe chooses others (`precision.include`).
+`mxflux.model.convert`). The model knows nothing about precision: which of its linears a recipe's
+precision converts is `mxflux.nn.precision.default_layers` (or the recipe's `precision.include`).
 """
 
 from __future__ import annotations
@@ -13,30 +13,7 @@ from torch import Tensor, nn
 from .configs import FluxConfig
 from .layers import DoubleStreamBlock, EmbedND, LastLayer, MLPEmbedder, SingleStreamBlock, timestep_embedding
 
-__all__ = ["DEFAULT_PRECISION_INCLUDE", "Flux", "image_ids", "patchify", "text_ids", "unpatchify"]
-
-DEFAULT_PRECISION_INCLUDE: tuple[str, ...] = (
-    "double_blocks.*.img_attn.qkv",
-    "double_blocks.*.img_attn.proj",
-    "double_blocks.*.txt_attn.qkv",
-    "double_blocks.*.txt_attn.proj",
-    "double_blocks.*.img_mlp.0",
-    "double_blocks.*.img_mlp.2",
-    "double_blocks.*.txt_mlp.0",
-    "double_blocks.*.txt_mlp.2",
-    "single_blocks.*.linear1",
-    "single_blocks.*.linear2",
-)
-"""The default `precision.include`: fnmatch patterns over `named_modules()` names.
-
-Attention qkv/proj and MLP fc1/fc2: 8 linears per double block, 2 per single block. Counted as 4
-linears per single block (qkv, MLP in, attention proj, MLP out) flux-12b has 304; BFL fuses them
-into linear1 (qkv + MLP in) and linear2 (proj + MLP out), so the same weights and GEMM FLOPs are
-19·8 + 38·2 = 228 modules here. Together they carry 97.1% of
-flux-12b's forward matmul FLOPs at 256 image + 256 text tokens (`forward_flops`); attention
-(SDPA) is 2.7%, everything left in bf16 (img_in, txt_in, time_in, vector_in, guidance_in,
-modulation, final layer) 0.2%.
-"""
+__all__ = ["Flux", "image_ids", "patchify", "text_ids", "unpatchify"]
 
 
 class Flux(nn.Module):

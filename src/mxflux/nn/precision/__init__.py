@@ -10,9 +10,9 @@ module with its converter plus its selector field and options in `PrecisionConfi
 from . import bf16  # noqa: F401  isort: skip
 from . import mxfp6  # noqa: F401  isort: skip
 from . import fp8  # noqa: F401  isort: skip
+from .apply import apply_precision
 from .config import PrecisionConfig
-from .registry import (PrecisionConverter, apply_precision, converter_class, register_precision,
-                       registered_precisions)
+from .registry import PrecisionConverter, converter_class, register_precision, registered_precisions
 from .report import PrecisionReport
 
 __all__ = ["PrecisionConfig", "PrecisionConverter", "PrecisionReport", "apply_precision",

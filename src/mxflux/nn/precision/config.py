@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from ...model import DEFAULT_PRECISION_INCLUDE
+from .default_layers import DEFAULT_PRECISION_INCLUDE
 from .registry import converter_class, registered_precisions, selected_precision
 
 __all__ = ["PrecisionConfig"]
