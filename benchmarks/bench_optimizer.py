@@ -9,7 +9,7 @@ device), timed with CUDA events; bandwidth counts 28 bytes per element (paramete
 both moments read, parameter and moments written), the floor of every variant, against a plain
 device copy measured in the same run.
 
-The step that also computes the MX weights' e_ref (`adamw_cuda.WeightErefs`, at several tiles) is
+The step that also computes the MX weights' e_ref (`nn.MXWeightState`, at several tiles) is
 timed against what it replaces: the plain step plus the packer's pass 1 over each fp32 MX weight
 (of the MXFP6 recipe), which the next forward runs without it. So is the step that also writes the
 weights' operands (`--operands` tiles; MXFP6Linear layers over the same parameters keep them),
@@ -34,7 +34,8 @@ import torch
 from mxflux.kernels.operands_cuda import mx_operands_cuda, weight_exponents_cuda
 from mxflux.kernels.weight_erefs import buffer_words
 from mxflux.model import Flux, flux_config
-from mxflux.nn import MXFP6Linear, apply_precision, rowwise_mx_weights
+from mxflux.kernels.adamw_cuda import OperandTile
+from mxflux.nn import MXFP6Linear, MXWeightState, apply_precision, rowwise_mx_linears
 from mxflux.train import adamw_cuda
 from mxflux.train.config import load_recipe
 from mxflux.train.optimizer import ClippingAdamW
@@ -52,7 +53,7 @@ def _model_shapes(double: int, single: int) -> list[tuple[torch.Size, bool | Non
     with torch.device("meta"):
         model = Flux(flux_config("flux-12b", depth=double, depth_single_blocks=single))
     apply_precision(model, load_recipe("flux12b-mxfp6-dev").precision)
-    mx = {id(p): h for p, h in rowwise_mx_weights(model)}
+    mx = {id(m.weight): m.cfg.hadamard for m in rowwise_mx_linears(model)}
     return [(p.shape, mx.get(id(p))) for p in model.parameters()]
 
 
@@ -149,8 +150,8 @@ def main() -> None:
     record("  (packer pass 1 on MX weights alone)",
            _time(lambda: [weight_exponents_cuda(p.detach(), h, b) for (p, h), b in zip(mx, bufs)], args.steps))
     def at_tiles(what: str, tiles: list[str]) -> None:
-        """The step at each WeightErefs tile BRxNBxNUM_WARPSxSLICES (the shipped one restored after)."""
-        W = adamw_cuda.WeightErefs
+        """The step at each OperandTile BRxNBxNUM_WARPSxSLICES (the shipped one restored after)."""
+        W = OperandTile
         tile0 = (W.BR, W.NB, W.NUM_WARPS, W.SLICES)
         try:
             for tile in tiles:
@@ -159,10 +160,16 @@ def main() -> None:
         finally:
             W.BR, W.NB, W.NUM_WARPS, W.SLICES = tile0
 
-    opt.track_weight_erefs(mx)
+    layers = []
+    for p, h in mx:
+        with torch.device(dev):
+            m = MXFP6Linear(p.shape[1], p.shape[0], bias=False, hadamard=h)
+        m.weight = p  # the layer over the optimizer's parameter
+        layers.append(m)
+    opt.weight_state = MXWeightState(layers, min_elements=adamw_cuda.LARGE)
     at_tiles("e_ref", args.erefs)
     # What the kept operands replace: the packer's pass 2 over each fp32 MX weight at the next forward
-    erefs = opt.weight_erefs.of
+    erefs = opt.weight_state.of
 
     def pass2():
         for p, h in mx:
@@ -171,16 +178,10 @@ def main() -> None:
     record("triton, e_ref in the step + packer pass 2 on MX weights",
            _time(lambda: (opt.step(grad_factor=factor), pass2()), args.steps))
     record("  (packer pass 2 on MX weights alone)", _time(pass2, args.steps))
-    layers = []
-    for p, h in mx:
-        with torch.device(dev):
-            m = MXFP6Linear(p.shape[1], p.shape[0], bias=False, hadamard=h)
-        m.weight = p  # the layer over the optimizer's parameter
-        layers.append(m)
-    opt.track_weight_erefs(mx, layers)
-    assert len(opt.weight_erefs.kept) == len(mx)
+    opt.weight_state = MXWeightState(layers, layers, min_elements=adamw_cuda.LARGE)
+    assert len(opt.weight_state.kept) == len(mx)
     at_tiles("operands", args.operands)
-    print(f"fix-up passes run: {int(opt.weight_erefs.fixups)}", flush=True)
+    print(f"fix-up passes run: {int(opt.weight_state.fixups)}", flush=True)
     print(f"MX weights: {len(mx)}, {sum(p.numel() for p, _ in mx) / 1e9:.3f} B elements", flush=True)
     print(f"{len(shapes)} parameters, {n / 1e9:.3f} B elements ({big / n:.1%} through the Triton kernel); "
           f"copy {copy_gbps:.0f} GB/s", flush=True)

@@ -124,12 +124,12 @@ def test_the_adamw_step_compiles_with_vector_accesses_and_ieee_division():
     """The optimizer kernel (`mxflux.train.adamw_cuda`): 16-byte loads and stores of the four
     streams when the tensors are aligned (as torch allocates them), and correctly rounded square
     root and division (no approximate forms), so that it is fp32 AdamW as torch's kernel is."""
-    from mxflux.train import adamw_cuda
+    from mxflux.kernels import adamw_cuda
 
     sig = {"p_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "n": "i64", "factor_ptr": "*fp32",
            "lr_ptr": "*fp32", "step_size_ptr": "*fp32", "bc2_sqrt_ptr": "*fp32", "weight_decay": "fp32",
            "beta1": "fp32", "beta2": "fp32", "eps": "fp32"}
-    ptx = _compile(adamw_cuda._adamw_kernel, sig, {"BLOCK": adamw_cuda.BLOCK}, num_warps=adamw_cuda.NUM_WARPS,
+    ptx = _compile(adamw_cuda.adamw_kernel, sig, {"BLOCK": adamw_cuda.BLOCK}, num_warps=adamw_cuda.NUM_WARPS,
                    aligned=True, divisible=("n",))["ptx"]
     assert len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.(?:b32|f32)", ptx)) >= 4
     assert len(re.findall(r"st\.global(?:\.\w+)*\.v4\.(?:b32|f32)", ptx)) >= 3
@@ -138,19 +138,19 @@ def test_the_adamw_step_compiles_with_vector_accesses_and_ieee_division():
 
 
 def test_the_adamw_step_with_the_erefs_compiles_small_enough_for_several_programs_per_sm():
-    """The step that also computes the MX weights' e_ref (`_adamw_erefs_kernel`) at its shipped
+    """The step that also computes the MX weights' e_ref (`adamw_erefs_kernel`) at its shipped
     tile: vector accesses, IEEE division, the maxima as atomic max, and (read from the cubin with
     the Triton wheel's cuobjdump) at most 128 registers, so that its row slices keep several
     programs on an SM (at 168 registers, one 8-warp program per SM, the step measured 15 % slower)."""
-    from mxflux.train import adamw_cuda
+    from mxflux.kernels import adamw_cuda
 
-    W = adamw_cuda.WeightErefs
+    W = adamw_cuda.OperandTile
     sig = {"p_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "R": "i32", "C": "i32",
            "factor_ptr": "*fp32", "lr_ptr": "*fp32", "step_size_ptr": "*fp32", "bc2_sqrt_ptr": "*fp32",
            "row_eref_ptr": "*i32", "col_eref_ptr": "*i32", "weight_decay": "fp32", "beta1": "fp32", "beta2": "fp32",
            "eps": "fp32"}
     consts = {"HADAMARD": True, "HW": True, "BR": W.BR, "NB": W.NB, "SLICES": W.SLICES}
-    asm = _compile(adamw_cuda._adamw_erefs_kernel, sig, consts, num_warps=W.NUM_WARPS, aligned=True,
+    asm = _compile(adamw_cuda.adamw_erefs_kernel, sig, consts, num_warps=W.NUM_WARPS, aligned=True,
                    divisible=("C",))
     ptx = asm["ptx"]
     assert len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.(?:b32|f32)", ptx)) >= 4
@@ -161,20 +161,20 @@ def test_the_adamw_step_with_the_erefs_compiles_small_enough_for_several_program
 
 
 def test_the_adamw_step_that_writes_the_operands_compiles_small_enough_for_several_programs_per_sm():
-    """The step that also writes the MX weights' operands (`_adamw_operands_kernel`) and its fix-up
+    """The step that also writes the MX weights' operands (`adamw_operands_kernel`) and its fix-up
     pass, at the shipped tile: vector loads of the four fp32 streams, 16-byte stores of the operand
     words, IEEE division, hardware E4M3 conversions, and at most 128 registers (several programs per
     SM, as the step without the operands)."""
-    from mxflux.train import adamw_cuda
+    from mxflux.kernels import adamw_cuda
 
-    W = adamw_cuda.WeightErefs
+    W = adamw_cuda.OperandTile
     sig = {"p_ptr": "*fp32", "g_ptr": "*fp32", "m_ptr": "*fp32", "v_ptr": "*fp32", "R": "i32", "C": "i32",
            "Rp": "i32", "factor_ptr": "*fp32", "lr_ptr": "*fp32", "step_size_ptr": "*fp32", "bc2_sqrt_ptr": "*fp32",
            "held_row_ptr": "*i32", "held_col_ptr": "*i32", "row_eref_ptr": "*i32", "col_eref_ptr": "*i32",
            "row_data_ptr": "*i32", "row_scale_ptr": "*fp32", "col_data_ptr": "*i32", "col_scale_ptr": "*fp32",
            "unheld_ptr": "*i32", "weight_decay": "fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32"}
     consts = {"HEADROOM": W.HEADROOM, "HADAMARD": True, "HW": True, "BR": W.BR, "NB": W.NB, "SLICES": W.SLICES}
-    asm = _compile(adamw_cuda._adamw_operands_kernel, sig, consts, num_warps=W.NUM_WARPS, aligned=True,
+    asm = _compile(adamw_cuda.adamw_operands_kernel, sig, consts, num_warps=W.NUM_WARPS, aligned=True,
                    divisible=("C", "Rp"))
     ptx = asm["ptx"]
     assert len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.(?:b32|f32)", ptx)) >= 4
@@ -186,7 +186,7 @@ def test_the_adamw_step_that_writes_the_operands_compiles_small_enough_for_sever
                "col_eref_ptr": "*i32", "row_data_ptr": "*i32", "row_scale_ptr": "*fp32", "col_data_ptr": "*i32",
                "col_scale_ptr": "*fp32", "outside_ptr": "*i64", "fixups_ptr": "*i64", "n_col_tiles": "i32",
                "n_tiles": "i32"}
-    fix = _compile(adamw_cuda._operands_fixup_kernel, fix_sig, {"HADAMARD": True, "HW": True, "BR": W.BR, "NB": W.NB},
+    fix = _compile(adamw_cuda.operands_fixup_kernel, fix_sig, {"HADAMARD": True, "HW": True, "BR": W.BR, "NB": W.NB},
                    num_warps=W.NUM_WARPS, aligned=True, divisible=("C", "Rp"))
     assert "cvt.rn.satfinite.e4m3x2.f16x2" in fix["ptx"]
 

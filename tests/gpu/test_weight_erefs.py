@@ -1,10 +1,10 @@
-"""The weights' e_ref computed by the AdamW step (`adamw_cuda.WeightErefs`) and the packer's pass 2
-run on them (`mx_operands_cuda(..., erefs=)`, `weight_erefs`).
+"""The weights' e_ref computed by the AdamW step for their owner (`nn.MXWeightState`) and the
+packer's pass 2 run on them (`mx_operands_cuda(..., erefs=)`).
 
 Runs on CUDA, and on a CPU machine with Triton under its interpreter (`TRITON_INTERPRET=1`; small
 shapes). What must hold: the packer given the e_ref writes the reference's operands bit for bit;
 the fused step writes exactly what the plain Triton step writes, and the e_ref of those values;
-the op path uses a buffer only while it is current. The end-to-end trainings at the end need a GPU.
+a layer uses what is kept only while it is current. The end-to-end trainings at the end need a GPU.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import torch
 
 from pack_inputs import DISTS, TRITON_DEVICE, assert_bits_equal, dev_gen, triton_marks
 
-from mxflux.kernels import mx_operands_cuda, mx_operands_cuda_counted, weight_erefs
+from mxflux.kernels import mx_operands_cuda, weight_erefs
+from mxflux.kernels.adamw_cuda import OperandTile
 from mxflux.kernels.operands_cuda import weight_exponents_cuda
 from mxflux.mx import FoldGranularity as G
 from mxflux.mx import mx_operands_reference
+from mxflux.nn import MXFP6Linear, MXWeightState
 from mxflux.train import adamw_cuda
 from mxflux.train.optimizer import ClippingAdamW
 
@@ -25,13 +27,6 @@ pytestmark = triton_marks()
 DEVICE = TRITON_DEVICE
 FIELDS = ("row_data", "row_scale", "col_data", "col_scale")
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_registry():
-    weight_erefs.clear()
-    yield
-    weight_erefs.clear()
 
 
 def _fp32_weight(r, c, gen, dist="adversarial"):
@@ -75,11 +70,22 @@ def test_bad_erefs_are_refused_by_name(gen):
         weight_exponents_cuda(x, True, torch.zeros(weight_erefs.buffer_words(64, 64), device=DEVICE))
 
 
+def _layers_over(params, hadamards):
+    """MXFP6Linear layers over these parameters (the state is per layer)."""
+    layers = []
+    for p, h in zip(params, hadamards):
+        m = MXFP6Linear(p.shape[1], p.shape[0], bias=False, hadamard=h).to(DEVICE)
+        m.weight = p
+        layers.append(m)
+    return layers
+
+
 def _pair(init, track: bool):
     ps = [torch.nn.Parameter(x.clone()) for x in init]
     opt = ClippingAdamW(ps, kernel="triton", fused=True, **HP)
     if track:
-        assert opt.track_weight_erefs([(p, h) for p, h in zip(ps, (True, False, True))]) == len(ps)
+        opt.weight_state = MXWeightState(_layers_over(ps, (True, False, True)), min_elements=adamw_cuda.LARGE)
+        assert len(opt.weight_state.of) == len(ps)
     return ps, opt
 
 
@@ -87,8 +93,8 @@ def _pair(init, track: bool):
 def test_the_step_writes_what_the_plain_step_writes_and_the_erefs_of_it(gen, monkeypatch, tile):
     monkeypatch.setattr(adamw_cuda, "LARGE", 1024)  # small weights through the kernels (interpreter)
     for name, value in zip(("BR", "NB", "NUM_WARPS", "SLICES"), tile):
-        monkeypatch.setattr(adamw_cuda.WeightErefs, name, value)
-    shapes = [(200, 96), (128, 64), (64, 160)]
+        monkeypatch.setattr(OperandTile, name, value)
+    shapes = [(224, 96), (128, 64), (64, 160)]  # MXFP6Linear weights: whole 32-row blocks (dgrad's contraction)
     init = [_fp32_weight(r, c, gen, "normal") * 0.02 for r, c in shapes]
     plain, o_plain = _pair(init, track=False)
     fused, o_fused = _pair(init, track=True)
@@ -101,37 +107,33 @@ def test_the_step_writes_what_the_plain_step_writes_and_the_erefs_of_it(gen, mon
                 torch.randint(-8, 8, (a.shape[0], 1), generator=g, device=DEVICE).float())
             a.grad, b.grad = gr.clone(), gr.clone()
         adamw_cuda.adamw_clipped_step(o_plain, factor)
-        adamw_cuda.adamw_clipped_step(o_fused, factor, erefs=o_fused.weight_erefs)
+        adamw_cuda.adamw_clipped_step(o_fused, factor, state=o_fused.weight_state)
         for a, b in zip(plain, fused):
             assert torch.equal(a.detach(), b.detach())
             for k in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(o_plain.state[a][k], o_fused.state[b][k])
-            assert weight_erefs.is_current(b)
-            got = o_fused.weight_erefs.of[b][1]
+            assert o_fused.weight_state.is_current(b)
+            got = o_fused.weight_state.of[b][1]
             want = weight_exponents_cuda(b.detach(), hadamards[b], _buffer(b))
             assert torch.equal(got, want), (step, tuple(b.shape))
 
 
-def test_the_packer_uses_a_buffer_only_while_it_is_current(gen):
-    x = torch.nn.Parameter(_fp32_weight(128, 64, gen))
-    counter = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    want = mx_operands_reference(x.detach().bfloat16(), granularity=G.ROWWISE, hadamard=True)
-
-    def packed(hadamard=True):
-        return mx_operands_cuda_counted(x.detach(), None, counter, True, True, G.ROWWISE, hadamard, "none", False)
-
-    wrong = weight_exponents_cuda(x.detach(), True, _buffer(x))
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the op's kernel path (CUDA tensors)")
+def test_a_layer_packs_with_its_kept_e_ref_only_while_it_is_current(gen):
+    """Through the op: a layer hands the packer its kept e_ref only while they are the weight's
+    current ones (a wrong e_ref shows in the output); after a write through torch it packs itself."""
+    m = _layers_over([torch.nn.Parameter(_fp32_weight(128, 64, gen, "normal") * 0.02)], (True,))[0]
+    x = torch.randn(32, 64, generator=dev_gen(gen, DEVICE), device=DEVICE).bfloat16()
+    want = m(x)  # nothing kept: the packer's two passes
+    wrong = weight_exponents_cuda(m.weight.detach(), True, _buffer(m.weight))
     wrong += (wrong > 0).int()  # e_ref one binade off: operands that show it
-    weight_erefs.track(x, True, wrong)
-    assert_bits_equal("row_scale", packed()[1], want.row_scale)  # tracked, never marked current
-    weight_erefs.mark_current(x)
-    assert not torch.equal(packed()[1], want.row_scale)  # current: the buffer is used (an alias too)
-    assert torch.equal(packed(hadamard=False)[1], mx_operands_cuda(x.detach(), hadamard=False).row_scale)
+    m.weight_erefs = wrong
+    assert torch.equal(m(x), want)  # attached, but never marked current
+    m.weight_state_version = m.weight._version
+    assert not torch.equal(m(x), want)  # current: the packer ran pass 2 on them
     with torch.no_grad():
-        x.mul_(1.0)  # any write through torch bumps the version
-    rd, rs, cd, cs = packed()[:4]
-    for name, got in zip(FIELDS, (rd, rs, cd, cs)):
-        assert_bits_equal(name, got, getattr(want, name))
+        m.weight.mul_(1.0)  # any write through torch bumps the version
+    assert torch.equal(m(x), want)
 
 
 # ---------------------------------------------------------------------- operands kept by the step
@@ -164,16 +166,15 @@ def _kept_layers(gen, shapes, lr=3e-3, hadamards=(True, False, True), prepare=No
         with torch.no_grad():
             prepare([m.weight for m in layers])
     opt = ClippingAdamW([m.weight for m in layers], kernel="triton", fused=True, **{**HP, "lr": lr})
-    weights = [(m.weight, m.cfg.hadamard) for m in layers]
-    assert opt.track_weight_erefs(weights, layers) == len(layers)
-    assert set(opt.weight_erefs.kept) == {m.weight for m in layers}
+    opt.weight_state = MXWeightState(layers, layers, min_elements=adamw_cuda.LARGE)
+    assert set(opt.weight_state.kept) == {m.weight for m in layers}
     return layers, opt
 
 
 def _step(opt, layers, g, scale=1.0):
     for m in layers:
         m.weight.grad = torch.randn(m.weight.shape, generator=g, device=DEVICE) * scale
-    adamw_cuda.adamw_clipped_step(opt, torch.tensor(1.0, device=DEVICE), erefs=opt.weight_erefs)
+    adamw_cuda.adamw_clipped_step(opt, torch.tensor(1.0, device=DEVICE), state=opt.weight_state)
 
 
 @pytest.mark.parametrize("tile", [None, (32, 2, 2, 2), (128, 4, 8, 4)], ids=lambda t: "x".join(map(str, t or ("shipped",))))
@@ -185,24 +186,25 @@ def test_the_step_keeps_the_operands_of_what_it_writes(gen, monkeypatch, tile):
     tile and at others benchmarks/bench_optimizer.py may time."""
     monkeypatch.setattr(adamw_cuda, "LARGE", 1024)
     for name, value in zip(("BR", "NB", "NUM_WARPS", "SLICES"), tile or ()):
-        monkeypatch.setattr(adamw_cuda.WeightErefs, name, value)
+        monkeypatch.setattr(OperandTile, name, value)
     layers, opt = _kept_layers(gen, [(224, 96), (128, 64), (64, 160)])
     g = dev_gen(gen, DEVICE)
     for step in range(2):
         _step(opt, layers, g)
         for m in layers:
-            kept = opt.weight_erefs.kept[m.weight].operands
+            kept = opt.weight_state.kept[m.weight].operands
             want = mx_operands_reference(m.weight.detach().bfloat16(), granularity=G.ROWWISE, hadamard=m.cfg.hadamard)
             _assert_same_mx_values(kept, want, (step, tuple(m.weight.shape)))
             for got, ref in ((kept[1], want.row_scale), (kept[3], want.col_scale)):
                 ratio = got / ref
                 assert bool(((ratio == 1) | (ratio == 2) | (ratio == 4)).all()), (step, ratio.unique())
                 assert float((ratio == 2).float().mean()) > 0.5, (step, ratio.unique())
-        assert int(opt.weight_erefs.fixups) == 0
+        assert int(opt.weight_state.fixups) == 0
     x = torch.randn(48, 96, generator=g, device=DEVICE).bfloat16()
     m = layers[0]
+    assert m.kept_weight_state()[1] is not None
     y_kept = m(x)
-    m.weight_operands = None  # the same layer packing its own weight
+    m.weight_state_version = None  # the same layer packing its own weight
     assert torch.equal(y_kept, m(x))
 
 
@@ -226,9 +228,9 @@ def test_blocks_the_previous_e_ref_cannot_hold_are_fixed_up_to_the_packers_opera
     for m in layers:
         m.blocks_outside_window.zero_()
     _step(opt, layers, dev_gen(gen, DEVICE), scale=0.0)  # lr 0: the weights stay as they are
-    assert int(opt.weight_erefs.fixups) == 2
+    assert int(opt.weight_state.fixups) == 2
     for m in layers:
-        kept = opt.weight_erefs.kept[m.weight].operands
+        kept = opt.weight_state.kept[m.weight].operands
         want = mx_operands_reference(m.weight.detach().bfloat16(), granularity=G.ROWWISE, hadamard=False)
         for name, got in zip(FIELDS, kept):
             assert_bits_equal(name, got, getattr(want, name))
@@ -236,28 +238,30 @@ def test_blocks_the_previous_e_ref_cannot_hold_are_fixed_up_to_the_packers_opera
     assert int(layers[1].blocks_outside_window) >= 1
 
 
-def test_a_write_through_torch_is_repacked_before_the_next_eager_forward(gen, monkeypatch):
+def test_a_write_through_torch_is_not_used_stale_and_is_repacked_by_refresh(gen, monkeypatch):
+    """After a write through torch an eager forward packs the weight itself (the kept operands are
+    stale); the owner's refresh (before each model forward) packs them again: the packer's bits."""
     monkeypatch.setattr(adamw_cuda, "LARGE", 1024)
     layers, opt = _kept_layers(gen, [(128, 64)], hadamards=(True,))
     m = layers[0]
     x = torch.randn(32, 64, generator=dev_gen(gen, DEVICE), device=DEVICE).bfloat16()
     with torch.no_grad():
         m.weight.mul_(-3.0)  # bumps the version: the kept operands are stale
+    assert m.kept_weight_state() == (None, None)
     y = m(x)
-    kept = opt.weight_erefs.kept[m.weight].operands
+    opt.refresh_weight_state()
+    kept = opt.weight_state.kept[m.weight].operands
     want = mx_operands_reference(m.weight.detach().bfloat16(), granularity=G.ROWWISE, hadamard=True)
     for name, got in zip(FIELDS, kept):
         assert_bits_equal(name, got, getattr(want, name))
-    m.weight_operands = None
+    assert m.kept_weight_state()[1] is kept
     assert torch.equal(y, m(x))
 
 
-def test_only_row_granularity_layers_keep_operands():
-    from mxflux.nn import MXFP6Linear
-
+def test_only_row_granularity_layers_keep_state():
     m = MXFP6Linear(128, 128, mx_gemm="blockwise")
-    with pytest.raises(ValueError, match="keep_weight_operands: .*'blockwise'"):
-        m.keep_weight_operands((), None)
+    with pytest.raises(ValueError, match="layers: the e_ref and operands kept are the row granularity's.*'blockwise'"):
+        MXWeightState([m])
 
 
 # ---------------------------------------------------------------------- end to end, on a GPU
@@ -266,7 +270,6 @@ def _mlp_run(seed: int, track: bool, captured: bool, steps: int = 4, keep: bool 
     `keep`: the step also keeps the weights' operands for the layers; `compiled`: the model under
     torch.compile (which reads kept operands unchecked: refreshed before each step, as the
     trainer's forward hook does)."""
-    from mxflux.nn import MXFP6Linear, linears_with_own_forward, rowwise_mx_weights
     from mxflux.train.clipping import clip_and_step
 
     torch.manual_seed(seed)
@@ -274,15 +277,15 @@ def _mlp_run(seed: int, track: bool, captured: bool, steps: int = 4, keep: bool 
                                 MXFP6Linear(1024, 512)).cuda()
     opt = ClippingAdamW(model.parameters(), kernel="triton", fused=True, capturable=captured, **HP)
     if track:
-        assert opt.track_weight_erefs(rowwise_mx_weights(model), linears_with_own_forward(model) if keep else ()) == 2
-        assert len(opt.weight_erefs.kept) == (2 if keep else 0)
+        opt.weight_state = MXWeightState.of_model(model, keep_operands=keep, min_elements=adamw_cuda.LARGE)
+        assert len(opt.weight_state.of) == 2 and len(opt.weight_state.kept) == (2 if keep else 0)
     forward = torch.compile(model) if compiled else model
     xs = [torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) * 4 for _ in range(steps)]
     static = torch.empty_like(xs[0])
 
     def step():
         if compiled:
-            opt.refresh_weight_erefs()
+            opt.refresh_weight_state()
         loss = forward(static).float().square().mean()
         loss.backward()
         clip_and_step(opt, model.parameters(), 0.5)
@@ -298,7 +301,7 @@ def _mlp_run(seed: int, track: bool, captured: bool, steps: int = 4, keep: bool 
             with torch.cuda.graph(graph):
                 out = step()
         if graph is not None:
-            opt.refresh_weight_erefs()
+            opt.refresh_weight_state()
             graph.replay()
             losses.append(float(out))
         else:

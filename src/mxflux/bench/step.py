@@ -394,10 +394,10 @@ def _kept_weight_operands(optimizer) -> dict:
     """How many MX layers took their weight's operands from the optimizer step, and how many fix-up
     passes the trainer's steps (warm-up, timed and profiled) ran (docs/design.md, "The weights'
     operands from the optimizer step"); None where the step keeps none. Read once, after the timing."""
-    erefs = getattr(optimizer, "weight_erefs", None)
-    if erefs is None or not erefs.kept:
+    state = getattr(optimizer, "weight_state", None)
+    if state is None or not state.kept:
         return {"weight_operands_kept": None, "weight_operand_fixups": None}
-    return {"weight_operands_kept": len(erefs.kept), "weight_operand_fixups": int(erefs.fixups)}
+    return {"weight_operands_kept": len(state.kept), "weight_operand_fixups": int(state.fixups)}
 
 
 def bench_settings(recipe: str, settings: list[tuple[str, list[str]]], *, common=(), **kwargs) -> list[dict]:

@@ -52,7 +52,7 @@ from ..mx.formats import get_format
 from ..mx.granularity import FoldGranularity
 from ..mx.hadamard import HADAMARD_SCALE
 from ..mx.operands import PROLOGUES, MXOperands, padded_rows
-from .weight_erefs import buffer_words, current_erefs
+from .weight_erefs import buffer_words, rows_and_columns
 from .triton_common import (
     HAS_TRITON,
     PROLOGUE_IDS,
@@ -919,29 +919,29 @@ def mx_operands_cuda(
 
     `erefs` (ROWWISE only; ignored otherwise): x's per-row and per-column e_ref, as
     `weight_exponents_cuda` computes them (`weight_erefs`' layout); the packer then skips its pass 1.
-    Given e_ref that are not x's, the operands are wrong: the custom op passes only buffers that
-    `weight_erefs.current_erefs` vouches for.
+    Given e_ref that are not x's, the operands are wrong: the caller vouches for them
+    (`mxflux.nn.weight_state`).
     """
     return MXOperands(*_pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, _hw, _poison,
                              erefs))
 
 
-def mx_operands_cuda_counted(x, aux, counter, row, col, granularity, hadamard, prologue, colsum) -> tuple:
+def mx_operands_cuda_counted(x, aux, counter, row, col, granularity, hadamard, prologue, colsum, erefs=None) -> tuple:
     """`mx_operands_cuda` as the custom op calls it: positional arguments, the count added into
     `counter`, and a plain tuple (row_data, row_scale, col_data, col_scale, colsum, counter) with
     None for what was not asked (host time per call is what a small micro-batch is bound by). An
-    fp32 x (a master weight) whose e_ref the optimizer step computed is packed by pass 2 alone
-    (`weight_erefs`)."""
-    erefs = current_erefs(x, hadamard) if x.dtype is torch.float32 and granularity is FoldGranularity.ROWWISE \
-        else None
+    fp32 x (a master weight) with its current e_ref given (`erefs`, from the optimizer step) is
+    packed by pass 2 alone; `erefs` is ignored for any other x or granularity."""
+    if erefs is not None and (x.dtype is not torch.float32 or granularity is not FoldGranularity.ROWWISE):
+        erefs = None
     return _pack(x, aux, counter, row, col, granularity, hadamard, "e2m3", prologue, colsum, None, False, erefs)
 
 
 def weight_exponents_cuda(x: torch.Tensor, hadamard: bool, out: torch.Tensor) -> torch.Tensor:
     """The row granularity's pass 1 alone: x's per-row and per-column e_ref into `out` (int32
     [weight_erefs.buffer_words(R, C)], overwritten), as the packer's pass 1 computes them; what
-    `erefs` takes. For weights whose buffer is not current (`weight_erefs`): the optimizer's
-    kernel computes them on its own after each step."""
+    `erefs` takes. For weights written by anything but the optimizer's step, whose kernel computes
+    them on its own (`mxflux.nn.weight_state`)."""
     g = FoldGranularity.ROWWISE
     hw = not interpreting()
     plan = _LaunchPlan(x, None, None, True, True, g, hadamard, "e2m3", "none", False, hw, _pack_io_mode())
@@ -954,7 +954,7 @@ def weight_exponents_cuda(x: torch.Tensor, hadamard: bool, out: torch.Tensor) ->
     if plan.R == 0:
         return out
     xw = x if not plan.copy_x and x.data_ptr() % 16 == 0 else x.clone(memory_format=torch.contiguous_format)
-    rows, cols = out[:want - plan.C], out[want - plan.C:]
+    rows, cols = rows_and_columns(out, plan.R, plan.C)
     grid = plan.grid
     # the outputs pass 1 does not write: any device tensor stands in for them
     _pack_kernel[grid](xw, xw, xw.stride(0), xw.stride(0), plan.R, plan.C, plan.Rp, out, out, out, out, out, out,
@@ -1045,7 +1045,7 @@ def _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale,
 
     R, C = plan.R, plan.C
     if plan.given_erefs:
-        row_eref, col_eref = erefs[:buffer_words(R, C) - C], erefs[buffer_words(R, C) - C:]
+        row_eref, col_eref = rows_and_columns(erefs, R, C)
     else:
         row_eref, col_eref = part(plan.off_row_eref, R), part(plan.off_col_eref, C)
     i32 = torch.int32  # the kernels store the E4M3 data as 4-byte words

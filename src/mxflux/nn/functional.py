@@ -14,7 +14,8 @@ that backward expands back to the same FP8 bytes. With `repack_weights` forward 
 it packs W's row operand only, and backward packs Wᵀ again from the parameter, which is alive
 anyway (the same bytes: the packer is deterministic). With the weight's operands kept by the
 optimizer step (`mx_linear(..., weight_operands)`, docs/design.md, "The weights' operands from the
-optimizer step"), forward packs no weight and saves the kept Wᵀ, which lives anyway. The bias is
+optimizer step"), forward packs no weight and saves the kept Wᵀ, which lives anyway; with only their
+e_ref kept (`weight_erefs`), the packer runs its second pass alone. The bias is
 added in the GEMM's fp32 epilogue and its gradient is the column sum the dY packer produces while
 it quantizes dY.
 
@@ -76,9 +77,9 @@ class Operand(NamedTuple):
 
 
 def _pack(x, cfg: MXConfig, blocks_outside_window, *, row=True, col=True, prologue="none", aux=None,
-          colsum=False):
+          colsum=False, erefs=None):
     rd, rs, cd, cs, sums = mx_operands(x, aux, blocks_outside_window, row, col, cfg.granularity.value,
-                                       cfg.hadamard, prologue, colsum)
+                                       cfg.hadamard, prologue, colsum, erefs)
     return Operand(rd, rs), Operand(cd, cs), sums
 
 
@@ -138,38 +139,41 @@ def _compute(param, dtype):
     return None if param is None else param.to(dtype)
 
 
-def _pack_weight(weight, cfg: MXConfig, blocks_outside_window, col: bool) -> tuple:
-    """Forward's packing of a weight: (row operand, what forward saves for Wᵀ: the col operand's
-    `_stash`, or the parameter itself where backward re-packs it, or nothing where no dX is due)."""
-    w_row, w_col, _ = _pack(_packable(weight), cfg, blocks_outside_window, col=col and not cfg.repack_weights)
+def _pack_weight(weight, cfg: MXConfig, blocks_outside_window, col: bool, erefs=None) -> tuple:
+    """Forward's packing of a weight (with its current e_ref where the optimizer step keeps them:
+    `erefs`): (row operand, what forward saves for Wᵀ: the col operand's `_stash`, or the parameter
+    itself where backward re-packs it, or nothing where no dX is due)."""
+    w_row, w_col, _ = _pack(_packable(weight), cfg, blocks_outside_window, col=col and not cfg.repack_weights,
+                            erefs=erefs)
     if col and cfg.repack_weights:
         return w_row, (weight, None, None)
     return w_row, _stash(w_col, cfg)
 
 
-def _weight_col(saved, cfg: MXConfig, blocks_outside_window) -> Operand:
+def _weight_col(saved, cfg: MXConfig, blocks_outside_window, erefs=None) -> Operand:
     """Wᵀ for dgrad from what `_pack_weight` saved: unstashed, or packed again from the parameter
-    (col only; the row operand is not needed in backward)."""
+    (col only; the row operand is not needed in backward), with forward's e_ref (no optimizer step
+    runs between forward and backward)."""
     if cfg.repack_weights:
-        return _pack(_packable(saved[0]), cfg, blocks_outside_window, row=False)[1]
+        return _pack(_packable(saved[0]), cfg, blocks_outside_window, row=False, erefs=erefs)[1]
     return _unstash(*saved)
 
 
 class _MXLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig, w_row_data, w_row_scale, w_col_data,
-                w_col_scale):
+    def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig, w_erefs, w_row_data, w_row_scale,
+                w_col_data, w_col_scale):
         counter = _forward_counter(blocks_outside_window, cfg)
         x_row, x_col, _ = _pack(x, cfg, counter, col=weight.requires_grad)
         ctx.w_kept = w_row_data is not None
         if ctx.w_kept:  # the weight's operands as the optimizer step left them: nothing to pack
             w_row, w_saved = Operand(w_row_data, w_row_scale), (w_col_data, None, w_col_scale)
         else:
-            w_row, w_saved = _pack_weight(weight, cfg, counter, col=x.requires_grad)
+            w_row, w_saved = _pack_weight(weight, cfg, counter, col=x.requires_grad, erefs=w_erefs)
         _add_forward_count(blocks_outside_window, counter)
         y = _gemm(x_row, w_row, cfg, _compute(bias, x.dtype), x.dtype)
         ctx.save_for_backward(*_stash(x_col, cfg), *w_saved)
-        ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
+        ctx.cfg, ctx.blocks_outside_window, ctx.w_erefs = cfg, blocks_outside_window, w_erefs
         ctx.w_dtype, ctx.b_dtype = weight.dtype, None if bias is None else bias.dtype
         return y
 
@@ -182,21 +186,23 @@ class _MXLinear(torch.autograd.Function):
         dy_row, dy_col, dbias = _pack(dy, cfg, ctx.blocks_outside_window, row=need_x, col=need_w,
                                       colsum=need_b and ctx.b_dtype is not None)
         # each saved operand is expanded right before the GEMM that reads it (one at a time alive)
-        w_col = _unstash(*saved[3:6]) if ctx.w_kept else _weight_col(saved[3:6], cfg, ctx.blocks_outside_window)
+        w_col = _unstash(*saved[3:6]) if ctx.w_kept else _weight_col(saved[3:6], cfg, ctx.blocks_outside_window,
+                                                                      ctx.w_erefs)
         dx = _gemm(dy_row, w_col, cfg, None, dy.dtype) if need_x else None
         dw = _gemm(dy_col, _unstash(*saved[0:3]), cfg, None, ctx.w_dtype) if need_w else None
         db = dbias.to(ctx.b_dtype) if need_b and ctx.b_dtype is not None else None
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
-def mx_linear(x, weight, bias, blocks_outside_window, cfg: MXConfig, weight_operands=None):
+def mx_linear(x, weight, bias, blocks_outside_window, cfg: MXConfig, weight_operands=None, weight_erefs=None):
     """Y = X·Wᵀ + b in MXFP6 for bf16 2-D `x`; `blocks_outside_window` (int64 [1]) collects the
-    count of blocks outside the fold window, in place. `weight_operands`: the weight's row-granularity
-    operands (row data, row scale, col data, col scale) already packed from its current values (the
-    optimizer step's, `mxflux.train.adamw_cuda.WeightErefs`), used as they are instead of packing
-    `weight`; its gradient is computed as without them."""
+    count of blocks outside the fold window, in place. From the optimizer step, for the weight's
+    current values (`mxflux.nn.weight_state`): `weight_operands`, its row-granularity operands (row
+    data, row scale, col data, col scale), used as they are instead of packing `weight`; or
+    `weight_erefs`, its e_ref, with which the packer skips its first pass. The gradients are
+    computed as without them."""
     w = (None,) * 4 if weight_operands is None else weight_operands
-    return _MXLinear.apply(x, weight, bias, blocks_outside_window, cfg, *w)
+    return _MXLinear.apply(x, weight, bias, blocks_outside_window, cfg, weight_erefs, *w)
 
 
 class _FusedMXMLP(torch.autograd.Function):
@@ -210,17 +216,17 @@ class _FusedMXMLP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig):
+    def forward(ctx, x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig, erefs1, erefs2):
         counter = _forward_counter(blocks_outside_window, cfg)
         x_row, x_col, _ = _pack(x, cfg, counter)
-        w1_row, w1_saved = _pack_weight(w1, cfg, counter, col=True)
-        w2_row, w2_saved = _pack_weight(w2, cfg, counter, col=True)
+        w1_row, w1_saved = _pack_weight(w1, cfg, counter, col=True, erefs=erefs1)
+        w2_row, w2_saved = _pack_weight(w2, cfg, counter, col=True, erefs=erefs2)
         h = _gemm(x_row, w1_row, cfg, _compute(b1, x.dtype), x.dtype)
         act_row, act_col, _ = _pack(h, cfg, counter, prologue="gelu_tanh")
         _add_forward_count(blocks_outside_window, counter)
         y = _gemm(act_row, w2_row, cfg, _compute(b2, x.dtype), x.dtype)
         ctx.save_for_backward(h, *_stash(x_col, cfg), *w1_saved, *_stash(act_col, cfg), *w2_saved)
-        ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
+        ctx.cfg, ctx.blocks_outside_window, ctx.erefs = cfg, blocks_outside_window, (erefs1, erefs2)
         ctx.dtypes = tuple(None if p is None else p.dtype for p in (w1, b1, w2, b2))
         return y
 
@@ -232,17 +238,19 @@ class _FusedMXMLP(torch.autograd.Function):
         w1_dtype, b1_dtype, w2_dtype, b2_dtype = ctx.dtypes
         dy = dy.contiguous()
         dy_row, dy_col, db2 = _pack(dy, cfg, outside, colsum=b2_dtype is not None)
-        dact = _gemm(dy_row, _weight_col(w2_saved, cfg, outside), cfg, None, dy.dtype)
+        erefs1, erefs2 = ctx.erefs
+        dact = _gemm(dy_row, _weight_col(w2_saved, cfg, outside, erefs2), cfg, None, dy.dtype)
         dw2 = _gemm(dy_col, _unstash(*act_col), cfg, None, w2_dtype)
         dh_row, dh_col, db1 = _pack(dact, cfg, outside, prologue="gelu_tanh_grad", aux=h,
                                     colsum=b1_dtype is not None)
-        dx = _gemm(dh_row, _weight_col(w1_saved, cfg, outside), cfg, None, dy.dtype)
+        dx = _gemm(dh_row, _weight_col(w1_saved, cfg, outside, erefs1), cfg, None, dy.dtype)
         dw1 = _gemm(dh_col, _unstash(*x_col), cfg, None, w1_dtype)
         db1 = db1.to(b1_dtype) if b1_dtype is not None else None
         db2 = db2.to(b2_dtype) if b2_dtype is not None else None
-        return dx, dw1, db1, dw2, db2, None, None
+        return dx, dw1, db1, dw2, db2, None, None, None, None
 
 
-def fused_mx_mlp(x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig):
-    """fc2(GELU_tanh(fc1(x))) in MXFP6 with the activation fused into the packers."""
-    return _FusedMXMLP.apply(x, w1, b1, w2, b2, blocks_outside_window, cfg)
+def fused_mx_mlp(x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig, erefs=(None, None)):
+    """fc2(GELU_tanh(fc1(x))) in MXFP6 with the activation fused into the packers; `erefs`: the two
+    weights' current e_ref where the optimizer step keeps them (`mx_linear`)."""
+    return _FusedMXMLP.apply(x, w1, b1, w2, b2, blocks_outside_window, cfg, *erefs)

@@ -8,7 +8,7 @@ from torch import nn
 from ..mx import FoldGranularity
 from .functional import SAVED_OPERANDS, MXConfig, mx_linear
 
-__all__ = ["MXFP6Linear", "mx_ineligibility", "output_dtype", "rowwise_mx_weights"]
+__all__ = ["MXFP6Linear", "mx_ineligibility", "output_dtype", "rowwise_mx_linears"]
 
 
 def mx_ineligibility(in_features: int, out_features: int, mx_gemm: str = "rowwise") -> str | None:
@@ -93,26 +93,26 @@ class MXFP6Linear(nn.Linear):
         self.register_buffer("blocks_outside_window", torch.zeros(1, dtype=torch.int64,
                                                                 device=self.weight.device),
                              persistent=False)
-        # The weight's packed operands, kept current by the optimizer step that updates the weight
-        # (`keep_weight_operands`); None: forward packs the weight itself.
+        # What the optimizer step keeps of the weight between steps, attached by its owner
+        # (`mxflux.nn.weight_state.MXWeightState`): the e_ref, the packed operands, and the weight's
+        # version they were computed from. Plain tensors; None: forward packs the weight itself.
+        self.weight_erefs: torch.Tensor | None = None
         self.weight_operands: tuple[torch.Tensor, ...] | None = None
-        self.weight_operands_keeper = None
+        self.weight_state_version: int | None = None
 
-    def keep_weight_operands(self, operands: tuple[torch.Tensor, ...], keeper) -> None:
-        """Take the weight's row-granularity operands (row data, row scale, col data, col scale)
-        from these tensors instead of packing the weight at each forward. `keeper` rewrites them
-        whenever the weight changes (`keeper.ensure_current(weight)`, called here before each eager
-        forward; a compiled forward reads them unchecked, so whoever runs it checks first:
-        `mxflux.train.adamw_cuda.WeightErefs`)."""
-        if self.cfg.granularity is not FoldGranularity.ROWWISE:
-            raise ValueError(f"keep_weight_operands: the operands kept are the row granularity's, this "
-                             f"layer's mx_gemm is {self.cfg.mx_gemm!r}")
-        for t in operands:
-            # The step rewrites these in place, so their addresses never change: compiled with
-            # CUDA graphs (`model.compile_mode: reduce-overhead`) the replays read them where they
-            # are instead of copying them into the graph's own input buffers each time.
-            torch._dynamo.mark_static_address(t)
-        self.weight_operands, self.weight_operands_keeper = tuple(operands), keeper
+    def kept_weight_state(self) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
+        """(e_ref, operands) of the weight to use in this forward, or None each.
+
+        Eagerly, only while the weight's version is the one they were computed from: after any
+        write through torch (`copy_`, `load_state_dict`, an EMA swap) forward packs the weight itself
+        (the same bits) until the owner computes them again. Compiled, the version cannot be read,
+        so they are used as attached: the owner brings them up to date before each forward of the
+        model (its forward pre-hook) and before each replay of a captured step."""
+        if self.weight_state_version is None:
+            return None, None
+        if not torch.compiler.is_compiling() and self.weight._version != self.weight_state_version:
+            return None, None
+        return self.weight_erefs, self.weight_operands
 
     def compute_params(self, x: torch.Tensor):
         """(x in bf16, the dtype every MX GEMM takes its inputs in; weight; bias). The parameters
@@ -124,10 +124,8 @@ class MXFP6Linear(nn.Linear):
             raise ValueError(
                 f"MXFP6Linear: input's last dimension is {x.shape[-1]}, expected {self.in_features}")
         x2, lead = as_2d(x)
-        kept = self.weight_operands
-        if kept is not None and not torch.compiler.is_compiling():
-            self.weight_operands_keeper.ensure_current(self.weight)
-        y = mx_linear(*self.compute_params(x2), self.blocks_outside_window, self.cfg, kept)
+        erefs, operands = self.kept_weight_state()
+        y = mx_linear(*self.compute_params(x2), self.blocks_outside_window, self.cfg, operands, erefs)
         return y.reshape(*lead, self.out_features).to(output_dtype(x))
 
     def extra_repr(self) -> str:
@@ -138,9 +136,8 @@ class MXFP6Linear(nn.Linear):
                 f"{recomputed}")
 
 
-def rowwise_mx_weights(model: nn.Module) -> list[tuple[nn.Parameter, bool]]:
-    """(weight, hadamard) of every MXFP6Linear in `model` (those inside a FusedMXFP6MLP included)
-    whose GEMMs use the row granularity: the weights whose e_ref an optimizer step can compute for
-    the packer (`mxflux.kernels.weight_erefs`)."""
-    return [(m.weight, m.cfg.hadamard) for m in model.modules()
-            if isinstance(m, MXFP6Linear) and m.cfg.granularity is FoldGranularity.ROWWISE]
+def rowwise_mx_linears(model: nn.Module) -> list[MXFP6Linear]:
+    """Every MXFP6Linear in `model` (those inside a FusedMXFP6MLP included) whose GEMMs use the row
+    granularity: those whose weight's e_ref an optimizer step can keep for the packer
+    (`mxflux.nn.weight_state`)."""
+    return [m for m in model.modules() if isinstance(m, MXFP6Linear) and m.cfg.granularity is FoldGranularity.ROWWISE]

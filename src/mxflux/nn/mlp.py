@@ -118,7 +118,8 @@ class FusedMXFP6MLP(nn.Sequential):
         x2, lead = as_2d(x)
         x2, w1, b1 = self.fc1.compute_params(x2)
         _, w2, b2 = self.fc2.compute_params(x2)
-        y = fused_mx_mlp(x2, w1, b1, w2, b2, self.fc1.blocks_outside_window, self.fc1.cfg)
+        erefs = (self.fc1.kept_weight_state()[0], self.fc2.kept_weight_state()[0])
+        y = fused_mx_mlp(x2, w1, b1, w2, b2, self.fc1.blocks_outside_window, self.fc1.cfg, erefs)
         return y.reshape(*lead, self.fc2.out_features).to(output_dtype(x))
 
     def extra_repr(self) -> str:
@@ -128,7 +129,7 @@ class FusedMXFP6MLP(nn.Sequential):
 def linears_with_own_forward(model: nn.Module) -> list[MXFP6Linear]:
     """The row-granularity MXFP6Linear modules of `model` that run their own forward, that is all but
     the fc1 / fc2 of a FusedMXFP6MLP (whose Function packs their weights): those that can take their
-    weight's operands from the optimizer step (`MXFP6Linear.keep_weight_operands`)."""
+    weight's operands from the optimizer step (`mxflux.nn.weight_state`)."""
     inside_fused = {id(m) for f in model.modules() if isinstance(f, FusedMXFP6MLP) for m in f.modules()}
     return [m for m in model.modules() if isinstance(m, MXFP6Linear) and id(m) not in inside_fused
             and m.cfg.granularity is FoldGranularity.ROWWISE]

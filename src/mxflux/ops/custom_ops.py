@@ -33,8 +33,11 @@ import os
 
 import torch
 
-from ..kernels import (compact_operand_cuda, cpu_kernel_available, expand_operand_cuda, mx_operands_cpu,
+from ..kernels import (HAS_TRITON, compact_operand_cuda, cpu_kernel_available, expand_operand_cuda, mx_operands_cpu,
                        mx_operands_cuda_counted, scaled_gemm_cpu, scaled_gemm_cuda, scaled_gemm_cuda_traceable)
+from ..kernels.operands_cuda import weight_exponents_cuda
+from ..kernels.triton_common import interpreting
+from ..kernels.weight_erefs import buffer_words as eref_buffer_words
 from ..mx.compact import compact_operand as compact_operand_reference
 from ..mx.compact import compacted_shapes
 from ..mx.compact import expand_operand as expand_operand_reference
@@ -43,7 +46,7 @@ from ..mx.operands import mx_operands_reference, padded_rows
 from ..mx.scaled_gemm import scaled_gemm_reference
 
 __all__ = ["FORCE_REFERENCE", "INLINE_GEMM", "compact_operand", "expand_operand", "mx_operands", "scaled_gemm",
-           "scaled_gemm_op", "use_kernels"]
+           "eref_buffer_words", "scaled_gemm_op", "use_kernels", "weight_exponents", "weight_exponents_available"]
 
 FORCE_REFERENCE = os.environ.get("MXFLUX_REFERENCE", "0") == "1"
 # MXFLUX_INLINE_GEMM=0 keeps compiled regions on the opaque GEMM op (A/B runs of host time; the
@@ -58,6 +61,20 @@ def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and not FORCE_REFERENCE
 
 
+def weight_exponents_available(t: torch.Tensor) -> bool:
+    """Whether the kernels that keep a weight's e_ref and operands between steps run for `t`: Triton
+    on CUDA (or its CPU interpreter, in tests), and the reference not forced (it has no such state:
+    its packer always reads the weight itself)."""
+    return HAS_TRITON and (t.is_cuda or interpreting()) and not FORCE_REFERENCE
+
+
+def weight_exponents(x: torch.Tensor, hadamard: bool, out: torch.Tensor) -> torch.Tensor:
+    """The row granularity's pass 1 alone: the fp32 weight x's per-row and per-column e_ref into
+    `out` (int32 [kernels.weight_erefs.buffer_words(R, C)], overwritten), what `mx_operands` takes as
+    `erefs` (`weight_exponents_available(x)` must hold)."""
+    return weight_exponents_cuda(x, hadamard, out)
+
+
 def _cpu_kernels(t: torch.Tensor) -> bool:
     """The compiled CPU kernels run on CPU tensors where numba is present, unless the reference
     is forced."""
@@ -70,7 +87,7 @@ def _empty(device) -> torch.Tensor:
 
 _LIB = torch.library.Library("mxflux", "DEF")  # kept alive for the process: it owns the registrations
 _LIB.define("mx_operands(Tensor x, Tensor? aux, Tensor(a!) blocks_outside_window, bool row, bool col, "
-            "str granularity, bool hadamard, str prologue, bool colsum) "
+            "str granularity, bool hadamard, str prologue, bool colsum, Tensor? erefs=None) "
             "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 _LIB.define("scaled_gemm(Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, str granularity, "
             "Tensor? bias, ScalarType out_dtype) -> Tensor")
@@ -95,17 +112,20 @@ def _mx_operands(
     hadamard: bool,
     prologue: str,
     colsum: bool,
+    erefs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotate, quantize to E2M3 and fold a 2-D tensor into FP8 GEMM operands
     (`mxflux.mx.operands`). x is bf16, or fp32 (master weights), which is packed as its bf16
     rounding, x.to(torch.bfloat16), without that cast as a separate pass. `granularity` is a
     `FoldGranularity` value ("rowwise", "blockwise", "exact"). Blocks outside the fold window are
     added to `blocks_outside_window` (int64, one element) on the device: no host sync. Unrequested
-    outputs are empty.
+    outputs are empty. `erefs`: an fp32 weight's current row-granularity e_ref (`weight_exponents`'
+    layout, vouched for by the caller: `mxflux.nn.weight_state`), with which the kernels skip their
+    first pass; the other backends compute their own (the same values).
     """
     g = FoldGranularity.from_mx_gemm(granularity)
     if use_kernels(x):  # the kernels add into the counter themselves (no launch for the add)
-        p = mx_operands_cuda_counted(x, aux, blocks_outside_window, row, col, g, hadamard, prologue, colsum)
+        p = mx_operands_cuda_counted(x, aux, blocks_outside_window, row, col, g, hadamard, prologue, colsum, erefs)
     else:
         if x.dtype == torch.float32:  # the CUDA kernels round fp32 to bf16 as they read it
             x = x.to(torch.bfloat16)
@@ -123,7 +143,7 @@ def _mx_operands(
             _empty(dev) if cs is None else cs, _empty(dev) if sums is None else sums)
 
 
-def _mx_operands_fake(x, aux, blocks_outside_window, row, col, granularity, hadamard, prologue, colsum):
+def _mx_operands_fake(x, aux, blocks_outside_window, row, col, granularity, hadamard, prologue, colsum, erefs=None):
     g = FoldGranularity.from_mx_gemm(granularity)
     r, c = x.shape
     rp = padded_rows(r, g)

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from ..model import Flux
-from ..nn import PrecisionReport, apply_precision, linears_with_own_forward, rowwise_mx_weights
+from ..nn import MXWeightState, PrecisionReport, apply_precision
 from .config import RunConfig
+from . import adamw_cuda
 from .optimizer import ClippingAdamW
 
 __all__ = ["build_model", "build_optimizer"]
@@ -45,10 +46,11 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, *, capturable: bool 
                               lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                               **{impl: True}, **extra)
     on_gpu = any(p.is_cuda for p in model.parameters())  # the Triton step runs on CUDA parameters only
-    if o.weight_exponents_in_optimizer and o.clip_in_optimizer and on_gpu:
-        linears = linears_with_own_forward(model) if o.weight_operands_in_optimizer else ()
-        optimizer.track_weight_erefs(rowwise_mx_weights(model), linears)
-        if optimizer.weight_erefs is not None and optimizer.weight_erefs.kept:
-            # compiled blocks read the kept operands unchecked: bring them up to date before each forward
-            model.register_forward_pre_hook(lambda module, args: optimizer.refresh_weight_erefs())
+    if o.weight_exponents_in_optimizer and o.clip_in_optimizer and optimizer.kernel == "triton" and on_gpu:
+        # the MX layers' state, written by the Triton step (min_elements: the parameters it updates)
+        state = MXWeightState.of_model(model, keep_operands=o.weight_operands_in_optimizer,
+                                       min_elements=adamw_cuda.LARGE)
+        if state.of:
+            optimizer.weight_state = state
+            state.install(model)  # compiled blocks read it unchecked: up to date before each forward
     return optimizer

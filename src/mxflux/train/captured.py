@@ -88,8 +88,8 @@ class CapturedStep:
             if self.graph is None and self.eager_steps >= self.warmup:
                 self._capture(core)
             if self.graph is not None:
-                refresh = getattr(self.optimizer, "refresh_weight_erefs", None)
-                if refresh is not None:  # the replayed forward reads the weights' e_ref unchecked
+                refresh = getattr(self.optimizer, "refresh_weight_state", None)
+                if refresh is not None:  # the replayed forward reads the MX weights' state unchecked
                     refresh()
                 self.graph.replay()
                 outputs = tuple(t.clone() for t in self.outputs)  # the next replay overwrites them

@@ -124,11 +124,11 @@ class OptimSection(_Section):
     implementation: Literal["auto", "foreach", "fused"] = "auto"
     # With "auto" and the clipping in the optimizer, the Triton step also computes the row-granularity
     # e_ref of the MX weights it updates, so that the next forward's packer skips its first pass
-    # over them (train.adamw_cuda.WeightErefs; false: the packer reads each weight twice).
+    # over them (nn.weight_state.MXWeightState; false: the packer reads each weight twice).
     weight_exponents_in_optimizer: bool = True
     # With weight_exponents_in_optimizer, the step also writes the packed MX operands of the weights of
     # MXFP6Linear layers, which their forward then uses instead of packing the weight (the same
-    # values; 2 bytes per weight element kept between steps; train.adamw_cuda.WeightErefs).
+    # values; 2 bytes per weight element kept between steps; nn.weight_state.MXWeightState).
     weight_operands_in_optimizer: bool = True
 
 

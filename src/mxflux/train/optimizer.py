@@ -10,9 +10,9 @@ Which kernel applies the factor:
   1/factor in fp64, and writes the divided gradients back);
 - foreach or per-parameter: torch's `_foreach_mul_` on the gradients, then the step.
 
-The Triton step also computes, for the MX weights it is told about (`track_weight_erefs`), the
-row-granularity e_ref the packer would otherwise find in a first pass over each weight at the next
-forward (`mxflux.kernels.weight_erefs`).
+The Triton step also computes, for the MX weights whose state is attached (`weight_state`, an
+`mxflux.nn.MXWeightState`), the row-granularity e_ref the packer would otherwise find in a first
+pass over each weight at the next forward, and the operands of those it keeps.
 
 State, parameter groups and state_dict are torch's AdamW's whichever runs, so a checkpoint does not
 record the kernel.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..nn.weight_state import MXWeightState
 from . import adamw_cuda
 
 __all__ = ["ClippingAdamW"]
@@ -36,26 +37,14 @@ class ClippingAdamW(torch.optim.AdamW):
         super().__init__(params, **kw)
         self.kernel = kernel
         self.lr_scalars: dict[int, torch.Tensor] = {}  # the Triton step's learning rates on the device
-        self.weight_erefs: adamw_cuda.WeightErefs | None = None
+        # The MX weights' state the Triton step writes as it updates them (`build_optimizer` attaches it).
+        self.weight_state: MXWeightState | None = None
 
-    def track_weight_erefs(self, weights, linears=()) -> int:
-        """Have the Triton step compute the row-granularity e_ref of these MX weights ((parameter,
-        hadamard) pairs) as it updates them, so that the packer skips its first pass over them, and
-        for the weights of `linears` (MXFP6Linear modules) their packed operands, which those layers
-        then use as they are (`adamw_cuda.WeightErefs`). Returns how many weights qualify; none with
-        the "torch" kernel. Whoever runs a compiled forward of those layers calls
-        `refresh_weight_erefs` first (`build_optimizer` hooks it onto the model)."""
-        if self.kernel != "triton":
-            return 0
-        self.weight_erefs = adamw_cuda.WeightErefs(weights, linears)
-        return len(self.weight_erefs.of)
-
-    def refresh_weight_erefs(self) -> None:
-        """Recompute the e_ref (and kept operands) of tracked weights written by anything but this
-        optimizer's step since (before every forward of the model; a captured step before each
-        replay: the graph's forward reads them unchecked)."""
-        if self.weight_erefs is not None:
-            self.weight_erefs.refresh()
+    def refresh_weight_state(self) -> None:
+        """Bring the attached MX weights' state up to date (a captured step before each replay: the
+        graph's forward reads it unchecked)."""
+        if self.weight_state is not None:
+            self.weight_state.refresh()
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_factor: torch.Tensor | None = None):
@@ -67,7 +56,7 @@ class ClippingAdamW(torch.optim.AdamW):
             raise ValueError("step: a closure re-evaluates the gradients, which grad_factor would then miss")
         with_grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if self.kernel == "triton" and adamw_cuda.eligible(self, with_grads):
-            adamw_cuda.adamw_clipped_step(self, grad_factor, self.lr_scalars, self.weight_erefs)
+            adamw_cuda.adamw_clipped_step(self, grad_factor, self.lr_scalars, self.weight_state)
         elif all(g.get("fused") for g in self.param_groups):
             self.grad_scale = grad_factor.reciprocal()
             try:

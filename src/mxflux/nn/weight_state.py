@@ -1,0 +1,155 @@
+"""The one owner of what an optimizer step keeps of the MX weights between steps.
+
+For each row-granularity MX weight the AdamW step can compute, as it updates the weight, the e_ref
+that the packer's first pass would otherwise find at the next forward (`kernels.weight_erefs`: the
+layout), and
+for the weights of MXFP6Linear layers that run their own forward even the packed operands
+themselves, which the layer then uses instead of packing its weight (docs/design.md, "The weights'
+operands from the optimizer step"). `MXWeightState` holds those tensors, attaches them to the layers
+as plain tensors (`MXFP6Linear.weight_erefs`, `.weight_operands`) with the weight's version they
+belong to, and recomputes them through `mxflux.ops` for any weight written by something else (a
+load, an EMA swap, torch's own optimizer): a layer never calls back into it, and the packer gets
+its e_ref as an argument.
+
+What keeps them honest is the parameter's autograd version counter. Every in-place write through
+torch bumps it; the Triton step, which writes parameters behind torch's back, records the version
+it leaves (`mark_current`). An eager forward uses them only while the version matches
+(`MXFP6Linear.kept_weight_state`); a compiled one cannot read it, so `install` registers a forward
+pre-hook on the model that calls `refresh` (a captured step calls it before each replay). Writes
+through `.data` are the one kind torch does not count: they are not seen
+(`optim.weight_exponents_in_optimizer: false` turns the whole mechanism off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from ..mx.granularity import FoldGranularity
+from ..mx.operands import padded_rows
+from ..ops import eref_buffer_words, mx_operands, weight_exponents, weight_exponents_available
+from .linear import MXFP6Linear, rowwise_mx_linears
+from .mlp import linears_with_own_forward
+
+__all__ = ["MXWeightState"]
+
+
+class Kept(NamedTuple):
+    """What the step keeps for a weight whose operands it writes."""
+    operands: tuple  # row data [R, C] E4M3, row scale [R, 1], col data [C, Rp] E4M3, col scale [C, 1]
+    held: torch.Tensor  # the e_ref the operands were encoded against (before the headroom): a view of `held`
+    unheld: torch.Tensor  # int32 [1]: blocks the step's e_ref did not hold (then the fix-up pass runs)
+    counter: torch.Tensor  # the layer's blocks_outside_window
+
+
+class MXWeightState:
+    """The e_ref of the weights of `layers` (row-granularity MXFP6Linear modules), and the packed
+    operands of those of `keep` (layers running their own forward: not the fc1 / fc2 of a fused
+    MLP, whose Function packs their weights). One int32 buffer for all e_ref, a view per weight.
+    Only contiguous 2-D fp32 weights of at least `min_elements` elements on a device where the
+    kernels run qualify (`qualifies`); the others are packed by their layers as always."""
+
+    def __init__(self, layers: Sequence[MXFP6Linear], keep: Sequence[MXFP6Linear] = (), *, min_elements: int = 1):
+        for m in (*layers, *keep):
+            if not isinstance(m, MXFP6Linear) or m.cfg.granularity is not FoldGranularity.ROWWISE:
+                raise ValueError(f"layers: the e_ref and operands kept are the row granularity's; got "
+                                 f"{type(m).__name__} with mx_gemm={getattr(getattr(m, 'cfg', None), 'mx_gemm', None)!r}")
+        self.min_elements = min_elements
+        self.layers: dict[torch.Tensor, list[MXFP6Linear]] = {}
+        for m in layers:
+            if self.qualifies(m.weight):
+                self.layers.setdefault(m.weight, []).append(m)
+        ps = list(self.layers)
+        sizes = [eref_buffer_words(*p.shape) for p in ps]
+        device = ps[0].device if ps else None
+        self.buffer = torch.empty(sum(sizes), dtype=torch.int32, device=device) if ps else None
+        self.of: dict[torch.Tensor, tuple[bool, torch.Tensor]] = {}
+        spans, start = {}, 0
+        for p, n in zip(ps, sizes):
+            hadamard = self.layers[p][0].cfg.hadamard
+            view = self.buffer[start:start + n]
+            spans[p], start = (start, n), start + n
+            self.of[p] = (hadamard, view)
+            for m in self.layers[p]:
+                m.weight_erefs, m.weight_state_version = view, None
+        kept_layers = [m for m in keep if m.weight in self.of]
+        self.kept: dict[torch.Tensor, Kept] = {}
+        self.held = torch.empty_like(self.buffer) if kept_layers else None
+        self.unheld = torch.zeros(len(kept_layers), dtype=torch.int32, device=device) if kept_layers else None
+        self.fixups = torch.zeros(1, dtype=torch.int64, device=device)  # fix-up passes run, summed over steps
+        for i, m in enumerate(kept_layers):
+            p = m.weight
+            (R, C), (a, n) = p.shape, spans[p]
+            f8 = torch.float8_e4m3fn
+            operands = (torch.empty(R, C, dtype=f8, device=device), torch.empty(R, 1, device=device),
+                        torch.empty(C, padded_rows(R), dtype=f8, device=device), torch.empty(C, 1, device=device))
+            for t in operands:
+                # Rewritten in place by every step, so their addresses never change: compiled with
+                # CUDA graphs (`model.compile_mode: reduce-overhead`) the replays read them where they
+                # are instead of copying them into the graph's own input buffers each time.
+                torch._dynamo.mark_static_address(t)
+            self.kept[p] = Kept(operands, self.held[a:a + n], self.unheld[i:i + 1], m.blocks_outside_window)
+            m.weight_operands = operands
+        self.refresh()
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, *, keep_operands: bool, min_elements: int = 1) -> "MXWeightState":
+        """The state of every row-granularity MX weight of `model`, with the operands of the layers
+        that run their own forward when `keep_operands`."""
+        return cls(rowwise_mx_linears(model), linears_with_own_forward(model) if keep_operands else (),
+                   min_elements=min_elements)
+
+    def qualifies(self, p: torch.Tensor) -> bool:
+        return (weight_exponents_available(p) and type(p.data) is torch.Tensor and p.dtype == torch.float32
+                and p.dim() == 2 and p.is_contiguous() and p.numel() >= self.min_elements and p.shape[1] % 32 == 0)
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Bring everything up to date before each forward of `model` (compiled layers use what is
+        attached unchecked)."""
+        if self.of:
+            model.register_forward_pre_hook(lambda module, args: self.refresh())
+
+    def is_current(self, p: torch.Tensor) -> bool:
+        return all(m.weight_state_version == p._version for m in self.layers[p])
+
+    def mark_current(self, p: torch.Tensor) -> None:
+        """What is kept for `p` now belongs to its current values (queued on the device before any
+        later use): record the version the parameter has."""
+        for m in self.layers[p]:
+            m.weight_state_version = p._version
+
+    def refresh(self) -> None:
+        """Recompute what the step computes (e_ref, and the operands it keeps) for every weight written
+        by something other than the step since, or never computed: the packer's two passes."""
+        for p in self.of:
+            self.ensure_current(p)
+
+    def ensure_current(self, p: torch.Tensor) -> None:
+        """`refresh` for one weight: a version comparison when nothing is due."""
+        if self.is_current(p):
+            return
+        hadamard, view = self.of[p]
+        x = p.detach()
+        weight_exponents(x, hadamard, view)
+        kept = self.kept.get(p)
+        if kept is not None:
+            got = mx_operands(x, None, kept.counter, True, True, FoldGranularity.ROWWISE.value, hadamard, "none", False,
+                              view)
+            for dst, src in zip(kept.operands, got[:4]):
+                dst.copy_(src)
+            kept.held.copy_(view)
+        self.mark_current(p)
+
+    def zero(self, updated: set) -> None:
+        """Zero the buffers of the weights this step updates (atomic maxima start from 0): one fill
+        for all of them when every one is updated, the usual case."""
+        if len(updated) == len(self.of):
+            self.buffer.zero_()
+        else:
+            for p, (_, view) in self.of.items():
+                if p in updated:
+                    view.zero_()
+        if self.unheld is not None:
+            self.unheld.zero_()
