@@ -31,7 +31,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .operands_cuda import tile_exponent_maxima, tile_operands
+    from .operands_device import tile_exponent_maxima, tile_operands
     from .triton_common import f32_rounded_to_bf16
 
 __all__ = ["BLOCK", "HAS_TRITON", "LARGE", "NUM_WARPS", "OperandTile"]
