@@ -35,12 +35,15 @@ from .checkpoint import (LATEST, LATEST_SHARDED, load_checkpoint, load_model_opt
                          save_sharded_checkpoint, set_rng_state)
 from .clipping import clip_and_step
 from .config import RecipeError, RunConfig
+from .datafit import check_data_fits_model
 from .distributed import DistContext, init_distributed
 from .ema import WeightEMA
+from .identity import run_identity
 from .flow import cfg_dropout, eval_noise, noised, per_sample_mse, sample_latents, shift_time
 from .noise import training_draws
 from .parallelize import parallelize
 from .results import StepResult
+from .schedule import lr_factor
 
 __all__ = ["Trainer", "StepResult", "lr_factor", "total_steps"]
 
@@ -81,6 +84,8 @@ class Trainer:
 
         self.data_root = Path(cfg.data.root) if cfg.data.root else ensure_demo_dataset(DEMO_DATA_DIR)
         self.train_set = LatentDataset(self.data_root, "train")
+        check_data_fits_model(cfg.model, self.train_set.latent_shape, self.train_set.t5_shape, self.train_set.clip_dim,
+                              data=f"data.root {self.data_root}")
         self.eval_set = LatentDataset(self.data_root, "eval")
         self.latent_shift, self.latent_scale = self.train_set.latent_shift, self.train_set.latent_scale
         # Moved to the device once, in the compute dtype: no per-step host-to-device copy.
@@ -279,6 +284,7 @@ class Trainer:
         return {
             "format": CHECKPOINT_FORMAT,
             "config": self.cfg.model_dump(mode="json"),
+            "identity": run_identity(self.cfg, self.train_set),  # what the run is: a resume must be the same
             "scheduler": self.scheduler.state_dict(),
             "progress": {"step": self.step, "samples": self.samples, "epoch": self.epoch,
                          "samples_in_epoch": self.batch_in_epoch * self.cfg.batch.micro_batch_size * self.world,
@@ -379,23 +385,3 @@ def _check_format(state: dict) -> None:
     if found != CHECKPOINT_FORMAT:
         raise ValueError(f"checkpoint format {found}: this mxflux reads format {CHECKPOINT_FORMAT} "
                          f"(tensors keyed by parameter name)")
-
-
-def lr_factor(warmup_steps: int, decay: str, decay_steps: int | None, min_ratio: float, total: int,
-              step: int) -> float:
-    """The LR factor of optimizer step `step` (0-based) of a `total`-step run.
-
-    A linear warm-up over `warmup_steps` (factor (step + 1) / warmup_steps), then 1: with
-    `decay` "none" that is all (MLPerf reference). With "cosine" or "linear" the factor falls over
-    the last `decay_steps` steps (None: all steps after the warm-up), from 1 at their first step
-    towards `min_ratio` at step `total` (the one after the last), so no step takes a zero LR;
-    it multiplies the warm-up factor where the two overlap.
-    """
-    warm = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-    if decay == "none":
-        return warm
-    span = decay_steps if decay_steps is not None else max(total - warmup_steps, 1)
-    start = total - span
-    progress = min(max((step - start) / span, 0.0), 1.0)
-    fall = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
-    return warm * (min_ratio + (1 - min_ratio) * fall)
