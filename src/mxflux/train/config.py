@@ -266,7 +266,11 @@ def _read(recipe: str) -> tuple[dict, str]:
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
             raise RecipeError(f"recipe: no such file {recipe!r}")
-        return _not_empty(_parse(path.read_text(), str(path)), str(path)), str(path)
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise RecipeError(f"recipe {path}: not a text file, expected a YAML recipe") from None
+        return _not_empty(_parse(text, str(path)), str(path)), str(path)
     res = _builtin(recipe)
     if not res.is_file():
         raise RecipeError(f"recipe: unknown recipe {recipe!r}; built-in recipes: {recipe_names()} "

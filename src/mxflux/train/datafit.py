@@ -40,7 +40,7 @@ def check_data_fits_model(model_section, latent_shape, t5_shape, clip_dim, *, da
     if clip_dim != cfg.vec_in_dim:
         problems.append(f"its CLIP vectors are {clip_dim} wide, the model takes vec_in_dim {cfg.vec_in_dim}")
     if problems:
-        raise DataModelMismatchError(f"data {data} does not fit model {model_section.name}: " + "; ".join(problems)
+        raise DataModelMismatchError(f"{data} does not fit model {model_section.name}: " + "; ".join(problems)
                                      + " (choose a model config for this data, or data for this model)")
 
 
@@ -54,7 +54,7 @@ def check_data_fits_recipe(cfg) -> None:
 
     if cfg.data.root is None:
         latent, t5, clip = _demo_shapes()
-        check_data_fits_model(cfg.model, latent, t5, clip, data="(the built-in demo dataset)")
+        check_data_fits_model(cfg.model, latent, t5, clip, data="the built-in demo dataset (data.root null)")
         return
     if not (Path(cfg.data.root) / META_FILE).is_file():
         return

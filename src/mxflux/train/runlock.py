@@ -35,7 +35,9 @@ def _holder(fd: int) -> tuple[int | None, str]:
     os.lseek(fd, 0, os.SEEK_SET)
     text = os.read(fd, 4096).decode(errors="replace")
     pid, _, command = text.partition("\n")
-    return (int(pid), command.strip()) if pid.strip().isdigit() else (None, "")
+    command = command.strip()
+    command = command if len(command) <= 100 else command[:97] + "..."
+    return (int(pid), command) if pid.strip().isdigit() else (None, "")
 
 
 def _alive(pid: int) -> bool:

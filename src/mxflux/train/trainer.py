@@ -74,14 +74,7 @@ class Trainer:
         self.accum = cfg.batch.accumulation_steps(self.world)
         self.total_steps = total_steps(cfg)
 
-        self.model, self.precision_report = build_model(cfg, self.device)  # fp32 master weights
-        self.train_model = parallelize(self.model, cfg, self.ctx)  # the model itself or its DDP wrapper
-        if cfg.model.init_from:  # after sharding: under FSDP2 each rank reads only its own shards
-            init_from_checkpoint(self.model, cfg.model.init_from)
-        self.window_counters = [m.blocks_outside_window for m in self.mx_modules()]
-        # After init_from and sharding: the average starts from the weights the run starts from.
-        self.ema = WeightEMA(self.model, cfg.train.ema_decay) if cfg.train.ema_decay else None
-
+        # The data first: data that does not fit the model is refused before the model is built.
         self.data_root = Path(cfg.data.root) if cfg.data.root else ensure_demo_dataset(DEMO_DATA_DIR)
         self.train_set = LatentDataset(self.data_root, "train")
         check_data_fits_model(cfg.model, self.train_set.latent_shape, self.train_set.t5_shape, self.train_set.clip_dim,
@@ -91,6 +84,14 @@ class Trainer:
         # Moved to the device once, in the compute dtype: no per-step host-to-device copy.
         self.t5_empty, self.clip_empty = load_empty_encodings(self.data_root, device=self.device,
                                                               dtype=self.compute_dtype)
+
+        self.model, self.precision_report = build_model(cfg, self.device)  # fp32 master weights
+        self.train_model = parallelize(self.model, cfg, self.ctx)  # the model itself or its DDP wrapper
+        if cfg.model.init_from:  # after sharding: under FSDP2 each rank reads only its own shards
+            init_from_checkpoint(self.model, cfg.model.init_from)
+        self.window_counters = [m.blocks_outside_window for m in self.mx_modules()]
+        # After init_from and sharding: the average starts from the weights the run starts from.
+        self.ema = WeightEMA(self.model, cfg.train.ema_decay) if cfg.train.ema_decay else None
 
         o = cfg.optim
         self.optimizer = build_optimizer(cfg, self.model, capturable=cfg.train.cuda_graph)
