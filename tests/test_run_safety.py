@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -95,6 +94,7 @@ def test_two_trains_at_once_into_one_directory_exactly_one_runs(data, tmp_path, 
     line = one_line_error(loser)
     # The loser either found the directory locked, or (started after the winner finished) a finished run.
     assert f"run directory {out} is in use by process " in line or "already holds a run at step 2" in line, line
+    assert "wait for it to end, or choose another --out" in line or "--resume" in line
     assert train_steps(out) == [1, 2]  # one run's rows, none mixed or repeated
     assert read_checkpoint_meta(out)["progress"]["step"] == 2
     assert not (out / ".mxflux.lock").exists()  # released by the run that held it
@@ -292,38 +292,41 @@ def test_a_full_disk_is_one_line_and_the_last_checkpoint_stays(finished, tmp_pat
     assert not list(run_dir.glob(".latest.pt.*.tmp"))
 
 
-def _as_nobody() -> dict:
-    """Run as an unprivileged user where the tests run as root (root ignores permissions)."""
+def _without_root_powers() -> dict:
+    """Popen arguments under which permissions apply: as root, the process gives up the two
+    capabilities that let root read and write whatever it likes (CAP_DAC_OVERRIDE,
+    CAP_DAC_READ_SEARCH), dropped from its bounding set before exec."""
     if os.geteuid() != 0:
         return {}
-    return {"user": 65534, "group": 65534, "extra_groups": [],
-            "env": {**ENV, "NUMBA_CACHE_DIR": tempfile.mkdtemp(), "HOME": "/tmp"}}
+
+    def drop():
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+            if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+    return {"preexec_fn": drop}
 
 
 def test_permission_problems_say_permission(finished, tmp_path):
-    base = Path(tempfile.mkdtemp(prefix="mxflux-perm-"))  # reachable by the unprivileged user
+    run_dir = copy_run(finished, tmp_path)
+    plain = _without_root_powers()
+    os.chmod(run_dir / "latest.pt", 0)
     try:
-        os.chmod(base, 0o777)
-        run_dir = base / "run"
-        shutil.copytree(finished, run_dir)
-        os.chmod(run_dir, 0o777)
-        as_nobody = _as_nobody()
-        if as_nobody:
-            os.chmod(as_nobody["env"]["NUMBA_CACHE_DIR"], 0o777)
-        os.chmod(run_dir / "latest.pt", 0)
         for argv in (["eval", run_dir], ["train", "--resume", run_dir, "--no-progress"]):
-            rc, _, err = run(*argv, **as_nobody)
+            rc, _, err = run(*argv, **plain)
             line = one_line_error(err)
             assert rc == 2 and f"permission denied: '{run_dir / 'latest.pt'}'" in line, err
             assert "truncated" not in line and "No such file" not in line
-        os.chmod(run_dir / "latest.pt", 0o644)
-        locked = base / "locked"
-        locked.mkdir(mode=0o555)
-        rc, _, err = run("train", "tiny-mxfp6", "--out", locked / "run", *SMALL, **as_nobody)
-        assert rc == 2 and f"permission denied: '{locked / 'run'}'" in one_line_error(err)
-        assert list(locked.iterdir()) == []
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        os.chmod(run_dir / "latest.pt", 0o644)
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    rc, _, err = run("train", "tiny-mxfp6", "--out", locked / "run", *SMALL, **plain)
+    assert rc == 2 and f"permission denied: '{locked / 'run'}'" in one_line_error(err)
+    assert list(locked.iterdir()) == []
 
 
 def test_wrong_words_fixed_file_not_directory_resume_hints_and_refusals(finished, data, tmp_path):

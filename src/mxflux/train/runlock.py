@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import os
 import sys
+import time
 from pathlib import Path
 
 from .rundir import RunDirError
@@ -59,8 +60,10 @@ class RunLock:
         self.path = self.out_dir / LOCK_FILE
         self.fd: int | None = None
         self.stale_note: str | None = None
+        self.created = False
 
     def acquire(self) -> "RunLock":
+        self.created = not self.out_dir.exists()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -68,6 +71,11 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 pid, command = _holder(fd)
+                for _ in range(20):  # the holder writes its pid just after it locks: give it a moment
+                    if pid is not None:
+                        break
+                    time.sleep(0.05)
+                    pid, command = _holder(fd)
                 os.close(fd)
                 who = f"process {pid} ({command})" if pid is not None else "another process"
                 raise RunLockedError(f"run directory {self.out_dir} is in use by {who}: one run per directory; "
@@ -101,6 +109,11 @@ class RunLock:
             pass
         os.close(self.fd)  # releases the flock
         self.fd = None
+        if self.created:  # a command refused before it wrote anything leaves no empty directory behind
+            try:
+                self.out_dir.rmdir()
+            except OSError:  # not empty: the run's files are there
+                pass
 
     def __enter__(self) -> "RunLock":
         return self.acquire()
