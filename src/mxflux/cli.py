@@ -5,13 +5,15 @@ Each subcommand is one `_add_<name>(subparsers)` function that declares its argu
 import their (torch-heavy) modules when they run, so `mxflux --help` and `--version` start fast.
 Handlers return an exit code. A user's mistake found deeper down (a recipe, checkpoint, dataset
 or run directory that cannot be used as asked: `USER_ERRORS`) is one line on stderr and exit
-status 2, and a run stopped by a non-finite value exit status 1, without a traceback; `--debug`
-shows the traceback instead.
+status 2 (so are a permission problem and a full disk, naming the path), a run stopped by a
+non-finite value exit status 1, and a stop signal 128 + its number, without a traceback;
+`--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -138,6 +140,23 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return DataError, CheckpointCorruptError, CheckpointNotFoundError, RecipeError, RunDirError
 
 
+def _interrupted() -> type[BaseException]:
+    from mxflux.train.stop import Interrupted  # torch-free
+
+    return Interrupted
+
+
+def _os_error_line(e: OSError) -> str:
+    """A permission problem, a full disk or a read-only file system, naming the path."""
+    path = f" {str(e.filename)!r}" if e.filename else ""
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return (f"permission denied:{path} cannot be read or written by this user "
+                f"(check its permissions and those of its directories)")
+    if e.errno == errno.EROFS:
+        return f"read-only file system:{path} cannot be written"
+    return f"no space left on device{(' writing' + path) if path else ''}: free some space and run again"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mxflux` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -157,9 +176,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what the shell reports for a command killed by it
+    except (KeyboardInterrupt, _interrupted()) as e:  # a stop signal outside a run's own handling
+        if debug:
+            raise
+        import signal
+
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"{command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
     except Exception as e:
         if debug:
             raise
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            print(f"{command}: error: {_os_error_line(e)}", file=sys.stderr)
+            return 2
         from mxflux.train.stop import NonFiniteError
 
         if isinstance(e, NonFiniteError):

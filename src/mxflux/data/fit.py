@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from .shards import read_meta
 
-__all__ = ["DataDims", "dataset_dims", "demo_dims", "dims_for_model", "data_model_mismatch"]
+__all__ = ["DataDims", "dataset_dims", "demo_dims", "dims_for_model", "dims_mismatch", "data_model_mismatch"]
 
 
 @dataclass(frozen=True)
@@ -74,18 +74,23 @@ def _differences(dims: DataDims, mc) -> list[str]:
     return out
 
 
+def dims_mismatch(dims: DataDims, data: str, mc, *, model_name: str, recipe: str) -> str | None:
+    """One line naming `data` (with its dims) and the model when `dims` do not fit the Flux config
+    `mc` of `recipe`; None when they fit."""
+    diffs = _differences(dims, mc)
+    if not diffs:
+        return None
+    return (f"{data} ({dims.describe()}) does not fit model {model_name} of recipe {recipe}: {'; '.join(diffs)}; "
+            f"`mxflux data synth --for {recipe}` writes random data that fits")
+
+
 def data_model_mismatch(root: str | os.PathLike | None, mc, *, model_name: str, recipe: str) -> str | None:
-    """One line naming the data and the model when the dataset at `root` (None: the built-in demo
-    dataset) does not fit the Flux config `mc` of `recipe`; None when it fits. A root without a
-    dataset is not judged here (None): reading it reports that."""
+    """`dims_mismatch` for the dataset at `root` (None: the built-in demo dataset), read from its
+    meta.json. A root without a dataset is not judged here (None): reading it reports that."""
     if root is None:
         dims, data = demo_dims(), "the built-in demo dataset (data.root: null)"
     else:
         if not (os.path.isfile(os.path.join(root, "meta.json"))):
             return None
         dims, data = dataset_dims(root), f"data.root {str(root)!r}"
-    diffs = _differences(dims, mc)
-    if not diffs:
-        return None
-    return (f"{data} ({dims.describe()}) does not fit model {model_name} of recipe {recipe}: {'; '.join(diffs)}; "
-            f"`mxflux data synth --for {recipe}` writes random data that fits")
+    return dims_mismatch(dims, data, mc, model_name=model_name, recipe=recipe)

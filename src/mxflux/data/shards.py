@@ -172,6 +172,8 @@ def read_meta(root: str | os.PathLike) -> DatasetMeta:
     """Read and check `root/meta.json` (not the shards: `LatentDataset` checks those)."""
     root = Path(root)
     path = root / META_FILE
+    if root.exists() and not root.is_dir():
+        raise DatasetNotFoundError(f"dataset directory {root} is a file, expected a directory (docs/DATA_FORMAT.md)")
     if not root.is_dir():
         raise DatasetNotFoundError(f"dataset directory {root} does not exist")
     if not path.is_file():
@@ -299,6 +301,8 @@ class LatentDataset:
         for _, count in self._split.shards:
             self._starts.append(self._starts[-1] + count)
         self._mapped: dict[int, dict[str, torch.Tensor]] = {}  # shard -> tensors, per process
+        if self._split.captions is not None:  # a short file would pair later samples with no caption
+            self._check_caption_count()
 
     # --- facts -------------------------------------------------------------------------------
 
@@ -328,6 +332,19 @@ class LatentDataset:
     @property
     def bytes_per_sample(self) -> int:
         return sum(s.nbytes for s in self.specs.values())
+
+    def _check_caption_count(self) -> None:
+        path = self.root / self._split.captions
+        if not path.is_file():
+            raise DatasetFormatError(f"{path}: file is missing (listed in {META_FILE})")
+        lines, last = 0, b""
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                lines, last = lines + chunk.count(b"\n"), chunk[-1:]
+        lines += last not in (b"", b"\n")  # a last line without its newline
+        if lines != len(self):
+            raise DatasetFormatError(f"{path}: {lines} captions for {len(self)} {self.split} samples; expected one "
+                                     f"JSON string per sample, in sample order (docs/DATA_FORMAT.md)")
 
     def captions(self) -> list[str] | None:
         """The split's captions in sample order, or None where the dataset stores none."""

@@ -13,8 +13,8 @@ import torch
 
 from ..model import Flux
 from ..nn import MXWeightState, PrecisionReport, apply_precision
-from .config import RunConfig
 from . import adamw_cuda
+from .config import RecipeError, RunConfig
 from .optimizer import ClippingAdamW
 
 __all__ = ["build_model", "build_optimizer"]
@@ -26,7 +26,10 @@ def build_model(cfg: RunConfig, device: torch.device | str) -> tuple[Flux, Preci
     torch.manual_seed(cfg.train.seed)
     with torch.device(device):
         model = Flux(cfg.model.flux_config())
-    report = apply_precision(model, cfg.precision)
+    try:
+        report = apply_precision(model, cfg.precision)
+    except ValueError as e:  # a pattern that matches no linear of this model: the recipe's mistake
+        raise RecipeError(f"recipe {cfg.name}: {e}") from None
     return model, report
 
 

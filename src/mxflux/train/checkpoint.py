@@ -143,7 +143,7 @@ def _readable(path: Path):
     that is not a checkpoint), instead of the unpickler's or zip reader's own."""
     try:
         yield
-    except (CheckpointCorruptError, MemoryError):
+    except (CheckpointCorruptError, MemoryError, PermissionError):  # a permission problem is not a bad file
         raise
     except Exception as e:
         raise CheckpointCorruptError(f"checkpoint {str(path)!r} cannot be read ({type(e).__name__}: {e}); it is "

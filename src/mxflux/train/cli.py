@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -46,6 +47,9 @@ def _device(args):
         device = torch.device(args.device)
     except RuntimeError:
         args.parser.error(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
+    if device.type not in ("cpu", "cuda"):
+        args.parser.error(f"--device {args.device}: mxflux runs on cpu or cuda (cuda:N); {device.type} is not "
+                          f"supported")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             args.parser.error(f"--device {args.device}: CUDA is not available on this machine (use --device cpu)")
@@ -101,6 +105,8 @@ def _check_config(args) -> int:
     for field, path in _recipe_paths(cfg):
         if not Path(path).exists():
             print(f"# warning: {field} {path!r} does not exist", file=sys.stderr)
+        elif field == "data.root" and not Path(path).is_dir():
+            print(f"# warning: {field} {path!r} is a file, expected a dataset directory", file=sys.stderr)
     print(f"# OK: {cfg.name} is valid ({cfg.precision.name}, model {cfg.model.name}, "
           f"global batch {cfg.batch.global_batch_size})", file=sys.stderr)
     return 0
@@ -138,7 +144,8 @@ def add_train_parser(sub) -> None:
                                    "loss_curve.png, checkpoints and samples.png to the run directory. A run "
                                    "directory belongs to one run: a new run refuses a directory that holds "
                                    "one (--resume continues it there, --overwrite starts over). Ctrl-C "
-                                   "(SIGINT) or SIGTERM finishes the step, writes a checkpoint and exits.")
+                                   "(SIGINT), SIGTERM or SIGHUP finishes the step, writes a checkpoint and exits. One "
+                                   "command at a time owns a run directory (a lock held for the run's life).")
     _recipe_args(p, default=None)
     p.add_argument("--out", metavar="DIR",
                    help="run directory (default: the recipe's train.out_dir; with --resume, the resumed run's)")
@@ -147,6 +154,9 @@ def add_train_parser(sub) -> None:
                         "it), on any number of ranks; its recipe is the checkpoint's unless RECIPE is given")
     p.add_argument("--overwrite", action="store_true",
                    help="start a new run even where another run's files are (they are deleted first)")
+    p.add_argument("--allow-precision-change", action="store_true",
+                   help="with --resume and a RECIPE (or --set precision...): continue the run in another "
+                        "precision on purpose (any other difference from the checkpoint's run is refused)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available; LOCAL_RANK under torchrun)")
     p.add_argument("--max-steps", type=positive_int, metavar="N",
                    help="stop once the run has taken N optimizer steps in all (steps before a resume count); "
@@ -156,45 +166,78 @@ def add_train_parser(sub) -> None:
 
 
 def _train(args) -> int:
+    from .phases import DISK_FULL, TrainPhase
+    from .stop import Interrupted, signals_raise
+
+    phase = TrainPhase()
+    try:
+        with signals_raise():  # SIGINT, SIGTERM, SIGHUP outside the steps: one line, nothing lost
+            return _run_train(args, phase)
+    except Interrupted as e:
+        print(phase.interrupted(e.signum), file=sys.stderr)
+        return 128 + e.signum
+    except OSError as e:
+        if e.errno in DISK_FULL:
+            raise phase.disk_full(e) from e
+        raise
+
+
+def _run_train(args, phase) -> int:
     from .checkpoint import CheckpointNotFoundError, load_checkpoint, read_checkpoint_meta, resolve_checkpoint
     from .config import RecipeError, config_from_dict
     from .distributed import cleanup, init_distributed
-    from .rundir import check_new_run
+    from .identity import check_same_data, check_same_run
+    from .rundir import check_new_run, remove_leftovers
+    from .runlock import RunLock
     from .stop import TrainingInterrupted
     from .trainer import Trainer, total_steps
 
     device = _device(args)
-    state = None
     if args.resume:
         try:
             ckpt = resolve_checkpoint(args.resume)
         except CheckpointNotFoundError as e:
             args.parser.error(str(e))
-        state = load_checkpoint(ckpt) if ckpt.is_file() else read_checkpoint_meta(ckpt)
-        if args.recipe:
-            cfg = _load(args)
-        else:
-            try:
-                cfg = config_from_dict(state["config"], f"of checkpoint {ckpt}", args.overrides)
-            except RecipeError as e:
-                args.parser.error(str(e))
         run_dir = ckpt.parent
         out = Path(args.out) if args.out else run_dir
-        done, end = state["progress"]["step"], min(total_steps(cfg), args.max_steps or total_steps(cfg))
-        if done >= end:
-            print(f"{run_dir}: the run is at step {done} of {end}; nothing to train, nothing changed. "
-                  f"To train longer, raise train.train_samples (now {cfg.train.train_samples}) with --set.",
-                  file=sys.stderr)
-            return 0
     else:
         cfg = _load(args, args.recipe or DEFAULT_RECIPE)
         run_dir, out = None, Path(args.out) if args.out else cfg.out_dir
     check_recipe_data(cfg, args.parser)  # before any work, not at the first forward or at the end's samples
+    phase.out = out
     ctx = init_distributed(device.type if device is not None else None)  # gloo for --device cpu
+    lock = RunLock(out) if ctx.is_main else None
     try:
+        if lock is not None:  # before anything in `out` is read or written: one run per directory
+            _note(lock.acquire().stale_note)
+            remove_leftovers(out)
+        state = identity = None
+        samples_only = False  # a finished run whose final samples were never drawn: only those
+        if args.resume:
+            state = load_checkpoint(ckpt) if ckpt.is_file() else read_checkpoint_meta(ckpt)
+            try:
+                cfg = _load(args) if args.recipe else config_from_dict(state["config"], f"of checkpoint {ckpt}",
+                                                                       args.overrides)
+            except RecipeError as e:
+                args.parser.error(str(e))
+            identity = state.get("identity")
+            changed = check_same_run(state["config"], identity, cfg, run_dir=run_dir,
+                                     allow_precision_change=args.allow_precision_change)
+            if changed and ctx.is_main:
+                _note(f"note: continuing in another precision, as asked: {', '.join(changed)}")
+            done, end = state["progress"]["step"], min(total_steps(cfg), args.max_steps or total_steps(cfg))
+            phase.resume_step = done
+            redraw = done >= total_steps(cfg) and cfg.train.sample_prompts and not (out / "samples.png").exists()
+            if done >= end and not redraw:
+                limit = (f"--max-steps (now {args.max_steps})" if end < total_steps(cfg)
+                         else f"train.train_samples (now {cfg.train.train_samples}) with --set")
+                print(f"{run_dir}: the run is at step {done} of {end}; nothing to train, nothing changed. "
+                      f"To train longer, raise {limit}.", file=sys.stderr)
+                return 0
+            samples_only = done >= end
         if run_dir is None or out.resolve() != run_dir.resolve():
             if ctx.is_main:
-                check_new_run(out, overwrite=args.overwrite)
+                _note(check_new_run(out, overwrite=args.overwrite))
             _barrier(ctx)
         callbacks = []
         if cfg.mlperf.enabled:  # constructed first: the timed MLPerf "init" phase starts here
@@ -202,10 +245,12 @@ def _train(args) -> int:
 
             callbacks.append(MLPerfCallback(out, cfg, rank=ctx.rank, world_size=ctx.world_size))
         trainer = Trainer(cfg, ctx=ctx, device=device, out_dir=out, callbacks=callbacks)
-        if state is not None and ckpt.is_file():
-            trainer.load_state_dict(state)
-        elif state is not None:
-            trainer.resume(ckpt)
+        if state is not None:
+            check_same_data(identity, trainer.train_set, run_dir=run_dir)
+            if ckpt.is_file():
+                trainer.load_state_dict(state)
+            else:
+                trainer.resume(ckpt)
         del state
         if ctx.is_main:
             r = trainer.precision_report
@@ -213,14 +258,20 @@ def _train(args) -> int:
                   f"{len(r.kept_bf16)} kept bf16; data {trainer.data_root}; world {ctx.world_size}; "
                   f"device {trainer.device}; out {trainer.out_dir}"
                   + (f"; resuming at step {trainer.step}" if trainer.step else ""))
-        try:
-            result = trainer.fit(progress=not args.no_progress, max_steps=args.max_steps)
-        except TrainingInterrupted as e:
-            if ctx.is_main:
-                print(f"{signal_name(e.signum)}: stopped after step {e.step}; checkpoint {e.checkpoint}; "
-                      f"continue with: mxflux train --resume {out}", file=sys.stderr)
-            return e.exit_code
+        phase.phase, phase.trainer = "training", trainer
+        if not samples_only:
+            try:
+                result = trainer.fit(progress=not args.no_progress, max_steps=args.max_steps)
+            except TrainingInterrupted as e:
+                if ctx.is_main:
+                    print(f"{signal_name(e.signum)}: stopped after step {e.step}; checkpoint {e.checkpoint}; "
+                          f"continue with: mxflux train --resume {out}", file=sys.stderr)
+                return e.exit_code
+        else:
+            trainer.last_checkpoint = ckpt
+            result = {"step": trainer.step, "samples": trainer.samples, "eval_loss": trainer.last_eval}
         if ctx.is_main:
+            phase.phase = "sampling"
             if cfg.train.sample_prompts:
                 with trainer.sampling_weights():  # the EMA of the weights, where the recipe keeps one
                     grid = _sample_to_grid(trainer.model, trainer.train_set, list(cfg.train.sample_prompts),
@@ -235,7 +286,14 @@ def _train(args) -> int:
             print(json_text(result))
     finally:
         cleanup()
+        if lock is not None:
+            lock.release()
     return 0
+
+
+def _note(line: str | None) -> None:
+    if line:
+        print(line, file=sys.stderr)
 
 
 def _barrier(ctx) -> None:
@@ -303,12 +361,30 @@ def _trainer_from_checkpoint(args):
         cfg = _with_init_from(config_from_dict(state["config"], f"of checkpoint {path}"), None)
     except RecipeError as e:
         args.parser.error(str(e))
+    if cfg.data.root is None:  # a demo run: read the demo dataset, never build it here
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"root": str(_demo_root(args))})})
     trainer = Trainer(cfg, ctx=alone(device.type if device is not None else None), device=device)
     if path.is_dir():
         trainer.resume(path)
     else:
         trainer.load_state_dict(state)
     return trainer
+
+
+def _demo_root(args) -> Path:
+    """The built-in demo dataset, for commands that write nothing but their output (eval, sample):
+    `runs/demo-data` where a run built it, else built (the same seeded data) in a temporary
+    directory that lives as long as the command."""
+    import tempfile
+
+    from ..data import ensure_demo_dataset
+    from ..data.shards import META_FILE
+    from .trainer import DEMO_DATA_DIR
+
+    if (DEMO_DATA_DIR / META_FILE).is_file():
+        return DEMO_DATA_DIR
+    args.scratch = tempfile.TemporaryDirectory(prefix="mxflux-demo-")
+    return ensure_demo_dataset(Path(args.scratch.name) / "demo-data")
 
 
 def _trainer_from_weights(args):
@@ -365,7 +441,8 @@ def add_sample_parser(sub) -> None:
                    help="the guidance input of a guidance-distilled model (FLUX.1-dev; default: the checkpoint "
                         "recipe's train.distilled_guidance; 3.5 with --weights)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the initial noise (default: 0)")
-    p.add_argument("--out", default="samples.png", help="PNG grid to write (default: samples.png)")
+    p.add_argument("--out", default="samples.png",
+                   help="PNG grid to write, or a directory for DIR/samples.png (default: samples.png)")
     p.add_argument("--no-ema", action="store_true",
                    help="draw with the checkpoint's weights, not their moving average (which a run whose recipe "
                         "sets train.ema_decay keeps and draws with by default)")
@@ -393,15 +470,19 @@ def _sample(args) -> int:
         args.parser.error("give a run checkpoint or --weights PATH, not both")
     if (args.model or args.data) and not args.weights:
         args.parser.error("--model and --data go with --weights; a run checkpoint carries its model and data")
+    out = Path(args.out)
+    if args.out.endswith(("/", os.sep)) or out.is_dir():
+        out = out / "samples.png"
+    elif out.suffix.lower() != ".png":
+        args.parser.error(f"--out {args.out}: expected a .png file or a directory (for DIR/samples.png)")
     if args.no_ema and args.weights:
         args.parser.error("--no-ema goes with a run checkpoint; --weights are drawn with as they are")
     if (args.t5 or args.clip) and not (args.vae and args.t5 and args.clip):
         args.parser.error("--t5 and --clip: give them with --vae (all three), or none for the demo encoder")
     if args.weights:
-        from ..data import LatentDataset, ensure_demo_dataset
+        from ..data import LatentDataset
         from ..model import FluxWeightsError, flux_config, flux_from_checkpoint
         from .distributed import alone
-        from .trainer import DEMO_DATA_DIR
 
         device = _device(args) or alone().device
         dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda"
@@ -412,7 +493,7 @@ def _sample(args) -> int:
         except (FluxWeightsError, ValueError) as e:
             args.parser.error(f"--weights: {e}")
         # Without real text encoders, prompts go through a dataset's own (the demo's) encoder.
-        dataset = None if args.t5 else LatentDataset(args.data or ensure_demo_dataset(DEMO_DATA_DIR), "train")
+        dataset = None if args.t5 else LatentDataset(args.data or _demo_root(args), "train")
         default_guidance, default_shift, trained_distilled = 1.0, 1.0, None
         weights = contextlib.nullcontext()
     else:
@@ -457,7 +538,7 @@ def _sample(args) -> int:
     try:
         with weights:
             grid = _sample_to_grid(model, dataset, args.prompt, steps=args.steps, seed=args.seed,
-                                   out=Path(args.out), dtype=dtype, encoders=encoders, guidance=guidance, vae=vae,
+                                   out=out, dtype=dtype, encoders=encoders, guidance=guidance, vae=vae,
                                    image_size=size, distilled_guidance=distilled,
                                    time_shift=time_shift)
     except ValueError as e:

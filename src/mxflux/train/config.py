@@ -284,12 +284,24 @@ def _read(recipe: str) -> tuple[dict, str]:
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
             raise RecipeError(f"recipe: no such file {recipe!r}")
-        return _parse(path.read_text(), str(path)) or {}, str(path)
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            raise RecipeError(f"recipe {path}: not a text file, expected a YAML recipe") from None
+        return _not_empty(_parse(text, str(path)), str(path)), str(path)
     res = _builtin(recipe)
     if not res.is_file():
         raise RecipeError(f"recipe: unknown recipe {recipe!r}; built-in recipes: {recipe_names()} "
                           f"(`mxflux recipes` lists them)")
-    return _parse(res.read_text(), recipe) or {}, recipe
+    return _not_empty(_parse(res.read_text(), recipe), recipe), recipe
+
+
+def _not_empty(data, label: str):
+    """An empty file is a mistake (the wrong file, a failed copy), not a request for the defaults."""
+    if data is None or data == {}:
+        raise RecipeError(f"recipe {label} is empty: expected a mapping of sections (model, precision, data, "
+                          f"optim, batch, train); `mxflux recipes` lists complete recipes to start from")
+    return data
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -26,7 +26,7 @@ def fit(trainer, *, progress: bool = True, max_steps: int | None = None) -> dict
     """Train to `train.train_samples`, or until the run has taken `max_steps` optimizer steps
     in all (steps before a resume count); log, evaluate and checkpoint on the way.
 
-    SIGINT/SIGTERM end the run after the current step with a checkpoint (TrainingInterrupted);
+    SIGINT/SIGTERM/SIGHUP end the run after the current step with a checkpoint (TrainingInterrupted);
     a non-finite loss or gradient norm ends it before anything more is written (NonFiniteError).
     """
     from .metrics import MetricsCallback

@@ -11,7 +11,10 @@ import signal
 import threading
 from pathlib import Path
 
-__all__ = ["NonFiniteError", "TrainingInterrupted", "SignalFlag"]
+__all__ = ["NonFiniteError", "TrainingInterrupted", "SignalFlag", "Interrupted", "signals_raise", "STOP_SIGNALS"]
+
+# What asks a run to stop: Ctrl-C, `kill`, and the terminal going away (a closed ssh session).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class NonFiniteError(RuntimeError):
@@ -19,7 +22,7 @@ class NonFiniteError(RuntimeError):
 
 
 class TrainingInterrupted(Exception):
-    """SIGINT or SIGTERM stopped the run after a whole step and a checkpoint."""
+    """SIGINT, SIGTERM or SIGHUP stopped the run after a whole step and a checkpoint."""
 
     def __init__(self, signum: int, step: int, checkpoint: Path | None):
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
@@ -31,12 +34,40 @@ class TrainingInterrupted(Exception):
         return 128 + self.signum
 
 
+class Interrupted(BaseException):
+    """A stop signal outside the training steps (start-up, final sampling) or a second one during
+    them: raised where the program is, like KeyboardInterrupt; the command reports it in one line."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def _raise(signum, frame):
+    raise Interrupted(signum)
+
+
+class signals_raise:
+    """Within the block, each of STOP_SIGNALS raises Interrupted (the main thread only)."""
+
+    def __enter__(self) -> "signals_raise":
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                self._previous[s] = signal.signal(s, _raise)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
 class SignalFlag:
-    """Within the block, SIGINT and SIGTERM set `signum` instead of killing the process. Only
+    """Within the block, SIGINT, SIGTERM and SIGHUP set `signum` instead of killing the process. Only
     the first one: a second signal gets the previous handler, so a second Ctrl-C still stops a
     stuck run at once. Only the main thread can install handlers; elsewhere it does nothing."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = STOP_SIGNALS
 
     def __enter__(self) -> "SignalFlag":
         self.signum: int | None = None

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..data.fit import dataset_dims, dims_mismatch
 from ..model import image_ids, init_from_checkpoint, patchify, text_ids
 from ..nn.linear import MXFP6Linear
 from .block_graphs import BlockGraphs
@@ -38,11 +39,13 @@ from .clipping import clip_and_step
 from .config import RecipeError, RunConfig
 from .distributed import DistContext, init_distributed
 from .ema import WeightEMA
+from .identity import run_identity
 from .flow import cfg_dropout, eval_noise, noised, per_sample_mse, sample_latents, shift_time
 from .guidance import guidance_input
 from .noise import training_draws
 from .parallelize import parallelize
 from .results import StepResult
+from .schedule import lr_factor
 
 __all__ = ["Trainer", "StepResult", "lr_factor", "total_steps"]
 
@@ -74,6 +77,19 @@ class Trainer:
         self.block_graphs = BlockGraphs(cfg.model, self.device, self.accum)
         self.total_steps = total_steps(cfg)
 
+        # The data first: data that does not fit the model is refused before the model is built.
+        self.data_root = Path(cfg.data.root) if cfg.data.root else ensure_demo_dataset(DEMO_DATA_DIR)
+        self.train_set = LatentDataset(self.data_root, "train")
+        why = dims_mismatch(dataset_dims(self.data_root), f"data.root {str(self.data_root)!r}", cfg.model.flux_config(),
+                            model_name=cfg.model.name, recipe=cfg.name)
+        if why:
+            raise RecipeError(why)
+        self.eval_set = LatentDataset(self.data_root, "eval")
+        self.latent_shift, self.latent_scale = self.train_set.latent_shift, self.train_set.latent_scale
+        # Moved to the device once, in the compute dtype: no per-step host-to-device copy.
+        self.t5_empty, self.clip_empty = load_empty_encodings(self.data_root, device=self.device,
+                                                              dtype=self.compute_dtype)
+
         self.model, self.precision_report = build_model(cfg, self.device)  # fp32 master weights
         self.train_model = parallelize(self.model, cfg, self.ctx)  # the model itself or its DDP wrapper
         if cfg.model.init_from:  # after sharding: under FSDP2 each rank reads only its own shards
@@ -81,14 +97,6 @@ class Trainer:
         self.window_counters = [m.blocks_outside_window for m in self.mx_modules()]
         # After init_from and sharding: the average starts from the weights the run starts from.
         self.ema = WeightEMA(self.model, cfg.train.ema_decay) if cfg.train.ema_decay else None
-
-        self.data_root = Path(cfg.data.root) if cfg.data.root else ensure_demo_dataset(DEMO_DATA_DIR)
-        self.train_set = LatentDataset(self.data_root, "train")
-        self.eval_set = LatentDataset(self.data_root, "eval")
-        self.latent_shift, self.latent_scale = self.train_set.latent_shift, self.train_set.latent_scale
-        # Moved to the device once, in the compute dtype: no per-step host-to-device copy.
-        self.t5_empty, self.clip_empty = load_empty_encodings(self.data_root, device=self.device,
-                                                              dtype=self.compute_dtype)
 
         o = cfg.optim
         self.optimizer = build_optimizer(cfg, self.model, capturable=cfg.train.cuda_graph)
@@ -284,6 +292,7 @@ class Trainer:
         return {
             "format": CHECKPOINT_FORMAT,
             "config": self.cfg.model_dump(mode="json"),
+            "identity": run_identity(self.cfg, self.train_set),  # what the run is: a resume must be the same
             "scheduler": self.scheduler.state_dict(),
             "progress": {"step": self.step, "samples": self.samples, "epoch": self.epoch,
                          "samples_in_epoch": self.batch_in_epoch * self.cfg.batch.micro_batch_size * self.world,
@@ -384,23 +393,3 @@ def _check_format(state: dict) -> None:
     if found != CHECKPOINT_FORMAT:
         raise ValueError(f"checkpoint format {found}: this mxflux reads format {CHECKPOINT_FORMAT} "
                          f"(tensors keyed by parameter name)")
-
-
-def lr_factor(warmup_steps: int, decay: str, decay_steps: int | None, min_ratio: float, total: int,
-              step: int) -> float:
-    """The LR factor of optimizer step `step` (0-based) of a `total`-step run.
-
-    A linear warm-up over `warmup_steps` (factor (step + 1) / warmup_steps), then 1: with
-    `decay` "none" that is all (MLPerf reference). With "cosine" or "linear" the factor falls over
-    the last `decay_steps` steps (None: all steps after the warm-up), from 1 at their first step
-    towards `min_ratio` at step `total` (the one after the last), so no step takes a zero LR;
-    it multiplies the warm-up factor where the two overlap.
-    """
-    warm = min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-    if decay == "none":
-        return warm
-    span = decay_steps if decay_steps is not None else max(total - warmup_steps, 1)
-    start = total - span
-    progress = min(max((step - start) / span, 0.0), 1.0)
-    fall = 0.5 * (1 + math.cos(math.pi * progress)) if decay == "cosine" else 1 - progress
-    return warm * (min_ratio + (1 - min_ratio) * fall)
