@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from mxflux.data.cli import add_data_parser
+from mxflux.cli.data import add_data_parser
 from mxflux.data.shards import LatentDataset, load_empty_encodings
 
 
@@ -105,7 +105,7 @@ def test_data_without_subcommand_prints_help(capsys):
 
 
 def test_parser_imports_no_torch():
-    code = ("import argparse, sys; from mxflux.data.cli import add_data_parser; "
+    code = ("import argparse, sys; from mxflux.cli.data import add_data_parser; "
             "add_data_parser(argparse.ArgumentParser().add_subparsers()); import mxflux.data; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout

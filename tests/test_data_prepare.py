@@ -139,7 +139,7 @@ def test_train_and_sample_with_the_real_encoder_path(models, images, tmp_path, m
     from mxflux.cli import main
     from mxflux.data.prepare import _Encoders
     from mxflux.train import sample as sample_module
-    from mxflux.train.cli import _trainer_from_checkpoint
+    from mxflux.cli.common import trainer_from_checkpoint
 
     data, run = tmp_path / "prepared", tmp_path / "run"
     prepare_dataset(images, data, vae_path=models / "vae", t5_path=models / "t5", clip_path=models / "clip",
@@ -170,7 +170,7 @@ def test_train_and_sample_with_the_real_encoder_path(models, images, tmp_path, m
     # guided and time-shifted as the recipe says, against the dataset's empty encodings.
     import argparse
 
-    trainer = _trainer_from_checkpoint(argparse.Namespace(checkpoint=str(run), device="cpu", parser=None))
+    trainer = trainer_from_checkpoint(argparse.Namespace(checkpoint=str(run), device="cpu", parser=None))
     guidance, time_shift = trainer.cfg.train.sample_guidance, trainer.cfg.train.sampler_shift
     assert (guidance, time_shift) == (2.0, 3.0)
     enc = _Encoders(vae_path=models / "vae", t5_path=models / "t5", clip_path=models / "clip",

@@ -1,7 +1,7 @@
 """Training: config schema and recipes, the rectified-flow trainer, checkpoints and metrics.
 
 Names are imported from their modules on first use, so that building the CLI parser (which
-imports `mxflux.train.cli`) never loads torch.
+imports `mxflux.cli`'s command modules) never loads torch.
 """
 
 from __future__ import annotations

@@ -103,13 +103,13 @@ def _lazy(module: str, fn: str):
 
 # One registration function per subcommand, in `mxflux --help` order.
 SUBCOMMANDS = (
-    _lazy("mxflux.train.cli", "add_train_parser"),
-    _lazy("mxflux.train.cli", "add_eval_parser"),
-    _lazy("mxflux.train.cli", "add_sample_parser"),
-    _lazy("mxflux.train.cli", "add_check_config_parser"),
-    _lazy("mxflux.train.cli", "add_recipes_parser"),
-    _lazy("mxflux.data.cli", "add_data_parser"),
-    _lazy("mxflux.bench.cli", "add_bench_parser"),
+    _lazy("mxflux.cli.train", "add_train_parser"),
+    _lazy("mxflux.cli.evaluate", "add_eval_parser"),
+    _lazy("mxflux.cli.sample", "add_sample_parser"),
+    _lazy("mxflux.cli.recipes", "add_check_config_parser"),
+    _lazy("mxflux.cli.recipes", "add_recipes_parser"),
+    _lazy("mxflux.cli.data", "add_data_parser"),
+    _lazy("mxflux.cli.bench", "add_bench_parser"),
     _add_numerics,
 )
 

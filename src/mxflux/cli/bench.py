@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from ..argtypes import non_negative_int, positive_float, positive_int
-from .compare import DEFAULT_SETTINGS, PROXY_OVERRIDES, PROXY_RECIPE, SETTINGS, parse_settings
+from ..bench.compare import DEFAULT_SETTINGS, PROXY_OVERRIDES, PROXY_RECIPE, SETTINGS, parse_settings
 
 __all__ = ["add_bench_parser"]
 
@@ -154,9 +154,9 @@ def _device(name: str | None):
 def _one(args) -> int:
     """One setting, in this process (also under torchrun)."""
     from ..train.config import RecipeError
-    from . import step
-    from .availability import setting_unavailability
-    from .report import print_table, write_json
+    from ..bench import step
+    from ..bench.availability import setting_unavailability
+    from ..bench.report import print_table, write_json
 
     (setting,) = args.settings
     try:
@@ -194,8 +194,8 @@ def _compare(args) -> int:
     one table. A setting whose recipe does not validate is reported as failed without a process.
     With rounds, the memory report is each setting's last successful one."""
     from ..train.config import RecipeError, load_recipe
-    from .compare import combine_rounds, run_in_subprocesses
-    from .report import print_table, skipped_line, write_json
+    from ..bench.compare import combine_rounds, run_in_subprocesses
+    from ..bench.report import print_table, skipped_line, write_json
 
     invalid = {}
     for name in args.settings:

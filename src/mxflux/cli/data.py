@@ -113,7 +113,7 @@ def add_data_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 
 def _run(args: argparse.Namespace, fn) -> int:
-    from .shards import DataError
+    from ..data.shards import DataError
 
     try:
         return fn()
@@ -124,7 +124,7 @@ def _run(args: argparse.Namespace, fn) -> int:
 def _synth_dims(args: argparse.Namespace):
     """The dims `data synth` writes: --for's recipe's (its model's widths, its data's sizes), or the
     MLPerf dims; explicit sizes replace either."""
-    from .fit import DataDims, demo_dims, dims_for_model
+    from ..data.fit import DataDims, demo_dims, dims_for_model
 
     if args.recipe is None:
         return DataDims(l_txt=args.t5_len or 256, d_t5=args.t5_dim or 4096, d_clip=args.clip_dim or 768,
@@ -148,7 +148,7 @@ def _synth(args: argparse.Namespace) -> int:
     def go() -> int:
         from dataclasses import asdict
 
-        from .synth import write_synthetic
+        from ..data.synth import write_synthetic
 
         dims = _synth_dims(args)
         out = write_synthetic(args.out, n_train=args.train, n_eval=args.eval, **asdict(dims),
@@ -166,7 +166,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
         import torch
 
-        from .prepare import prepare_dataset
+        from ..data.prepare import prepare_dataset
 
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         out = prepare_dataset(args.images, args.out, vae_path=args.vae, t5_path=args.t5, clip_path=args.clip,
@@ -183,7 +183,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     def go() -> int:
-        from .demo import build_demo_dataset
+        from ..data.demo import build_demo_dataset
 
         out = build_demo_dataset(args.out, n_train=args.train, n_eval=args.eval, seed=args.seed)
         print(f"wrote the demo dataset ({args.train} train + {args.eval} eval) to {out}")
@@ -195,7 +195,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _summary(root: str) -> dict:
     from pathlib import Path
 
-    from .shards import LatentDataset, read_meta
+    from ..data.shards import LatentDataset, read_meta
 
     meta = read_meta(root)
     splits = {}
@@ -216,7 +216,7 @@ def _info(args: argparse.Namespace) -> int:
     def go() -> int:
         s = _summary(args.root)
         if args.json:
-            from .shards import format_json
+            from ..data.shards import format_json
 
             print(format_json(s))
             return 0
@@ -241,14 +241,14 @@ def _bench(args: argparse.Namespace) -> int:
 
         import torch
 
-        from .loader import build_loader
-        from .shards import LatentDataset
+        from ..data.loader import build_loader
+        from ..data.shards import LatentDataset
 
         ds = LatentDataset(args.root, args.split)
         loader = build_loader(ds, batch_size=args.batch_size, num_workers=args.workers,
                               prefetch_factor=args.prefetch, pin_memory=args.pin_memory, seed=0, epoch=0)
         if len(loader) <= args.warmup:
-            from .shards import DataError
+            from ..data.shards import DataError
 
             raise DataError(f"{args.split} has {len(loader)} batches of {args.batch_size}: need more "
                             f"than --warmup {args.warmup}")
