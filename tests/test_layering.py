@@ -157,3 +157,8 @@ def _sources_mentioning(text: str) -> list[str]:
 
 def test_no_environment_variable_overrides_the_fused_mlp_recipe_field():
     assert _sources_mentioning("MXFLUX_FUSED_MLP") == []
+
+
+def test_the_trainer_stays_small():
+    n = len((SRC / "train" / "trainer.py").read_text().splitlines())
+    assert n <= 350, f"train/trainer.py is {n} lines: move a concern into a module of its own"

@@ -32,7 +32,9 @@ import torch
 __all__ = ["save_checkpoint", "load_checkpoint", "save_sharded_checkpoint", "load_sharded_checkpoint",
            "read_checkpoint_meta", "resolve_checkpoint", "is_sharded_checkpoint", "rng_state",
            "set_rng_state", "model_optimizer_state", "load_model_optimizer_state", "LATEST", "LATEST_SHARDED", "CheckpointNotFoundError", "CheckpointCorruptError",
-           "CheckpointWriteError"]
+           "CheckpointWriteError", "CHECKPOINT_FORMAT", "check_format", "sharded_has"]
+
+CHECKPOINT_FORMAT = 2  # tensors keyed by parameter name, the data position in global samples
 
 LATEST = "latest.pt"
 LATEST_SHARDED = "latest.dcp"
@@ -289,3 +291,18 @@ def read_checkpoint_meta(path: str | Path) -> dict:
     if path.is_dir():
         return load_sharded_checkpoint(path, {})
     return load_checkpoint(path)
+
+
+def sharded_has(path: Path, prefix: str) -> bool:
+    """Whether a sharded checkpoint directory holds an entry whose key starts with `prefix`."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return any(k.startswith(prefix) for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def check_format(state: dict) -> None:
+    """Refuse a checkpoint of another format, naming both."""
+    found = state.get("format", 1)
+    if found != CHECKPOINT_FORMAT:
+        raise ValueError(f"checkpoint format {found}: this mxflux reads format {CHECKPOINT_FORMAT} "
+                         f"(tensors keyed by parameter name)")

@@ -32,15 +32,16 @@ from .block_graphs import BlockGraphs
 from .build import build_model, build_optimizer
 from .callbacks import Callback
 from .captured import CapturedStep, one_process_error
-from .checkpoint import (LATEST, LATEST_SHARDED, load_checkpoint, load_model_optimizer_state, load_sharded_checkpoint,
-                         model_optimizer_state, resolve_checkpoint, rng_state, save_checkpoint,
-                         save_sharded_checkpoint, set_rng_state)
+from .checkpoint import (CHECKPOINT_FORMAT, LATEST, LATEST_SHARDED, check_format, load_checkpoint,
+                         load_model_optimizer_state, load_sharded_checkpoint, model_optimizer_state, resolve_checkpoint,
+                         rng_state, save_checkpoint, save_sharded_checkpoint, set_rng_state, sharded_has)
 from .clipping import clip_and_step
 from .config import RecipeError, RunConfig
 from .distributed import DistContext, init_distributed
 from .ema import WeightEMA
+from .evaluation import validation_loss
 from .identity import run_identity
-from .flow import cfg_dropout, eval_noise, noised, per_sample_mse, sample_latents, shift_time
+from .flow import cfg_dropout, noised, per_sample_mse, sample_latents, shift_time
 from .guidance import guidance_input
 from .noise import training_draws
 from .parallelize import parallelize
@@ -50,7 +51,6 @@ from .schedule import lr_factor
 __all__ = ["Trainer", "StepResult", "lr_factor", "total_steps"]
 
 DEMO_DATA_DIR = Path("runs/demo-data")
-CHECKPOINT_FORMAT = 2  # tensors keyed by parameter name, the data position in global samples
 
 
 def total_steps(cfg: RunConfig) -> int:
@@ -227,41 +227,9 @@ class Trainer:
                                   in_optimizer=o.clip_in_optimizer)
         return total / len(micro_batches), grad_norm.detach()
 
-    @torch.no_grad()
     def evaluate(self, max_samples: int | None = None) -> float:
-        """Validation loss: fixed t = k/8 per sample, fixed noise, sum(loss)/count in fp64 over ranks."""
-        from ..data import build_loader
-
-        self.train_model.eval()
-        c = self.cfg
-        limit = max_samples if max_samples is not None else c.train.eval_samples
-        n_total = len(self.eval_set) if limit is None else min(limit, len(self.eval_set))
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = torch.zeros((), dtype=torch.float64, device=self.device)
-        loader = build_loader(self.eval_set, batch_size=c.train.eval_batch_size, rank=self.rank,
-                              world_size=self.world, seed=0, shuffle=False, drop_last=False,
-                              num_workers=c.data.num_workers, prefetch_factor=c.data.prefetch_factor,
-                              limit=n_total)
-        seed = c.train.seed
-        for batch in loader:
-            idx = batch["index"]
-            batch = self._to_device(batch)
-            mean, logvar = batch["vae_mean"].float(), batch["vae_logvar"].float()
-            z = mean + torch.exp(0.5 * logvar) * eval_noise(idx, tuple(mean.shape[1:]), seed + 1, self.device)
-            x0 = (z - self.latent_shift) * self.latent_scale
-            noise = eval_noise(idx, tuple(x0.shape[1:]), seed + 2, self.device)
-            t = batch["timestep_index"].float() / 8.0
-            x_t, target = noised(x0, noise, t)
-            with self._autocast():
-                pred = self.train_model(timesteps=t, **self._model_inputs(x_t, batch["t5"], batch["clip"]))
-            per = per_sample_mse(pred, patchify(target)).double()
-            loss_sum += per.sum()
-            count += per.numel()
-        if self.world > 1:
-            dist.all_reduce(loss_sum)
-            dist.all_reduce(count)
-        self.train_model.train()
-        return float(loss_sum / count)  # a fresh Python float: it aliases nothing
+        """Validation loss: fixed t = k/8 per sample, fixed noise (`evaluation.validation_loss`)."""
+        return validation_loss(self, max_samples)
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -308,13 +276,13 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Load a whole-tensor state (`state_dict()`, a `latest.pt`) onto this world size."""
-        _check_format(state)
+        check_format(state)
         load_model_optimizer_state(self.model, self.optimizer, state, full=True, world_size=self.world)
         self._load_ema(state)
         self._load_meta(state)
 
     def _load_meta(self, meta: dict) -> None:
-        _check_format(meta)
+        check_format(meta)
         if self.captured is not None:  # the optimizer's state tensors were replaced: capture again
             self.captured.invalidate()
         self.scheduler.load_state_dict(meta["scheduler"])
@@ -364,7 +332,7 @@ class Trainer:
         # Destination tensors: this rank's shards (FSDP2) or whole tensors (DDP, one process);
         # dcp.load reads just those pieces, whatever sharding wrote them.
         tensors = self._tensors(full=False)
-        if self.ema is not None and not _sharded_has(path, "ema."):
+        if self.ema is not None and not sharded_has(path, "ema."):
             self._load_ema({})  # the error that names the missing averages, before dcp's own
         meta = load_sharded_checkpoint(path, tensors)
         load_model_optimizer_state(self.model, self.optimizer, tensors, full=False, world_size=self.world)
@@ -379,17 +347,3 @@ class Trainer:
         from .loop import fit
 
         return fit(self, progress=progress, max_steps=max_steps)
-
-
-def _sharded_has(path: Path, prefix: str) -> bool:
-    """Whether a sharded checkpoint directory holds an entry whose key starts with `prefix`."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    return any(k.startswith(prefix) for k in FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-
-
-def _check_format(state: dict) -> None:
-    found = state.get("format", 1)
-    if found != CHECKPOINT_FORMAT:
-        raise ValueError(f"checkpoint format {found}: this mxflux reads format {CHECKPOINT_FORMAT} "
-                         f"(tensors keyed by parameter name)")
