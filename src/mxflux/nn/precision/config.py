@@ -2,7 +2,8 @@
 
 Which precision runs is chosen by one selector field per precision (`fp6: e2m3` is MXFP6,
 `fp8: hybrid` is FP8, none is bf16); the other fields are options that belong to exactly one
-precision (`PrecisionConverter.options`), and setting an option of a precision the recipe does
+precision (`PrecisionConverter.options`, declared with the converter: `MXFP6Options`,
+`FP8Options`), and setting an option of a precision the recipe does
 not select to anything but its default is an error, not a silently ignored line. `include` / `exclude` choose the layers.
 """
 
@@ -10,16 +11,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import ConfigDict, model_validator
 
 from .default_layers import DEFAULT_PRECISION_INCLUDE
+from .fp8 import FP8Options
+from .mxfp6 import MXFP6Options
 from .registry import converter_class, registered_precisions, selected_precision
 
 __all__ = ["PrecisionConfig"]
 
 
-class PrecisionConfig(BaseModel):
-    """The precision block of a recipe. Nothing selected means bf16."""
+class PrecisionConfig(MXFP6Options, FP8Options):
+    """The precision block of a recipe: the layer choice here, each precision's selector and options
+    from its converter's module (`MXFP6Options`, `FP8Options`). Nothing selected means bf16."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -28,23 +32,6 @@ class PrecisionConfig(BaseModel):
     # matches it, no exclude pattern does, and its shape qualifies.
     include: tuple[str, ...] = DEFAULT_PRECISION_INCLUDE
     exclude: tuple[str, ...] = ()
-
-    # MXFP6 (nn/precision/mxfp6.py)
-    fp6: Literal["e2m3"] | None = None
-    mx_gemm: Literal["rowwise", "blockwise", "exact"] = "rowwise"
-    hadamard: bool = True
-    fused_mlp: Literal["auto", "on", "off"] = "auto"
-    # How forward keeps Xᵀ and Wᵀ for backward: the FP8 GEMM bytes (1 B/element) or 6-bit E2M3
-    # codes plus a shift per block (25/32 B/element, expanded in backward to the same bytes, so
-    # losses and gradients are bit-identical; docs/design.md, "Saved operands in six bits").
-    saved_operands: Literal["e4m3", "e2m3"] = "e4m3"
-    # Wᵀ for backward: kept from forward (1 B per weight element) or packed again in backward from
-    # the parameter, which is alive anyway (one more read of every weight per step; the same bytes).
-    repack_weights: bool = False
-
-    # FP8 on torchao.float8 (nn/precision/fp8.py)
-    fp8: Literal["hybrid"] | None = None  # E4M3 activations and weights, E5M2 gradients
-    fp8_scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
 
     # Refused with a message: named here so a recipe written for another trainer fails clearly.
     fp4: Literal["mxfp4", "nvfp4"] | None = None

@@ -21,12 +21,15 @@ validate and the placement can be tested on the CPU), and the model's first forw
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import BaseModel
 from torch import nn
 
 from .registry import PrecisionConverter, register_precision
 
-__all__ = ["FP8Converter", "FP8_ALIGN", "float8_linear_config", "fp8_unavailability"]
+__all__ = ["FP8Converter", "FP8Options", "FP8_ALIGN", "float8_linear_config", "fp8_unavailability"]
 
 FP8_ALIGN = 16  # torch._scaled_mm needs both GEMM dims of the weight to be multiples of 16
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have FP8 tensor cores
@@ -68,6 +71,14 @@ def _unavailable_error(why: str) -> RuntimeError:
                         f"recipe on an Ada/Hopper-class GPU, or select another precision (bf16, fp6)")
 
 
+class FP8Options(BaseModel):
+    """The recipe fields of FP8 on torchao.float8 (`precision.fp8: hybrid` selects it), part of
+    `PrecisionConfig`."""
+
+    fp8: Literal["hybrid"] | None = None  # E4M3 activations and weights, E5M2 gradients
+    fp8_scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
+
+
 @register_precision
 class FP8Converter(PrecisionConverter):
     """`fp8: hybrid`: E4M3 forward operands, E5M2 gradients, on torchao.float8."""
@@ -75,7 +86,7 @@ class FP8Converter(PrecisionConverter):
     name = "fp8"
     selected_by = "fp8"
     selector_value = "hybrid"
-    options = ("fp8_scaling",)
+    options = tuple(f for f in FP8Options.model_fields if f != "fp8")
 
     def ineligibility(self, linear: nn.Linear) -> str | None:
         bad = [f"{n}={v}" for n, v in (("in_features", linear.in_features),

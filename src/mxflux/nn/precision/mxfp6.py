@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
+from pydantic import BaseModel
 from torch import nn
 
 from ..linear import MXFP6Linear, mx_ineligibility
 from ..mlp import FusedMXFP6MLP, activation_name
 from .registry import PrecisionConverter, register_precision, replace_module
 
-__all__ = ["MXFP6Converter"]
+__all__ = ["MXFP6Converter", "MXFP6Options"]
+
+
+class MXFP6Options(BaseModel):
+    """The recipe fields of MXFP6 (`precision.fp6: e2m3` selects it), part of `PrecisionConfig`."""
+
+    fp6: Literal["e2m3"] | None = None
+    mx_gemm: Literal["rowwise", "blockwise", "exact"] = "rowwise"
+    hadamard: bool = True
+    fused_mlp: Literal["auto", "on", "off"] = "auto"
+    # How forward keeps Xᵀ and Wᵀ for backward: the FP8 GEMM bytes (1 B/element) or 6-bit E2M3
+    # codes plus a shift per block (25/32 B/element, expanded in backward to the same bytes, so
+    # losses and gradients are bit-identical; docs/design.md, "Saved operands in six bits").
+    saved_operands: Literal["e4m3", "e2m3"] = "e4m3"
+    # Wᵀ for backward: kept from forward (1 B per weight element) or packed again in backward from
+    # the parameter, which is alive anyway (one more read of every weight per step; the same bytes).
+    repack_weights: bool = False
 
 
 def _mlp_activation(module: nn.Module) -> str | None:
@@ -34,7 +53,7 @@ class MXFP6Converter(PrecisionConverter):
     name = "mxfp6"
     selected_by = "fp6"
     selector_value = "e2m3"
-    options = ("mx_gemm", "hadamard", "fused_mlp", "saved_operands", "repack_weights")
+    options = tuple(f for f in MXFP6Options.model_fields if f != "fp6")
 
     def ineligibility(self, linear: nn.Linear) -> str | None:
         return mx_ineligibility(linear.in_features, linear.out_features, self.cfg.mx_gemm)
