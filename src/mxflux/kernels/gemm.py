@@ -272,10 +272,12 @@ def scaled_gemm_cuda(
             _GEMM_PLANS.clear()
         _GEMM_PLANS[key] = plan
     fn, copies = plan
-    if copies is not None:
-        a_data, a_scale, b_data, b_scale = (t.contiguous() if c else t
-                                            for t, c in zip((a_data, a_scale, b_data, b_scale), copies))
-    return fn(a_data, a_scale, b_data, b_scale, bias, out_dtype)
+    return fn(*_contiguous(copies, a_data, a_scale, b_data, b_scale), bias, out_dtype)
+
+
+def _contiguous(copies, *operands):
+    """The operands, each copied contiguous where the plan says it must be (`_gemm_plan`)."""
+    return operands if copies is None else tuple(t.contiguous() if c else t for t, c in zip(operands, copies))
 
 
 def scaled_gemm_cuda_traceable(
@@ -300,9 +302,7 @@ def scaled_gemm_cuda_traceable(
     fn, copies = _gemm_plan(a_data, a_scale, b_data, b_scale, granularity, bias, out_dtype)
     if fn is not _rowwise:
         return None
-    if copies is not None:
-        a_data, a_scale, b_data, b_scale = (t.contiguous() if c else t
-                                            for t, c in zip((a_data, a_scale, b_data, b_scale), copies))
+    a_data, a_scale, b_data, b_scale = _contiguous(copies, a_data, a_scale, b_data, b_scale)
     sb = b_scale.t()
     if out_dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
         return torch._scaled_mm(a_data, b_data.t(), a_scale, sb, bias=bias, out_dtype=out_dtype,
