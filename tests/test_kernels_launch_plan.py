@@ -165,7 +165,7 @@ TWO_ROWS_PER_THREAD = "sizePerThread = [2, 1, 16], threadsPerWarp = [32, 1, 1], 
                                            (TWO_ROWS_PER_THREAD, False)])
 def test_lane_pair_check_reads_the_compiled_layout(layout, holds):
     ttgir = _TTGIR.replace("LAYOUT", layout)
-    assert triton_common.lane_pair_shuffles_hold(ttgir, oc._PAIR_SHUFFLE) == [holds]
+    assert triton_common.lane_pair_shuffles_hold(ttgir, triton_common.PAIR_SHUFFLE_ASM) == [holds]
     assert triton_common.lane_pair_shuffles_hold(ttgir, "shfl.sync.idx") == []
 
 

@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
                 allow_module_level=True)
 
 from mxflux.kernels import operands_cuda  # noqa: E402
-from mxflux.kernels.triton_common import lane_pair_shuffles_hold  # noqa: E402
+from mxflux.kernels.triton_common import PAIR_SHUFFLE_ASM, lane_pair_shuffles_hold  # noqa: E402
 from mxflux.mx import FoldGranularity as G  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def test_pair_layout_check_rejects_a_kernel_whose_layout_does_not_pair_lanes():
     consts = {"PASS": 2, "DO_ROW": True, "DO_COL": True, "DO_COLSUM": False, "HADAMARD": True, "HW": True,
               **operands_cuda.kernel_constexprs(G.ROWWISE, "none")}
     asm = _compile(operands_cuda._pack_kernel, _PACK_SIG, consts, num_warps=8)
-    assert lane_pair_shuffles_hold(asm["ttgir"], operands_cuda._PAIR_SHUFFLE) == [False, False]
+    assert lane_pair_shuffles_hold(asm["ttgir"], PAIR_SHUFFLE_ASM) == [False, False]
 
 
 def _ptx(fn, sig, consts, num_warps=8):
@@ -84,7 +84,7 @@ def test_mx_operands_kernel_compiles_for_sm90(granularity, prologue, colsum, pas
     ptx = asm["ptx"]
     # pass 2 stores both orientations by lane pairs (a shuffle per orientation and 4 bytes), in
     # the layout that shuffle needs, so launches keep PAIRS on
-    found = lane_pair_shuffles_hold(asm["ttgir"], operands_cuda._PAIR_SHUFFLE)
+    found = lane_pair_shuffles_hold(asm["ttgir"], PAIR_SHUFFLE_ASM)
     assert found == ([True, True] if hw and pass_ == 2 else [])
     if hw and pass_ == 2:
         assert "st.global.v4.b32" in ptx

@@ -54,6 +54,7 @@ from ..mx.operands import PROLOGUES, MXOperands, padded_rows
 from .weight_erefs import buffer_words, rows_and_columns
 from .triton_common import (
     HAS_TRITON,
+    PAIR_SHUFFLE_ASM,
     PROLOGUE_IDS,
     compiled_launch,
     interpreting,
@@ -97,7 +98,6 @@ def cuda_kernel_available() -> bool:
 if HAS_TRITON:
     from .operands_device import (
         _BLOCK,
-        _PAIR_SHUFFLE,
         _SHIFT,
         _WINDOW,
         _amax_only,
@@ -762,7 +762,7 @@ def _paired_stores_hold(plan, args) -> bool:
     key = getattr(compiled, "hash", None)
     hold = _PAIRS_HOLD.get(key) if key is not None else None
     if hold is None:
-        found = lane_pair_shuffles_hold(compiled.asm["ttgir"], _PAIR_SHUFFLE)
+        found = lane_pair_shuffles_hold(compiled.asm["ttgir"], PAIR_SHUFFLE_ASM)
         hold = len(found) == int(plan.row) + int(plan.col) and all(found)
         if key is not None:
             _PAIRS_HOLD[key] = hold

@@ -18,6 +18,7 @@ from ..mx.constants import MX_BLOCK
 from ..mx.formats import get_format
 from ..mx.hadamard import HADAMARD_SCALE
 from .triton_common import (
+    PAIR_SHUFFLE_ASM,
     bf16_to_f32,
     e4m3_byte_to_f32,
     f16_pow2_bits,
@@ -33,9 +34,6 @@ if MX_BLOCK != 32:
     raise ImportError(f"operands_device: the kernels' register layout is written for MX_BLOCK = 32, got {MX_BLOCK}")
 
 _E2M3 = get_format("e2m3")  # the one element format with kernels
-# The warp shuffle of `_swap_lane_pairs` (4 bytes with lane ^ 1); the packer's launch plan finds it
-# by this text in the compiled kernel.
-_PAIR_SHUFFLE = "shfl.sync.bfly.b32 $0, $1, 1, 0x1f, -1;"
 
 _BLOCK = tl.constexpr(MX_BLOCK)
 _HSCALE = tl.constexpr(HADAMARD_SCALE)
@@ -43,7 +41,7 @@ _HSCALE = tl.constexpr(HADAMARD_SCALE)
 _EXP_OFFSET = tl.constexpr(127 + _E2M3.emax)
 _SHIFT = tl.constexpr(_E2M3.fold_shift)  # a group's fp32 scale is 2^(e_ref - shift)
 _WINDOW = tl.constexpr(_E2M3.fold_window)  # binades below e_ref that still fold exactly
-_SHUFFLE_LANE_PAIRS = tl.constexpr(_PAIR_SHUFFLE)
+_SHUFFLE_LANE_PAIRS = tl.constexpr(PAIR_SHUFFLE_ASM)
 # Four folded bytes (one int32 word) from four fp32 values y·2^-e ($1..$4, in byte order) and
 # F = 2^(d+11) as f16x2 ($5): the E2M3 rounding (cvt to E4M3: its first source lands in the high
 # byte), E4M3 -> f16x2 (exact), E2M3 saturation at ±7.5·2^-6 and the re-scale by F in f16x2

@@ -29,7 +29,7 @@ except Exception:  # ImportError, or a Triton that cannot initialise on this mac
     triton = tl = libdevice = None
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "PROLOGUE_IDS", "CompiledLaunch", "compiled_launch", "interpreting", "lane_pair_shuffles_hold",
+__all__ = ["HAS_TRITON", "PAIR_SHUFFLE_ASM", "PROLOGUE_IDS", "CompiledLaunch", "compiled_launch", "interpreting", "lane_pair_shuffles_hold",
            "launch_options", "num_sms"]
 
 # The prologue constexpr of the kernels, by the name `mxflux.mx.operands.PROLOGUES` uses.
@@ -171,6 +171,11 @@ def compiled_launch(compiled, runtime_names: tuple, runtime_args: tuple, constex
         return None
     return launch if callable(launch._fn) and launch._function is not None else None
 
+
+# The warp shuffle of the packers' `_swap_lane_pairs` (4 bytes with lane ^ 1): the inline asm the
+# device code emits and the text the launch plan looks for in a compiled kernel. Plain Python, so
+# the launch plan's checks import it without Triton.
+PAIR_SHUFFLE_ASM = "shfl.sync.bfly.b32 $0, $1, 1, 0x1f, -1;"
 
 _BLOCKED_LAYOUT = re.compile(r"^(#blocked\d*) = #ttg\.blocked<\{(.*)\}>", re.M)
 _LIST_FIELD = re.compile(r"(\w+) = \[([\d, ]*)\]")
