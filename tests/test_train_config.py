@@ -106,3 +106,36 @@ def test_block_cuda_graphs_are_refused_for_several_processes_with_the_reason():
         with pytest.raises(ValueError, match=f"model.compile_mode: reduce-overhead .* one process only, got world "
                                              f"size {world}: under FSDP2"):
             parallelize(model, cfg, ctx)
+
+
+def test_the_mx_weights_optimizer_flags_are_mxfp6_options_and_old_recipes_still_load():
+    from mxflux.train.config import config_from_dict
+    from mxflux.train.identity import run_identity
+
+    mx = load_recipe("tiny-mxfp6", ["precision.weight_operands_in_optimizer=false"])
+    assert mx.precision.weight_operands_in_optimizer is False and mx.precision.weight_exponents_in_optimizer
+    with pytest.raises(RecipeError, match="weight_operands_in_optimizer: an option of precision mxfp6, but this "
+                                          "recipe runs bf16"):
+        load_recipe("tiny-bf16", ["precision.weight_operands_in_optimizer=false"])
+
+    # a checkpoint's config from before the move: the value moves under MXFP6, is dropped elsewhere
+    old = load_recipe("tiny-mxfp6").model_dump(mode="json")
+    for k in ("weight_exponents_in_optimizer", "weight_operands_in_optimizer"):
+        del old["precision"][k]
+    old["optim"]["weight_exponents_in_optimizer"] = False
+    assert config_from_dict(old, "old").precision.weight_exponents_in_optimizer is False
+    old_bf16 = {**load_recipe("tiny-bf16").model_dump(mode="json"), "optim": old["optim"]}
+    for k in ("weight_exponents_in_optimizer", "weight_operands_in_optimizer"):
+        del old_bf16["precision"][k]
+    assert config_from_dict(old_bf16, "old").precision.weight_exponents_in_optimizer is True
+    both = {**old, "precision": {**old["precision"], "weight_exponents_in_optimizer": True}}
+    with pytest.raises(RecipeError, match="optim.weight_exponents_in_optimizer and precision."
+                                          "weight_exponents_in_optimizer are both set"):
+        config_from_dict(both, "both")
+
+    # options that keep the values leave the run's identity as it is; the others change it
+    base = run_identity(load_recipe("tiny-mxfp6"))
+    for same in ("precision.repack_weights=true", "precision.saved_operands=e2m3",
+                 "precision.weight_exponents_in_optimizer=false"):
+        assert run_identity(load_recipe("tiny-mxfp6", [same])) == base, same
+    assert run_identity(load_recipe("tiny-mxfp6", ["precision.mx_gemm=blockwise"])) != base

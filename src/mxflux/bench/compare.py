@@ -67,11 +67,11 @@ SETTINGS: dict[str, tuple[str, ...]] = {
 SETTINGS.update({f"{name}-graph": (*SETTINGS[name], "train.cuda_graph=true")
                  for name in ("bf16", "fp8-tensorwise", "mxfp6")})
 # A/B of the weights' e_ref computed by the optimizer step: with it off the packer runs its pass 1
-# over every fp32 MX weight at each forward (optim.weight_exponents_in_optimizer)
-SETTINGS["mxfp6-graph-pass1"] = (*SETTINGS["mxfp6-graph"], "optim.weight_exponents_in_optimizer=false")
+# over every fp32 MX weight at each forward (precision.weight_exponents_in_optimizer)
+SETTINGS["mxfp6-graph-pass1"] = (*SETTINGS["mxfp6-graph"], "precision.weight_exponents_in_optimizer=false")
 # A/B of the weights' operands written by the optimizer step: with it off each forward packs the
-# weights (pass 2 on the step's e_ref; optim.weight_operands_in_optimizer)
-SETTINGS["mxfp6-graph-pack-weights"] = (*SETTINGS["mxfp6-graph"], "optim.weight_operands_in_optimizer=false")
+# weights (pass 2 on the step's e_ref; precision.weight_operands_in_optimizer)
+SETTINGS["mxfp6-graph-pack-weights"] = (*SETTINGS["mxfp6-graph"], "precision.weight_operands_in_optimizer=false")
 # Each precision with every compiled block replayed as CUDA graphs of its own (torch.compile's
 # cudagraph trees, `model.compile_mode: reduce-overhead`): the host's per-op cost without capturing
 # the whole step, so with gradient accumulation too.

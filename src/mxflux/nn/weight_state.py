@@ -17,7 +17,7 @@ it leaves (`mark_current`). An eager forward uses them only while the version ma
 (`MXFP6Linear.kept_weight_state`); a compiled one cannot read it, so `install` registers a forward
 pre-hook on the model that calls `refresh` (a captured step calls it before each replay). Writes
 through `.data` are the one kind torch does not count: they are not seen
-(`optim.weight_exponents_in_optimizer: false` turns the whole mechanism off).
+(`precision.weight_exponents_in_optimizer: false` turns the whole mechanism off).
 """
 
 from __future__ import annotations

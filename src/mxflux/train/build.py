@@ -39,9 +39,9 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, *, capturable: bool 
     per step), with our Triton kernel for the large fp32 CUDA parameters when the step carries the
     clipping factor (`train.optimizer`, `train.adamw_cuda`); `fused` is torch's kernel throughout.
     `capturable`: step counts kept on the device, so that a step can be captured in a CUDA graph.
-    With `weight_exponents_in_optimizer` (and the clipping in the optimizer, whose step is the
-    Triton one) the step also computes the MX weights' e_ref for the packer, and with
-    `weight_operands_in_optimizer` the MXFP6Linear weights' operands for their forward."""
+    With MXFP6's `precision.weight_exponents_in_optimizer` (and the clipping in the optimizer, whose
+    step is the Triton one) the step also computes the MX weights' e_ref for the packer, and with
+    `precision.weight_operands_in_optimizer` the MXFP6Linear weights' operands for their forward."""
     o = cfg.optim
     impl = "fused" if o.implementation == "auto" else o.implementation
     extra = {"capturable": True} if capturable else {}
@@ -49,9 +49,10 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, *, capturable: bool 
                               lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                               **{impl: True}, **extra)
     on_gpu = any(p.is_cuda for p in model.parameters())  # the Triton step runs on CUDA parameters only
-    if o.weight_exponents_in_optimizer and o.clip_in_optimizer and optimizer.kernel == "triton" and on_gpu:
+    p = cfg.precision
+    if p.weight_exponents_in_optimizer and o.clip_in_optimizer and optimizer.kernel == "triton" and on_gpu:
         # the MX layers' state, written by the Triton step (min_elements: the parameters it updates)
-        state = MXWeightState.of_model(model, keep_operands=o.weight_operands_in_optimizer,
+        state = MXWeightState.of_model(model, keep_operands=p.weight_operands_in_optimizer,
                                        min_elements=adamw_cuda.LARGE)
         if state.of:
             optimizer.weight_state = state

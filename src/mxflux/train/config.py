@@ -122,14 +122,6 @@ class OptimSection(_Section):
     # traffic of "foreach", which launches one kernel per update term); "auto" is fused, with our
     # Triton kernel for the large fp32 parameters on CUDA (train.optimizer, train.adamw_cuda).
     implementation: Literal["auto", "foreach", "fused"] = "auto"
-    # With "auto" and the clipping in the optimizer, the Triton step also computes the row-granularity
-    # e_ref of the MX weights it updates, so that the next forward's packer skips its first pass
-    # over them (nn.weight_state.MXWeightState; false: the packer reads each weight twice).
-    weight_exponents_in_optimizer: bool = True
-    # With weight_exponents_in_optimizer, the step also writes the packed MX operands of the weights of
-    # MXFP6Linear layers, which their forward then uses instead of packing the weight (the same
-    # values; 2 bytes per weight element kept between steps; nn.weight_state.MXWeightState).
-    weight_operands_in_optimizer: bool = True
 
 
 class BatchSection(_Section):
@@ -211,6 +203,10 @@ class MLPerfSection(_Section):
     submission_platform: str | None = None  # default: "<world>x<device name>"
 
 
+# Fields that moved from `optim` to `precision` (MXFP6's options), migrated on load.
+MOVED_TO_PRECISION = ("weight_exponents_in_optimizer", "weight_operands_in_optimizer")
+
+
 class RunConfig(_Section):
     name: str
     description: str = ""
@@ -226,6 +222,29 @@ class RunConfig(_Section):
     @property
     def out_dir(self) -> Path:
         return Path(self.train.out_dir.format(name=self.name))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_to_precision(cls, data):
+        """Recipes and checkpoints written before the MX weights' optimizer flags moved from
+        `optim` to `precision` (they are options of MXFP6) still load: the value moves with them;
+        under another precision, where it never did anything, it is dropped."""
+        if not isinstance(data, dict) or not isinstance(data.get("optim"), dict):
+            return data
+        optim = dict(data["optim"])
+        moved = {k: optim.pop(k) for k in MOVED_TO_PRECISION if k in optim}
+        if not moved:
+            return data
+        precision = data.get("precision") or {}
+        if not isinstance(precision, dict):
+            return data  # the precision section's own error says what is wrong
+        both = sorted(set(moved) & set(precision))
+        if both:
+            raise ValueError(f"optim.{both[0]} and precision.{both[0]} are both set: it is a precision "
+                             f"option now; keep precision.{both[0]} only")
+        if precision.get("fp6") is not None:
+            precision = {**precision, **moved}
+        return {**data, "optim": optim, "precision": precision}
 
     @model_validator(mode="after")
     def _one_graph(self) -> "RunConfig":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from ..nn.precision import converter_class, registered_precisions
 from .config import RecipeError, RunConfig
 
 __all__ = ["IdentityMismatchError", "run_identity", "data_identity", "check_same_run", "check_same_data"]
@@ -30,10 +31,12 @@ def data_identity(root, dataset) -> dict:
 
 
 def run_identity(cfg: RunConfig, dataset=None) -> dict:
-    """{"precision": the precision block, "model": the FluxConfig, "data": data.root and, with
+    """{"precision": the precision block but its options that leave the values as they are,
+    "model": the FluxConfig, "data": data.root and, with
     `dataset` (the training split), its sample shapes}, as JSON values."""
     data = data_identity(cfg.data.root, dataset) if dataset is not None else {"root": cfg.data.root}
-    ident = {"precision": cfg.precision.model_dump(mode="json"),
+    same_values = {o for name in registered_precisions() for o in converter_class(name).same_values}
+    ident = {"precision": cfg.precision.model_dump(mode="json", exclude=same_values),
              "model": dataclasses.asdict(cfg.model.flux_config()), "data": data}
     return json.loads(json.dumps(ident))  # tuples as lists: comparable with a loaded one
 

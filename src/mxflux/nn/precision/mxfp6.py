@@ -28,6 +28,15 @@ class MXFP6Options(BaseModel):
     # Wᵀ for backward: kept from forward (1 B per weight element) or packed again in backward from
     # the parameter, which is alive anyway (one more read of every weight per step; the same bytes).
     repack_weights: bool = False
+    # The MX weights' per-step state written by the optimizer (nn.weight_state.MXWeightState; on
+    # CUDA, with optim.implementation: auto and optim.clip_in_optimizer, whose step is the Triton
+    # one): the row-granularity e_ref of each weight, so that the next forward's packer skips its
+    # first pass over it (false: the packer reads each weight twice) ...
+    weight_exponents_in_optimizer: bool = True
+    # ... and, with it, the packed MX operands of the MXFP6Linear weights, which their forward then
+    # uses instead of packing the weight (the same values; 2 bytes per weight element kept between
+    # steps).
+    weight_operands_in_optimizer: bool = True
 
 
 def _mlp_activation(module: nn.Module) -> str | None:
@@ -47,13 +56,16 @@ class MXFP6Converter(PrecisionConverter):
     Options: mx_gemm (the fold granularity), hadamard, fused_mlp (auto | on | off: an MLP whose
     two linears are both chosen becomes one FusedMXFP6MLP with the same state-dict keys),
     saved_operands (e4m3 | e2m3: the col operands kept for backward as FP8 bytes or as 6-bit codes),
-    repack_weights (backward packs Wᵀ again from the parameter instead of keeping it from forward).
+    repack_weights (backward packs Wᵀ again from the parameter instead of keeping it from forward),
+    weight_exponents_in_optimizer / weight_operands_in_optimizer (the optimizer step writes the
+    weights' e_ref / packed operands for the next forward).
     """
 
     name = "mxfp6"
     selected_by = "fp6"
     selector_value = "e2m3"
     options = tuple(f for f in MXFP6Options.model_fields if f != "fp6")
+    same_values = ("saved_operands", "repack_weights", "weight_exponents_in_optimizer", "weight_operands_in_optimizer")
 
     def ineligibility(self, linear: nn.Linear) -> str | None:
         return mx_ineligibility(linear.in_features, linear.out_features, self.cfg.mx_gemm)

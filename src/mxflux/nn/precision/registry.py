@@ -31,6 +31,9 @@ class PrecisionConverter:
     selected_by: ClassVar[str | None]  # the PrecisionConfig field that selects it; None: the default
     selector_value: ClassVar[str | None] = None  # what `PrecisionConfig.from_name` sets that field to
     options: ClassVar[tuple[str, ...]] = ()  # PrecisionConfig fields only this precision reads
+    # Options that choose how the values are computed or kept, not the values (bit-identical, as
+    # the tests check): a run resumed with another setting of one is the same run.
+    same_values: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: "PrecisionConfig"):
         self.cfg = cfg
