@@ -86,7 +86,9 @@ def main() -> None:
     oc = load_packer(args.variant)
     mx_operands_cuda = oc.mx_operands_cuda
     # (older variants have one grid for both passes and no per-pass sizing)
-    grid0, size0 = oc._grid, getattr(oc, "_size_grids_per_pass", None)
+    # where the default grid is chosen: operands_plan, or an older variant itself
+    planner = sys.modules[(getattr(oc, "LaunchPlan", None) or oc._LaunchPlan).__module__]
+    grid0, size0 = planner._grid, getattr(oc, "_size_grids_per_pass", None)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     for waves in args.grids.split(","):
@@ -98,7 +100,7 @@ def main() -> None:
             p = max(1, min(n_row_tiles, -(-int(float(waves) * resident * sms) // n_col_tiles)))
             return (n_col_tiles, p)
 
-        oc._grid = grid
+        planner._grid = grid
         if size0 is not None:  # a fixed grid for both passes; auto: each pass sized for its own occupancy
             oc._size_grids_per_pass = size0 if waves == "auto" else (lambda plan, args: None)
         oc.clear_launch_plans()

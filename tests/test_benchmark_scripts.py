@@ -131,7 +131,7 @@ def test_probe_pack_passes_loads_a_variant_packer_beside_the_trees_own():
     own = probe.load_packer(None)
     variant = probe.load_packer(str(ROOT / "src" / "mxflux" / "kernels" / "operands_cuda.py"))
     assert own.__name__ == "mxflux.kernels.operands_cuda" and variant.__name__ == "mxflux.kernels._probe_variant"
-    assert variant is not own and variant.persistent_row_programs is not own.persistent_row_programs
+    assert variant is not own and variant.mx_operands_cuda is not own.mx_operands_cuda
     assert variant.persistent_row_programs(192, 128, 264) == own.persistent_row_programs(192, 128, 264) == 4
     with pytest.raises(SystemExit, match="--variant"):
         probe.load_packer(str(ROOT / "README.md"))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mxflux.kernels import operands_cuda as oc
+from mxflux.kernels import operands_plan as op
 from mxflux.kernels import triton_common
 from mxflux.mx import FoldGranularity as G
 
@@ -22,7 +23,7 @@ class FakeCompiled:
     """What Triton 3.6's `kernel[grid](...)` returns, as far as `compiled_launch` reads it."""
 
     def __init__(self, args, constexprs, runs):
-        names = oc._RUNTIME_ARGS + CONSTEXPRS
+        names = op.RUNTIME_ARGS + CONSTEXPRS
         values = tuple(args) + tuple(constexprs[k] for k in CONSTEXPRS)
         sig = {n: ("*i8" if isinstance(v, torch.Tensor) else "constexpr" if i >= len(args) else "i32")
                for i, (n, v) in enumerate(zip(names, values))}
@@ -54,8 +55,9 @@ class Hooks:
 def fake(monkeypatch):
     """mx_operands_cuda on CPU tensors, as under the interpreter, with launches recorded."""
     kernel = FakeKernel()
-    monkeypatch.setattr(oc, "HAS_TRITON", True)
-    monkeypatch.setattr(oc, "interpreting", lambda: True)
+    for module in (oc, op):  # the plan's checks and the launches both look
+        monkeypatch.setattr(module, "HAS_TRITON", True)
+        monkeypatch.setattr(module, "interpreting", lambda: True)
     monkeypatch.setattr(oc, "_pack_kernel", kernel, raising=False)
     monkeypatch.delenv("MXFLUX_PACK_IO", raising=False)
     oc.clear_launch_plans()
@@ -82,7 +84,7 @@ def test_same_key_reuses_the_plan(fake):
     x = x_()
     oc.mx_operands_cuda(x)
     oc.mx_operands_cuda(x_())  # another tensor of the same shape, strides and flags
-    assert len(oc._PLANS) == 1
+    assert len(op._PLANS) == 1
     (a, b) = [c for c in fake.calls if c[2]["PASS"] == 2]
     assert a[0] == b[0] and a[2] == b[2] and a[1][2:7] == b[1][2:7] and a[1][15:] == b[1][15:]
 
@@ -94,7 +96,7 @@ def test_a_different_key_gets_its_own_plan(fake, change, monkeypatch):
     x = x_(200, 256)
     base = dict(row=True, col=True, colsum=False, hadamard=True, granularity=G.ROWWISE, prologue="none")
     oc.mx_operands_cuda(x, **base)
-    plan0 = next(iter(oc._PLANS.values()))
+    plan0 = next(iter(op._PLANS.values()))
     kw, y = dict(base), x
     if change == "rows":
         y = x_(224, 256)
@@ -111,7 +113,7 @@ def test_a_different_key_gets_its_own_plan(fake, change, monkeypatch):
             oc.mx_operands_cuda(x.half(), **kw)
         with pytest.raises(ValueError, match="x: mx_operands_cuda reads torch.bfloat16, got torch.float32"):
             oc.mx_operands_cuda(x.float(), **dict(kw, prologue="gelu_tanh"))
-        assert len(oc._PLANS) == 1
+        assert len(op._PLANS) == 1
         return
     elif change in ("row", "col", "colsum", "hadamard"):
         kw[change] = not kw[change]
@@ -132,8 +134,8 @@ def test_a_different_key_gets_its_own_plan(fake, change, monkeypatch):
         y.copy_(x)  # contiguous, address 8 bytes off 16: read through an aligned copy
         assert y.data_ptr() % 16
     oc.mx_operands_cuda(y, **kw)
-    assert len(oc._PLANS) == 2
-    plan1 = [p for p in oc._PLANS.values() if p is not plan0][0]
+    assert len(op._PLANS) == 2
+    plan1 = [p for p in op._PLANS.values() if p is not plan0][0]
     grid, args, _ = fake.calls[-1]
     if change == "row_stride":
         assert not plan1.copy_x and args[0] is y and args[2] == 512
@@ -255,7 +257,7 @@ def test_compiled_launch_passes_what_the_normal_launch_passed(fast):
     x = x_(200, 256)
     first = oc.mx_operands_cuda(x, colsum=True, counter=counter)
     assert len(fast.calls) == 2 and fast.runs == []
-    plan = next(iter(oc._PLANS.values()))
+    plan = next(iter(op._PLANS.values()))
     assert plan.fast and len(plan.fast) == 2
     out = oc.mx_operands_cuda(x, colsum=True, counter=counter)
     assert len(fast.calls) == 2 and len(fast.runs) == 2  # no normal launch: the compiled launcher ran twice
@@ -285,7 +287,7 @@ def test_compiled_launch_steps_aside_for_hooks_and_other_devices(fast, monkeypat
     fast.hooks.launch_enter_hook = SimpleNamespace(calls=[])  # an empty hook chain is idle
     oc.mx_operands_cuda(x, granularity=G.EXACT)
     assert (len(fast.calls), len(fast.runs)) == (2, 2)
-    plan = next(iter(oc._PLANS.values()))
+    plan = next(iter(op._PLANS.values()))
     monkeypatch.setattr(plan.fast[0], "device", 1)  # the current device is 0
     oc.mx_operands_cuda(x, granularity=G.EXACT)
     assert (len(fast.calls), len(fast.runs)) == (3, 2)
@@ -298,7 +300,7 @@ def test_compiled_launch_refuses_a_kernel_it_does_not_understand(fake):
     kw = dict(zip(CONSTEXPRS, (2, True, True, False, 32, True, 0, True, 128, 2, True, False, True)))
 
     def launch(compiled, a=args, k=kw):
-        return triton_common.compiled_launch(compiled, oc._RUNTIME_ARGS, a, k, 0, _env=env)
+        return triton_common.compiled_launch(compiled, op.RUNTIME_ARGS, a, k, 0, _env=env)
 
     assert launch(FakeCompiled(args, kw, [])) is not None
     baked = FakeCompiled(args, kw, [])
@@ -370,7 +372,7 @@ def test_compiled_launch_calls_the_c_launcher_itself_when_no_scratch_is_needed()
 def test_persistent_grid_minimises_waves_times_tiles_per_program(n_col_tiles, n_row_tiles, resident):
     """Programs per column strip: at least one full wave where the tiles allow, at most 4 waves,
     and among those the fewest (waves x row tiles of the busiest program), the smallest such p."""
-    p = oc.persistent_row_programs(n_col_tiles, n_row_tiles, resident)
+    p = op.persistent_row_programs(n_col_tiles, n_row_tiles, resident)
     assert 1 <= p <= n_row_tiles
 
     def cost(q):
@@ -388,11 +390,11 @@ def test_persistent_grid_of_the_measured_shapes():
     strips): X [16384 x 3072] keeps 11 programs per strip; [16384 x 12288] takes 4 (768 programs, 3
     full waves) instead of the 3 (576, a fifth of a last wave) a fixed 2-wave grid gave; dY
     [16384 x 9216] 7 instead of 4; [32768 x 15360] 2, one full wave at least."""
-    assert oc.persistent_row_programs(48, 128, 264) == 11
-    assert oc.persistent_row_programs(192, 128, 264) == 4
-    assert oc.persistent_row_programs(144, 128, 264) == 7
-    assert oc.persistent_row_programs(240, 256, 264) == 2
-    assert oc._grid(192, 128, torch.device("cpu"), 8) == (192, oc.persistent_row_programs(192, 128, 8))
+    assert op.persistent_row_programs(48, 128, 264) == 11
+    assert op.persistent_row_programs(192, 128, 264) == 4
+    assert op.persistent_row_programs(144, 128, 264) == 7
+    assert op.persistent_row_programs(240, 256, 264) == 2
+    assert op._grid(192, 128, torch.device("cpu"), 8) == (192, op.persistent_row_programs(192, 128, 8))
 
 
 @pytest.mark.parametrize("n_regs, warps, shared, expected", [
@@ -401,7 +403,7 @@ def test_persistent_grid_of_the_measured_shapes():
 def test_resident_programs_follows_registers_threads_and_shared_memory(n_regs, warps, shared, expected):
     """Hopper's per-SM limits: 64 K registers allocated per warp in 256s, 2048 threads, 228 KB of
     shared memory with 1 KB reserved per program, 32 programs."""
-    assert oc.resident_programs(n_regs, warps, shared) == expected
+    assert op.resident_programs(n_regs, warps, shared) == expected
 
 
 def test_each_pass_gets_a_grid_for_its_own_occupancy(monkeypatch):
@@ -426,8 +428,8 @@ def test_each_pass_gets_a_grid_for_its_own_occupancy(monkeypatch):
                            options={"num_warps": 8}, meta={}, grids={1: (48, 11), 2: (48, 11)})
     oc._size_grids_per_pass(plan, ("args",) * 16 + (11,))
     assert [w[0] for w in warmups] == [1, 2]
-    assert plan.grids == {1: (48, oc.persistent_row_programs(48, 128, 3 * 132)),
-                          2: (48, oc.persistent_row_programs(48, 128, 2 * 132))} == {1: (48, 16), 2: (48, 11)}
+    assert plan.grids == {1: (48, op.persistent_row_programs(48, 128, 3 * 132)),
+                          2: (48, op.persistent_row_programs(48, 128, 2 * 132))} == {1: (48, 16), 2: (48, 11)}
     # a single-pass plan (one-pass granularities) or the emulation keeps its grid
     for change in (dict(passes=(2,), grids={2: (48, 11)}), dict(hw=False, grids={1: (48, 11), 2: (48, 11)})):
         other = SimpleNamespace(**(plan.__dict__ | change))

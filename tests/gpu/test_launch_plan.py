@@ -15,6 +15,7 @@ from pack_inputs import INTERPRETED, TRITON_DEVICE, adversarial, assert_bits_equ
 
 from mxflux.kernels import mx_operands_cuda
 from mxflux.kernels import operands_cuda as oc
+from mxflux.kernels import operands_plan as op
 from mxflux.kernels.triton_common import compiled_launch_supported
 from mxflux.mx import FoldGranularity as G
 from mxflux.mx import mx_operands_reference
@@ -58,9 +59,9 @@ def test_repeated_calls_equal_the_reference_and_count_into_the_counter(kw, gen):
             assert_colsum_close(got.colsum, want.colsum, x)
             assert_colsum_close(own.colsum, want.colsum, x)
     assert int(counter) == 7 + sum(int(w.blocks_outside_window) for w in wants)
-    assert len(oc._PLANS) == 2
+    assert len(op._PLANS) == 2
     if DEVICE == "cuda" and compiled_launch_supported():
-        assert all(p.fast for p in oc._PLANS.values())  # the later calls went to the compiled kernels
+        assert all(p.fast for p in op._PLANS.values())  # the later calls went to the compiled kernels
 
 
 def test_compiled_launch_switch_gives_the_same_bits(gen, monkeypatch):
@@ -71,7 +72,7 @@ def test_compiled_launch_switch_gives_the_same_bits(gen, monkeypatch):
     monkeypatch.setenv("MXFLUX_COMPILED_LAUNCH", "0")
     oc.clear_launch_plans()
     outs += [mx_operands_cuda(x, **kw) for _ in range(2)]
-    assert not any(p.fast for p in oc._PLANS.values())
+    assert not any(p.fast for p in op._PLANS.values())
     for o in outs[1:]:
         same(o, outs[0])
         assert int(o.blocks_outside_window) == int(outs[0].blocks_outside_window)
@@ -86,7 +87,7 @@ def test_strided_and_misaligned_inputs(gen):
     want = mx_operands_reference(strided.contiguous())
     for x in (strided, misaligned, strided, misaligned, strided.contiguous()):
         same(mx_operands_cuda(x, _poison=True), want)
-    assert len(oc._PLANS) == 3
+    assert len(op._PLANS) == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="streams and graphs need CUDA")

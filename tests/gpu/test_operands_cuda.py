@@ -54,7 +54,7 @@ def check(x, **kw):
 def test_pack_store_variants(granularity, prologue, pairs, gen, monkeypatch):
     """Both ways pass 2 stores its blocks, bit for bit, at an odd row count (the last row has
     no partner lane); launches on this GPU must get the lane-pair stores (PAIRS), the fast ones."""
-    from mxflux.kernels import operands_cuda
+    from mxflux.kernels import operands_cuda, operands_plan
 
     operands_cuda.clear_launch_plans()
     if not pairs:
@@ -64,7 +64,7 @@ def test_pack_store_variants(granularity, prologue, pairs, gen, monkeypatch):
     check(x, granularity=granularity, prologue=prologue, row=False)
     if granularity is not G.BLOCKWISE:  # 2976 columns: a partial column tile (1x128 groups must tile C)
         check(x[:, 96:], granularity=granularity, prologue=prologue, col=False)
-    plans = list(operands_cuda._PLANS.values())
+    plans = list(operands_plan._PLANS.values())
     assert plans and all(p.pairs_checked and p.meta["PAIRS"] is pairs for p in plans)
     operands_cuda.clear_launch_plans()
 
@@ -209,7 +209,7 @@ def _primitive_kernel():
     import triton
     import triton.language as tl
 
-    from mxflux.kernels import operands_cuda as P
+    from mxflux.kernels import operands_device as P
     from mxflux.kernels.triton_common import f32_to_e4m3
 
     @triton.jit

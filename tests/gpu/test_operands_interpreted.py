@@ -64,12 +64,12 @@ def test_packer_odd_row_count(granularity, io, gen, monkeypatch):
 @pytest.mark.parametrize("granularity", [G.ROWWISE, G.BLOCKWISE], ids=lambda g: g.value)
 def test_packer_own_block_stores(granularity, gen, monkeypatch):
     """The store variant a plan falls back to when the compiled layout cannot pair lanes."""
-    from mxflux.kernels import operands_cuda
+    from mxflux.kernels import operands_cuda, operands_plan
 
     operands_cuda.clear_launch_plans()
     monkeypatch.setattr(operands_cuda, "_paired_stores_hold", lambda plan, args: False)
     check(DISTS["adversarial"](33, 256, gen, DEVICE), granularity=granularity, colsum=True)
-    assert all(p.meta["PAIRS"] is False for p in operands_cuda._PLANS.values())
+    assert all(p.meta["PAIRS"] is False for p in operands_plan._PLANS.values())
     operands_cuda.clear_launch_plans()
 
 

@@ -17,6 +17,7 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
                 allow_module_level=True)
 
 from mxflux.kernels import operands_cuda  # noqa: E402
+from mxflux.kernels import operands_plan  # noqa: E402
 from mxflux.kernels.triton_common import PAIR_SHUFFLE_ASM, lane_pair_shuffles_hold  # noqa: E402
 from mxflux.mx import FoldGranularity as G  # noqa: E402
 
@@ -45,7 +46,7 @@ def test_pair_layout_check_rejects_a_kernel_whose_layout_does_not_pair_lanes():
     """Compiled without alignment, the stores are bytewise and the lanes run along a block's
     bytes: the layout check (which decides PAIRS before a plan's first launch) must say no."""
     consts = {"PASS": 2, "DO_ROW": True, "DO_COL": True, "DO_COLSUM": False, "HADAMARD": True, "HW": True,
-              **operands_cuda.kernel_constexprs(G.ROWWISE, "none")}
+              **operands_plan.kernel_constexprs(G.ROWWISE, "none")}
     asm = _compile(operands_cuda._pack_kernel, _PACK_SIG, consts, num_warps=8)
     assert lane_pair_shuffles_hold(asm["ttgir"], PAIR_SHUFFLE_ASM) == [False, False]
 
@@ -76,10 +77,10 @@ def test_mx_operands_kernel_compiles_for_sm90(granularity, prologue, colsum, pas
     x_f32 = hw == "fp32"
     hw = bool(hw)
     consts = {"PASS": pass_, "DO_ROW": True, "DO_COL": True, "DO_COLSUM": colsum, "HADAMARD": True, "HW": hw,
-              **operands_cuda.kernel_constexprs(granularity, prologue, x_f32=x_f32)}
+              **operands_plan.kernel_constexprs(granularity, prologue, x_f32=x_f32)}
     sig = dict(_PACK_SIG, x_ptr="*fp32") if x_f32 else _PACK_SIG
     # specialised as a launch is: 16-byte aligned pointers, C and Rp multiples of 32
-    asm = _compile(operands_cuda._pack_kernel, sig, consts, num_warps=operands_cuda.kernel_num_warps(granularity),
+    asm = _compile(operands_cuda._pack_kernel, sig, consts, num_warps=operands_plan.kernel_num_warps(granularity),
                    aligned=True, divisible=("C", "Rp"))
     ptx = asm["ptx"]
     # pass 2 stores both orientations by lane pairs (a shuffle per orientation and 4 bytes), in
