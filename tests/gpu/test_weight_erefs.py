@@ -15,6 +15,7 @@ import torch
 from pack_inputs import DISTS, TRITON_DEVICE, assert_bits_equal, dev_gen, triton_marks
 
 from mxflux.kernels import mx_operands_cuda, weight_erefs
+from mxflux.mx.formats import get_format
 from mxflux.kernels.adamw_cuda import OperandTile
 from mxflux.kernels.operands_cuda import weight_exponents_cuda
 from mxflux.mx import FoldGranularity as G
@@ -121,19 +122,33 @@ def test_the_step_writes_what_the_plain_step_writes_and_the_erefs_of_it(gen, mon
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the op's kernel path (CUDA tensors)")
 def test_a_layer_packs_with_its_kept_e_ref_only_while_it_is_current(gen):
     """Through the op: a layer hands the packer its kept e_ref only while they are the weight's
-    current ones (a wrong e_ref shows in the output); after a write through torch it packs itself."""
+    current ones (a wrong e_ref shows in the output and the outside-window count); after a write
+    through torch it packs itself."""
     m = _layers_over([torch.nn.Parameter(_fp32_weight(128, 64, gen, "normal") * 0.02)], (True,))[0]
     x = torch.randn(32, 64, generator=dev_gen(gen, DEVICE), device=DEVICE).bfloat16()
-    want = m(x)  # nothing kept: the packer's two passes
+    counted = m.blocks_outside_window
+
+    def outside_of(y_fn):
+        before = int(counted)
+        y = y_fn()
+        return y, int(counted) - before
+
+    want, n = outside_of(lambda: m(x))  # nothing kept: the packer's two passes
+    assert n == 0
     wrong = weight_exponents_cuda(m.weight.detach(), True, _buffer(m.weight))
-    wrong += (wrong > 0).int()  # e_ref one binade off: operands that show it
+    # e_ref a binade past the fold window too high: every weight block then lies outside it (a
+    # wrong e_ref within the window would fold exactly and leave the output as it is)
+    wrong += (wrong > 0).int() * (get_format("e2m3").fold_window + 1)
     m.weight_erefs = wrong
-    assert torch.equal(m(x), want)  # attached, but never marked current
+    y, n = outside_of(lambda: m(x))
+    assert torch.equal(y, want) and n == 0  # attached, but never marked current
     m.weight_state_version = m.weight._version
-    assert not torch.equal(m(x), want)  # current: the packer ran pass 2 on them
+    y, n = outside_of(lambda: m(x))
+    assert not torch.equal(y, want) and n > 0  # current: the packer ran pass 2 on them
     with torch.no_grad():
         m.weight.mul_(1.0)  # any write through torch bumps the version
-    assert torch.equal(m(x), want)
+    y, n = outside_of(lambda: m(x))
+    assert torch.equal(y, want) and n == 0
 
 
 # ---------------------------------------------------------------------- operands kept by the step
