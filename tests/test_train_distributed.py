@@ -4,6 +4,7 @@ interrupted checkpoint write leaves the previous checkpoint loadable."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -30,6 +31,12 @@ def ema_of(run: Path) -> dict:
 def train(nproc: int | None, out: Path, data: Path, *extra: str, port: int = 0,
           recipe: str = "tiny-mxfp6") -> list[float]:
     """Train under torchrun with `nproc` ranks, or (None) as one plain process without a process group."""
+    return train_result(nproc, out, data, *extra, port=port, recipe=recipe)[0]
+
+
+def train_result(nproc: int | None, out: Path, data: Path, *extra: str, port: int = 0,
+                 recipe: str = "tiny-mxfp6") -> tuple[list[float], dict]:
+    """`train`'s losses and the run's result (the JSON line it prints last)."""
     launch = [] if nproc is None else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                                        "--master_port", str(port)]
     cmd = [sys.executable, *launch, "-m", "mxflux.cli", "train", recipe, "--out", str(out),
@@ -38,7 +45,7 @@ def train(nproc: int | None, out: Path, data: Path, *extra: str, port: int = 0,
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [r.split(",") for r in (out / "metrics.csv").read_text().splitlines()[1:]]
-    return [float(r[3]) for r in rows if r[2] == "train"]
+    return [float(r[3]) for r in rows if r[2] == "train"], json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +136,24 @@ def test_losses_do_not_depend_on_world_size_and_resume_onto_any(data, tmp_path):
     # Each run directory keeps one checkpoint, in the format of its last writer.
     assert [p.name for p in (tmp_path / "two_to_one").glob("latest*")] == ["latest.pt"]
     assert [p.name for p in (tmp_path / "one_to_two").glob("latest*")] == ["latest.dcp"]
+
+
+def test_fsdp2_takes_the_compiled_path_of_one_process_without_graph_breaks(data, tmp_path):
+    """2 ranks under FSDP2 with compiled blocks: every rank compiles its blocks with no graph break
+    (the MX ops are custom ops inside inductor's graphs, as in one process), the losses are those
+    of the compiled single process, and the run says which parts of the fast step it runs and,
+    for the one it cannot (the optimizer-kept MX weight state), why."""
+    compiled = ["--set", "model.compile=true", *FP32]
+    one, one_path = train_result(None, tmp_path / "one", data, "--max-steps", "2", "--set",
+                                 "batch.micro_batch_size=8", *compiled)
+    two, two_path = train_result(2, tmp_path / "two", data, "--max-steps", "2", *compiled, port=29627)
+    assert two == pytest.approx(one, rel=WORLD_RTOL) and len(two) == 2
+    p1, p2 = one_path["step_path"], two_path["step_path"]
+    assert p1["graph_breaks"] == [0] and p2["graph_breaks"] == [0, 0]
+    assert min(p2["graphs"]) >= 1 and p2["graphs"][0] == p2["graphs"][1]  # both ranks compiled every block
+    assert p2["compiled"] == p1["compiled"] == "per block, mode default" and p2["mx_gemm"] == p1["mx_gemm"]
+    assert p2["world_size"] == 2 and p2["cuda_graphs"] == "none"
+    assert "sharded (FSDP2 DTensors)" in p2["mx_weights"] and "CUDA only" in p1["mx_weights"]
 
 
 def test_interrupted_sharded_write_on_two_ranks_keeps_the_previous_checkpoint(data, tmp_path):

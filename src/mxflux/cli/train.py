@@ -63,6 +63,7 @@ def _run_train(args, phase) -> int:
     from ..train.rundir import check_new_run, remove_leftovers
     from ..train.runlock import RunLock
     from ..train.stop import TrainingInterrupted
+    from ..train.step_path import step_path, step_path_line
     from ..train.trainer import Trainer, total_steps
 
     device = device_from_args(args)
@@ -141,6 +142,10 @@ def _run_train(args, phase) -> int:
                     print(f"{signal_name(e.signum)}: stopped after step {e.step}; checkpoint {e.checkpoint}; "
                           f"continue with: mxflux train --resume {out}", file=sys.stderr)
                 return e.exit_code
+            path = step_path(trainer)  # every rank: the compile counts are gathered
+            if ctx.is_main:
+                print(step_path_line(path), file=sys.stderr)
+                result["step_path"] = path
         else:
             trainer.last_checkpoint = ckpt
             result = {"step": trainer.step, "samples": trainer.samples, "eval_loss": trainer.last_eval}

@@ -1,0 +1,86 @@
+"""How a run's training step runs, as the run reports it (`mxflux train`'s result, "step_path").
+
+What makes a step fast differs by setting, and most of it is chosen silently by the code: whether
+the blocks compiled without graph breaks, whether the MX GEMMs are launched from inductor's code or
+through the opaque op, whether the optimizer step keeps the MX weights' e_ref and operands (else
+each forward packs its weights with both passes), and which CUDA graphs replay. A user who turns
+on FSDP2, accumulation or another optimizer should see which of these still hold and, where one is
+off, the field or fact that turns it off, instead of inferring it from a slower step.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..ops.custom_ops import FORCE_REFERENCE, INLINE_GEMM
+from .build import weight_state_off
+
+__all__ = ["compile_counts", "step_path", "step_path_line"]
+
+
+def compile_counts() -> dict[str, int]:
+    """torch.compile's work in this process so far: graphs compiled and graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
+def _all_ranks(value: dict) -> list[dict]:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)  # once per run: a few bytes
+    return out
+
+
+def step_path(trainer) -> dict:
+    """The trainer's step as run so far (after its first step the compile counts are final); a
+    collective under torchrun (every rank's compile counts)."""
+    cfg, device = trainer.cfg, trainer.device
+    m = cfg.model
+    per_rank = _all_ranks(compile_counts())
+    mx = cfg.precision.name == "mxfp6"
+    kernels = device.type == "cuda" and not FORCE_REFERENCE
+    if not mx:
+        gemm = f"none ({cfg.precision.name})"
+    elif not m.compile:
+        gemm = "opaque op (model.compile: false)"
+    elif not kernels:
+        gemm = f"opaque op ({'the reference forced' if device.type == 'cuda' else device.type + ' kernels'})"
+    elif not INLINE_GEMM:
+        gemm = "opaque op (MXFLUX_INLINE_GEMM=0)"
+    else:
+        gemm = "inline: torch._scaled_mm in inductor's code"
+    state = getattr(trainer.optimizer, "weight_state", None)
+    if state is not None:
+        weights = f"kept by the optimizer step ({len(state.of)} weights)"
+    else:
+        why = weight_state_off(cfg, trainer.model) or "no weight qualifies (Triton missing or the reference forced)"
+        weights = f"packed each forward: {why}"
+    if cfg.train.cuda_graph:
+        graphs = "the whole step captured (train.cuda_graph)"
+    elif trainer.block_graphs.on:
+        graphs = "per block (model.compile_mode: reduce-overhead)"
+    else:
+        graphs = "none"
+    return {
+        "compiled": f"per block, mode {m.compile_mode}" if m.compile else "no (model.compile: false)",
+        "graphs": [r["graphs"] for r in per_rank],
+        "graph_breaks": [r["graph_breaks"] for r in per_rank],
+        "mx_gemm": gemm,
+        "mx_weights": weights,
+        "cuda_graphs": graphs,
+        "accumulation": trainer.accum,
+        "world_size": trainer.world,
+    }
+
+
+def step_path_line(path: dict) -> str:
+    """One line for the console."""
+    compiled = path["compiled"]
+    if not compiled.startswith("no"):
+        breaks = max(path["graph_breaks"])
+        compiled += f", {breaks} graph break(s) on some rank" if breaks else ", 0 graph breaks"
+    return (f"step: compiled {compiled}; MX GEMMs {path['mx_gemm']}; MX weights {path['mx_weights']}; "
+            f"CUDA graphs {path['cuda_graphs']}")

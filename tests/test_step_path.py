@@ -1,0 +1,32 @@
+"""The run's report of how its step runs: each fast part that is off names the field or fact that
+turns it off (the 2-rank FSDP2 case runs in test_train_distributed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mxflux.train import load_recipe
+from mxflux.train.build import build_model, weight_state_off
+from mxflux.train.step_path import step_path_line
+
+
+@pytest.mark.parametrize("recipe, overrides, reason", [
+    ("tiny-bf16", [], "precision bf16: no MX weights"),
+    ("tiny-mxfp6", ["precision.weight_exponents_in_optimizer=false"], "precision.weight_exponents_in_optimizer: false"),
+    ("tiny-mxfp6", ["optim.implementation=fused"], "optim.implementation: fused"),
+    ("tiny-mxfp6", ["optim.clip_in_optimizer=false"], "optim.clip_in_optimizer: false"),
+    ("tiny-mxfp6", ["precision.mx_gemm=blockwise"], "no MXFP6 layer with the row granularity"),
+    ("tiny-mxfp6", [], "the Triton step runs on CUDA only"),
+])
+def test_the_weight_state_says_what_turns_it_off(recipe, overrides, reason):
+    cfg = load_recipe(recipe, overrides)
+    model, _ = build_model(cfg, "cpu")
+    assert weight_state_off(cfg, model).startswith(reason)
+
+
+def test_the_console_line_counts_graph_breaks_only_where_compiled():
+    path = {"compiled": "per block, mode default", "graph_breaks": [0, 2], "mx_gemm": "opaque op (cpu kernels)",
+            "mx_weights": "packed each forward: x", "cuda_graphs": "none"}
+    assert "2 graph break(s) on some rank" in step_path_line(path)
+    assert "0 graph breaks" in step_path_line({**path, "graph_breaks": [0, 0]})
+    assert "graph break" not in step_path_line({**path, "compiled": "no (model.compile: false)"})
