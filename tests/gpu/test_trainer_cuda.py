@@ -12,6 +12,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("recipe", ["tiny-mxfp6", "tiny-bf16"])
 def test_compiled_training_on_gpu_lowers_the_loss(tmp_path, recipe):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()  # this test's compiles only
     root = build_demo_dataset(tmp_path / "data", n_train=512, n_eval=32)
     cfg = load_recipe(recipe, [f"data.root={root}", f"train.out_dir={tmp_path}/run", "model.compile=true",
                                "batch.global_batch_size=32", "batch.micro_batch_size=32", "train.eval_samples=32"])
@@ -23,3 +27,10 @@ def test_compiled_training_on_gpu_lowers_the_loss(tmp_path, recipe):
     after = tr.evaluate()
     print(f"{recipe}: eval loss {before:.4f} -> {after:.4f}, fold outside window {tr.blocks_outside_window()}")
     assert after < 0.7 * before
+    # the fast step's parts on one GPU: compiled without breaks, GEMMs inline, weights' state kept
+    from mxflux.train.step_path import step_path
+
+    path = step_path(tr)
+    assert path["graph_breaks"] == [0] and path["graphs"][0] >= 1
+    if recipe == "tiny-mxfp6":
+        assert path["mx_gemm"].startswith("inline") and path["mx_weights"].startswith("kept by the optimizer step")
