@@ -11,7 +11,7 @@ from mxflux.train.step_path import step_path_line
 
 
 @pytest.mark.parametrize("recipe, overrides, reason", [
-    ("tiny-bf16", [], "precision bf16: no MX weights"),
+    ("tiny-bf16", [], "precision bf16: nothing kept between optimizer steps"),
     ("tiny-mxfp6", ["precision.weight_exponents_in_optimizer=false"], "precision.weight_exponents_in_optimizer: false"),
     ("tiny-mxfp6", ["optim.implementation=fused"], "optim.implementation: fused"),
     ("tiny-mxfp6", ["optim.clip_in_optimizer=false"], "optim.clip_in_optimizer: false"),

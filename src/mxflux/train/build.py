@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..model import Flux
-from ..nn import MXWeightState, PrecisionReport, apply_precision, rowwise_mx_linears
+from ..nn import PrecisionReport, apply_precision
+from ..nn.precision import converter_class
 from . import adamw_cuda
 from .config import RecipeError, RunConfig
 from .optimizer import ClippingAdamW
@@ -49,34 +50,27 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, *, capturable: bool 
                               lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                               **{impl: True}, **extra)
     if weight_state_off(cfg, model) is None:
-        # the MX layers' state, written by the Triton step (min_elements: the parameters it updates)
-        state = MXWeightState.of_model(model, keep_operands=cfg.precision.weight_operands_in_optimizer,
-                                       min_elements=adamw_cuda.LARGE)
-        if state.of:
+        # what the precision keeps between steps, written by the Triton step (min_elements: the
+        # parameters it updates)
+        state = precision_converter(cfg.precision).optimizer_state(model, min_elements=adamw_cuda.LARGE)
+        if state is not None:
             optimizer.weight_state = state
             state.install(model)  # compiled blocks read it unchecked: up to date before each forward
     return optimizer
 
 
+def precision_converter(precision):
+    return converter_class(precision.name)(precision)
+
+
 def weight_state_off(cfg: RunConfig, model: torch.nn.Module) -> str | None:
-    """Why the optimizer step cannot keep the MX weights' e_ref and operands for the packer (each
-    forward then packs its weights with both passes), as the field or fact to change; None when it
-    can. `model` as the optimizer sees it: after FSDP2 has sharded it."""
-    o, p = cfg.optim, cfg.precision
-    if p.name != "mxfp6":
-        return f"precision {p.name}: no MX weights"
-    if not p.weight_exponents_in_optimizer:
-        return "precision.weight_exponents_in_optimizer: false"
+    """Why the optimizer step cannot keep the precision's per-step state (for MXFP6 the weights'
+    e_ref and operands, without which each forward packs its weights with both passes), as the
+    field or fact to change; None when it can. `model` as the optimizer sees it: after FSDP2 has
+    sharded it."""
+    o = cfg.optim
     if o.implementation != "auto":
         return f"optim.implementation: {o.implementation} (torch's step; the Triton one writes the state)"
     if not o.clip_in_optimizer:
         return "optim.clip_in_optimizer: false (torch's step; the Triton one writes the state)"
-    weights = [m.weight for m in rowwise_mx_linears(model)]
-    if not weights:
-        return "no MXFP6 layer with the row granularity (precision.mx_gemm)"
-    if any(type(w.data) is not torch.Tensor for w in weights):
-        return ("the weights are sharded (FSDP2 DTensors); the Triton step updates whole, plain tensors, "
-                "so each forward packs the gathered weight")
-    if not any(w.is_cuda for w in weights):
-        return "the Triton step runs on CUDA only"
-    return None
+    return precision_converter(cfg.precision).optimizer_state_off(model)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel
+import torch
 from torch import nn
 
-from ..linear import MXFP6Linear, mx_ineligibility
+from ..linear import MXFP6Linear, mx_ineligibility, rowwise_mx_linears
 from ..mlp import FusedMXFP6MLP, activation_name
+from ..weight_state import MXWeightState
 from .registry import PrecisionConverter, register_precision, replace_module
 
 __all__ = ["MXFP6Converter", "MXFP6Options"]
@@ -89,3 +91,25 @@ class MXFP6Converter(PrecisionConverter):
                 replace_module(model, name, MXFP6Linear.from_linear(linear, **mx))
                 done[name] = "mxfp6"
         return done
+
+    def optimizer_state_off(self, model: nn.Module) -> str | None:
+        if not self.cfg.weight_exponents_in_optimizer:
+            return "precision.weight_exponents_in_optimizer: false"
+        weights = [m.weight for m in rowwise_mx_linears(model)]
+        if not weights:
+            return "no MXFP6 layer with the row granularity (precision.mx_gemm)"
+        if any(type(w.data) is not torch.Tensor for w in weights):
+            return ("the weights are sharded (FSDP2 DTensors); the Triton step updates whole, plain tensors, "
+                    "so each forward packs the gathered weight")
+        if not any(w.is_cuda for w in weights):
+            return "the Triton step runs on CUDA only"
+        return None
+
+    def optimizer_state(self, model: nn.Module, *, min_elements: int = 1) -> MXWeightState | None:
+        """The row-granularity MX weights' e_ref (and, with weight_operands_in_optimizer, the
+        MXFP6Linear weights' operands), written by the Triton AdamW step (`nn.weight_state`)."""
+        if self.optimizer_state_off(model) is not None:
+            return None
+        state = MXWeightState.of_model(model, keep_operands=self.cfg.weight_operands_in_optimizer,
+                                       min_elements=min_elements)
+        return state if state.of else None

@@ -54,6 +54,16 @@ class PrecisionConverter:
         """
         raise NotImplementedError
 
+    def optimizer_state_off(self, model: nn.Module) -> str | None:
+        """Why this precision keeps nothing between optimizer steps for `model` (as the option or fact
+        to change), or None when `optimizer_state` has something for a step that writes it."""
+        return f"precision {self.name}: nothing kept between optimizer steps"
+
+    def optimizer_state(self, model: nn.Module, *, min_elements: int = 1):
+        """What this precision keeps between optimizer steps for `model`'s converted layers, for an
+        optimizer step that writes it (its `weight_state`); None: nothing."""
+        return None
+
 
 _REGISTRY: dict[str, type[PrecisionConverter]] = {}
 
