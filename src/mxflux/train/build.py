@@ -60,6 +60,7 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, *, capturable: bool 
 
 
 def precision_converter(precision):
+    """The converter of the precision a recipe's precision block selects."""
     return converter_class(precision.name)(precision)
 
 

@@ -50,10 +50,14 @@ def step_path(trainer) -> dict:
         gemm = f"opaque op ({'the reference forced' if device.type == 'cuda' else device.type + ' kernels'})"
     elif not INLINE_GEMM:
         gemm = "opaque op (MXFLUX_INLINE_GEMM=0)"
+    elif cfg.precision.mx_gemm != "rowwise":
+        gemm = f"opaque op (precision.mx_gemm: {cfg.precision.mx_gemm}; only rowwise GEMMs are traced)"
     else:
         gemm = "inline: torch._scaled_mm in inductor's code"
     state = getattr(trainer.optimizer, "weight_state", None)
-    if state is not None:
+    if not mx:
+        weights = f"none ({cfg.precision.name})"
+    elif state is not None:
         weights = f"kept by the optimizer step ({len(state.of)} weights)"
     else:
         why = weight_state_off(cfg, trainer.model) or "no weight qualifies (Triton missing or the reference forced)"

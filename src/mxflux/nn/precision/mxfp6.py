@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
 import torch
+from pydantic import BaseModel
 from torch import nn
 
 from ..linear import MXFP6Linear, mx_ineligibility, rowwise_mx_linears
