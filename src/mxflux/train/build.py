@@ -13,7 +13,6 @@ import torch
 
 from ..model import Flux
 from ..nn import PrecisionReport, apply_precision
-from ..nn.precision import converter_class
 from . import adamw_cuda
 from .config import RecipeError, RunConfig
 from .optimizer import ClippingAdamW
@@ -49,19 +48,24 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, *, capturable: bool 
     optimizer = ClippingAdamW(model.parameters(), kernel="triton" if o.implementation == "auto" else "torch",
                               lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                               **{impl: True}, **extra)
-    if weight_state_off(cfg, model) is None:
+    if _triton_step_off(cfg) is None:
         # what the precision keeps between steps, written by the Triton step (min_elements: the
         # parameters it updates)
-        state = precision_converter(cfg.precision).optimizer_state(model, min_elements=adamw_cuda.LARGE)
+        state = cfg.precision.converter().optimizer_state(model, min_elements=adamw_cuda.LARGE)
         if state is not None:
             optimizer.weight_state = state
             state.install(model)  # compiled blocks read it unchecked: up to date before each forward
     return optimizer
 
 
-def precision_converter(precision):
-    """The converter of the precision a recipe's precision block selects."""
-    return converter_class(precision.name)(precision)
+def _triton_step_off(cfg: RunConfig) -> str | None:
+    """Why the optimizer's step is torch's, not the Triton one that writes a precision's per-step state."""
+    o = cfg.optim
+    if o.implementation != "auto":
+        return f"optim.implementation: {o.implementation} (torch's step; the Triton one writes the state)"
+    if not o.clip_in_optimizer:
+        return "optim.clip_in_optimizer: false (torch's step; the Triton one writes the state)"
+    return None
 
 
 def weight_state_off(cfg: RunConfig, model: torch.nn.Module) -> str | None:
@@ -69,9 +73,4 @@ def weight_state_off(cfg: RunConfig, model: torch.nn.Module) -> str | None:
     e_ref and operands, without which each forward packs its weights with both passes), as the
     field or fact to change; None when it can. `model` as the optimizer sees it: after FSDP2 has
     sharded it."""
-    o = cfg.optim
-    if o.implementation != "auto":
-        return f"optim.implementation: {o.implementation} (torch's step; the Triton one writes the state)"
-    if not o.clip_in_optimizer:
-        return "optim.clip_in_optimizer: false (torch's step; the Triton one writes the state)"
-    return precision_converter(cfg.precision).optimizer_state_off(model)
+    return _triton_step_off(cfg) or cfg.precision.converter().optimizer_state_off(model)

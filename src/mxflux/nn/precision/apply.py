@@ -7,7 +7,6 @@ import fnmatch
 from torch import nn
 
 from .config import PrecisionConfig
-from .registry import converter_class
 from .report import PrecisionReport
 
 __all__ = ["apply_precision"]
@@ -29,7 +28,7 @@ def apply_precision(model: nn.Module, precision: "str | PrecisionConfig") -> Pre
     `precision` is a PrecisionConfig or a precision name with the default layer set.
     """
     cfg = precision if isinstance(precision, PrecisionConfig) else PrecisionConfig.from_name(precision)
-    converter = converter_class(cfg.name)(cfg)
+    converter = cfg.converter()
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name}
     for field, patterns in (("include", cfg.include), ("exclude", cfg.exclude)):
         for pattern in patterns:

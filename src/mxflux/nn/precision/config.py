@@ -70,6 +70,10 @@ class PrecisionConfig(MXFP6Options, FP8Options):
         """The selected precision: 'mxfp6', 'fp8' or 'bf16' (MLPerf logs and reports read it)."""
         return selected_precision(self)
 
+    def converter(self):
+        """The selected precision's converter (`PrecisionConverter`), holding this config."""
+        return converter_class(self.name)(self)
+
     @classmethod
     def from_name(cls, precision: str, **kwargs) -> "PrecisionConfig":
         """The config selecting precision `precision` ('bf16', 'fp8', 'mxfp6') with its default selector value."""
