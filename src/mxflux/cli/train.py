@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -81,6 +82,7 @@ def _run_train(args, phase) -> int:
     phase.out = out
     ctx = init_distributed(device.type if device is not None else None)  # gloo for --device cpu
     lock = RunLock(out) if ctx.is_main else None
+    trainer = None
     try:
         if lock is not None:  # before anything in `out` is read or written: one run per directory
             note(lock.acquire().stale_note)
@@ -163,7 +165,11 @@ def _run_train(args, phase) -> int:
             result["checkpoint"] = str(trainer.last_checkpoint)
             result["loss_curve"] = str(trainer.out_dir / "loss_curve.png")
             print(json_text(result))
+        barrier(ctx)  # no rank tears the group down while another still uses it (gloo aborts then)
     finally:
+        # The model's DDP/FSDP2 state holds the process group: freed before the group is destroyed.
+        phase.trainer = trainer = None
+        gc.collect()
         cleanup()
         if lock is not None:
             lock.release()
