@@ -168,7 +168,8 @@ def _run_train(args, phase) -> int:
         barrier(ctx)  # no rank tears the group down while another still uses it (gloo aborts then)
     finally:
         # The model's DDP/FSDP2 state holds the process group: freed before the group is destroyed.
-        phase.trainer = trainer = None
+        phase.release_trainer()
+        trainer = None
         gc.collect()
         cleanup()
         if lock is not None:

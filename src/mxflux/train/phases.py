@@ -28,9 +28,21 @@ class TrainPhase:
         self.out: Path | None = None
         self.resume_step: int | None = None  # the checkpoint's step when resuming
         self.trainer = None
+        self._released_checkpoint: Path | None = None
+
+    def release_trainer(self) -> None:
+        """Drop the trainer (its model holds the process group, which is destroyed next) and keep
+        what the messages need of it."""
+        if self.trainer is not None:
+            self._released_checkpoint = self.trainer.last_checkpoint
+        self.trainer = None
+
+    @property
+    def last_checkpoint(self) -> Path | None:
+        return self.trainer.last_checkpoint if self.trainer is not None else self._released_checkpoint
 
     def _kept(self) -> str:
-        ckpt = self.trainer.last_checkpoint if self.trainer is not None else None
+        ckpt = self.last_checkpoint
         if ckpt is not None:
             return f"the last checkpoint, {ckpt}, is kept"
         if self.resume_step is not None:
@@ -38,7 +50,7 @@ class TrainPhase:
         return "no checkpoint was written"
 
     def _resume_hint(self) -> str:
-        saved = (self.trainer is not None and self.trainer.last_checkpoint is not None) or self.resume_step is not None
+        saved = self.last_checkpoint is not None or self.resume_step is not None
         if saved:
             return f"; continue with: mxflux train --resume {self.out}"
         return f"; {self.out} is free for a new run" if self.out is not None else ""
