@@ -3,6 +3,8 @@
 #
 #   make run    set up the runtime, then run the default job (`mxflux train`: tiny MXFP6 Flux on the demo dataset)
 #   make test   set up the runtime and the test extras, then run the test suite
+#   make test-kernels  the Triton kernels' tests on a CPU: tests/gpu under Triton's interpreter, then
+#               their ahead-of-time sm_90 compiles (not part of `make test`: ~15 min on 2 cores)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -16,7 +18,7 @@ TESTING := $(VENV)/.installed-test
 # replace it with a multi-GB CUDA build when it resolves the package's dependencies.
 TORCH  := torch==2.13.0
 
-.PHONY: setup setup-test run test clean
+.PHONY: setup setup-test run test test-kernels clean
 
 setup: $(RUNTIME)
 
@@ -39,5 +41,17 @@ run: setup
 test: setup-test
 	$(BIN)/python -m pytest -q
 
+# Triton (which `make test` leaves out: CI's time) and a numpy that Triton 3.6's interpreter can use
+# (numpy 2.4 no longer converts a one-element array to a Python int, which the interpreter does for
+# loop bounds), in a folder of their own put ahead of the venv's packages.
+KERNEL_DEPS := .kernel-deps
+$(KERNEL_DEPS)/.installed: $(TESTING)
+	$(BIN)/pip install --no-deps --target $(KERNEL_DEPS) triton==3.6.0 'numpy<2.4'
+	touch $@
+
+test-kernels: $(KERNEL_DEPS)/.installed
+	TRITON_INTERPRET=1 PYTHONPATH=$(KERNEL_DEPS) $(BIN)/python -m pytest -q tests/gpu
+	PYTHONPATH=$(KERNEL_DEPS) $(BIN)/python -m pytest -q tests/gpu/test_triton_compile.py
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(KERNEL_DEPS) build src/*.egg-info .pytest_cache .hypothesis
