@@ -294,6 +294,14 @@ def test_make_run_installs_only_the_runtime_and_make_test_then_adds_the_test_ext
                               ".venv/bin/mxflux train"]
     assert planned("test") == [".venv/bin/pip install -e '.[test]'", ".venv/bin/python -m pytest -q"]
     assert planned("run") == [".venv/bin/mxflux train"]
+    # the kernels' CPU tests: Triton and an interpreter-safe numpy in a folder of their own, never in the venv
+    kernels = subprocess.run(["make", "-n", "test-kernels"], cwd=tmp_path, capture_output=True, text=True,
+                             check=True).stdout.splitlines()
+    assert kernels == [".venv/bin/pip install --no-deps --target .kernel-deps triton==3.6.0 'numpy<2.4'",
+                       "touch .kernel-deps/.installed",
+                       "TRITON_INTERPRET=1 PYTHONPATH=.kernel-deps .venv/bin/python -m pytest -q tests/gpu",
+                       "PYTHONPATH=.kernel-deps .venv/bin/python -m pytest -q tests/gpu/test_triton_compile.py"]
     os.utime(tmp_path / "pyproject.toml", (2e9, 2e9))  # changed after both installs: both are redone
     assert planned("test") == [".venv/bin/pip install torch==2.13.0", ".venv/bin/pip install -e .",
                                ".venv/bin/pip install -e '.[test]'", ".venv/bin/python -m pytest -q"]
+
