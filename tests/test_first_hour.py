@@ -304,4 +304,3 @@ def test_make_run_installs_only_the_runtime_and_make_test_then_adds_the_test_ext
     os.utime(tmp_path / "pyproject.toml", (2e9, 2e9))  # changed after both installs: both are redone
     assert planned("test") == [".venv/bin/pip install torch==2.13.0", ".venv/bin/pip install -e .",
                                ".venv/bin/pip install -e '.[test]'", ".venv/bin/python -m pytest -q"]
-
