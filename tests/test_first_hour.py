@@ -281,8 +281,15 @@ def test_make_run_installs_only_the_runtime_and_make_test_then_adds_the_test_ext
     shutil.copy(ROOT / "Makefile", tmp_path)
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
 
+    # CI runs this suite from inside `make test`: a nested make would announce its directory and inherit flags
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+
+    def dry_run(target: str) -> str:
+        return subprocess.run(["make", "--no-print-directory", "-n", target], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, check=True).stdout
+
     def planned(target: str) -> list[str]:  # what make would run, and then pretend it ran
-        out = subprocess.run(["make", "-n", target], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+        out = dry_run(target)
         for line in out.splitlines():
             if line.startswith("touch "):
                 stamp = tmp_path / line.split()[1]
@@ -295,8 +302,7 @@ def test_make_run_installs_only_the_runtime_and_make_test_then_adds_the_test_ext
     assert planned("test") == [".venv/bin/pip install -e '.[test]'", ".venv/bin/python -m pytest -q"]
     assert planned("run") == [".venv/bin/mxflux train"]
     # the kernels' CPU tests: Triton and an interpreter-safe numpy in a folder of their own, never in the venv
-    kernels = subprocess.run(["make", "-n", "test-kernels"], cwd=tmp_path, capture_output=True, text=True,
-                             check=True).stdout.splitlines()
+    kernels = dry_run("test-kernels").splitlines()
     assert kernels == [".venv/bin/pip install --no-deps --target .kernel-deps triton==3.6.0 'numpy<2.4'",
                        "touch .kernel-deps/.installed",
                        "TRITON_INTERPRET=1 PYTHONPATH=.kernel-deps .venv/bin/python -m pytest -q tests/gpu",
