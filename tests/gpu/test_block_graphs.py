@@ -71,7 +71,7 @@ def test_block_graphs_train_as_the_compiled_model_with_accumulation(tmp_path, re
         rows[mode] = [tr.train_step([next(batches) for _ in range(tr.accum)]).read() for _ in range(6)]
         rows[mode + " params"] = [p.detach().clone() for p in tr.model.parameters()]
         if recipe == "tiny-mxfp6":
-            assert tr.optimizer.weight_erefs is not None and tr.optimizer.weight_erefs.kept
+            assert tr.optimizer.weight_state is not None and tr.optimizer.weight_state.kept
     losses = {m: [r["loss"] for r in rows[m]] for m in ("default", "reduce-overhead")}
     assert losses["default"][-1] < losses["default"][0]
     # the same kernels on the same inputs; only the bias gradients' atomic column sums (MX) may
