@@ -2,7 +2,8 @@
 # nothing needs to be installed by hand.
 #
 #   make run    set up the runtime, then run the default job (`mxflux train`: tiny MXFP6 Flux on the demo dataset)
-#   make test   set up the runtime and the test extras, then run the test suite
+#   make test   set up the runtime and the test extras, then run the test suite (CI; the slow tests skipped)
+#   make test-slow  only the slow compiled and distributed end-to-end tests
 #   make test-kernels  the Triton kernels' tests on a CPU: tests/gpu under Triton's interpreter, then
 #               their ahead-of-time sm_90 compiles (not part of `make test`: ~15 min on 2 cores)
 
@@ -18,7 +19,7 @@ TESTING := $(VENV)/.installed-test
 # replace it with a multi-GB CUDA build when it resolves the package's dependencies.
 TORCH  := torch==2.13.0
 
-.PHONY: setup setup-test run test test-kernels clean
+.PHONY: setup setup-test run test test-slow test-kernels clean
 
 setup: $(RUNTIME)
 
@@ -40,6 +41,12 @@ run: setup
 
 test: setup-test
 	$(BIN)/python -m pytest -q
+
+# The compiled and distributed end-to-end tests `make test` skips (marked slow: up to minutes each on 2
+# cores), one pytest worker per core (pytest-xdist): they are compile- and process-bound, and two
+# workers halve their time (the rest of the suite gains nothing from them on 2 cores).
+test-slow: setup-test
+	$(BIN)/python -m pytest -q -n auto --slow -m slow
 
 # Triton (which `make test` leaves out: CI's time) and a numpy that Triton 3.6's interpreter can use
 # (numpy 2.4 no longer converts a one-element array to a Python int, which the interpreter does for

@@ -33,3 +33,19 @@ def count_calls(monkeypatch):
         return calls
 
     return spy
+
+
+# The compiled and distributed end-to-end tests that take up to minutes each on 2 CPU cores: `make test`
+# (CI) skips them to stay under 20 minutes, `make test-slow` runs only them. Each covers a path that
+# faster tests also reach in part (the same ops, checkpointing and sharding on smaller cases).
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (make test-slow)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow on a CPU: `make test-slow` runs it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

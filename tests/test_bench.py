@@ -137,6 +137,7 @@ def test_a_captured_bare_loop_is_refused_without_a_cuda_device(capsys):
         bench_step(cfg, cuda_graph=True, device="cpu", distributed=False)
 
 
+@pytest.mark.slow
 def test_settings_run_side_by_side_each_in_its_own_process(tmp_path):
     """The CI smoke test of the default comparison's machinery: two settings, bare loop included."""
     out = tmp_path / "cmp.json"
@@ -153,6 +154,7 @@ def test_settings_run_side_by_side_each_in_its_own_process(tmp_path):
     assert "vs bf16" in proc.stdout and "[mxfp6] " in proc.stdout  # one table; the children's output, prefixed
 
 
+@pytest.mark.slow
 def test_rounds_alternate_the_settings_and_report_each_settings_median_round(tmp_path):
     """`--rounds 2`: every setting runs once per round, each time in a fresh process, and the JSON
     holds each setting's median round with every round's step time."""

@@ -24,6 +24,7 @@ def _benchmark_module(name: str):
         sys.path.remove(str(ROOT / "benchmarks"))
 
 
+@pytest.mark.slow
 def test_convergence_study_runs_both_precisions_and_writes_curves(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--steps", "4", "--width", "128",
@@ -45,6 +46,7 @@ def test_convergence_study_runs_both_precisions_and_writes_curves(tmp_path):
     assert sorted(q.name for q in (tmp_path / "curves").iterdir()) == ["bf16.csv", "mxfp6.csv"]
 
 
+@pytest.mark.slow
 def test_comm_sweep_runs_every_setting_on_two_ranks(tmp_path):
     """benchmarks/sweep_comm.py under torchrun with 2 gloo ranks: FSDP units 1 and 2 and one DDP
     bucket size, each through the harness, and a JSON with one result per setting."""
@@ -97,6 +99,7 @@ def test_step_benchmark_is_the_proxy_comparison_unless_given_a_recipe(tmp_path):
     assert proc.returncode == 2 and "flux12b-mxfp6-dev" in proc.stderr and "no_such_field" in proc.stderr
 
 
+@pytest.mark.slow
 def test_saved_bytes_benchmark_counts_what_a_compiled_block_keeps(tmp_path):
     """benchmarks/saved_bytes.py: MXFP6 keeps less than bf16, and repack_weights less than MXFP6."""
     out = tmp_path / "saved.json"

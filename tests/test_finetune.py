@@ -89,6 +89,7 @@ def test_train_starts_from_the_weights_and_check_config_validates_them(data, wei
     assert json.loads(capsys.readouterr().out)["eval_loss"] == evals[-1][1]
 
 
+@pytest.mark.slow
 def test_two_fsdp_ranks_load_what_one_rank_loads(data, weights):
     """tests/weights_fsdp_worker.py: sharded parameters (Trainer-built and meta-built) equal the
     checkpoint bit for bit, each rank holding part; the 2-rank eval loss equals 1 rank's."""

@@ -116,6 +116,7 @@ def _col_operand_bytes(linear: MXFP6Linear, rows: int) -> int:
     return linear.in_features * -(-rows // 32) * 32
 
 
+@pytest.mark.slow
 def test_a_compiled_double_block_recomputing_its_packers_is_bit_identical_and_keeps_no_activation_operand(gen):
     """With the fused MLP (whose GELU-prologue packer call on fc1's output is recomputed too) and
     repack_weights (no Wᵀ kept): the policy leaves no E4M3 operand at all."""
@@ -131,6 +132,7 @@ def test_a_compiled_double_block_recomputing_its_packers_is_bit_identical_and_ke
     assert got_bytes <= ref_bytes - ref_saved.by_dtype["float8_e4m3fn"], (ref_bytes, got_bytes)
 
 
+@pytest.mark.slow
 def test_a_compiled_single_block_rebuilds_linear2s_input_and_keeps_no_activation_operand(gen):
     """Unfused, Wᵀ kept (repack_weights off): what stays in E4M3 is exactly the two weights' Wᵀ;
     both Xᵀ are gone, linear2's because its input (attention output and GELU concatenated) is
@@ -148,6 +150,7 @@ def test_a_compiled_single_block_rebuilds_linear2s_input_and_keeps_no_activation
     assert sum(saved.by_dtype.values()) <= sum(ref_saved.by_dtype.values()) - activations
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["double", "single"])
 def test_elementwise_recompute_keeps_only_gemm_and_attention_outputs(gen, kind):
     """`activation_checkpointing: elementwise` (repack_weights on, so no Wᵀ either): outputs,

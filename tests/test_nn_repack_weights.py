@@ -92,6 +92,7 @@ def test_a_repacking_linear_keeps_its_parameter_not_a_weight_operand(device):
     assert sum(t.numel() * t.element_size() for t in saved) == k * m_rows + 4 * k
 
 
+@pytest.mark.slow
 def test_compiled_block_keeps_exactly_the_weight_operands_less():
     """Compiled, the partitioner keeps the backward packer call in backward (a parameter is free to
     save, its FP8 operand is not): the block saves exactly the Wᵀ operands (1 B per weight element

@@ -53,6 +53,7 @@ def data(tmp_path_factory):
     return build_demo_dataset(tmp_path_factory.mktemp("d") / "demo", n_train=64, n_eval=16)
 
 
+@pytest.mark.slow
 def test_fsdp_and_ddp_agree_and_resume_exactly(data, tmp_path):
     full = train(2, tmp_path / "full", data, "--max-steps", "4", "--set", "distributed.strategy=fsdp", port=29611)
     ddp = train(2, tmp_path / "ddp", data, "--max-steps", "4", "--set", "distributed.strategy=ddp", port=29612)
@@ -138,6 +139,7 @@ def test_losses_do_not_depend_on_world_size_and_resume_onto_any(data, tmp_path):
     assert [p.name for p in (tmp_path / "one_to_two").glob("latest*")] == ["latest.dcp"]
 
 
+@pytest.mark.slow
 def test_fsdp2_takes_the_compiled_path_of_one_process_without_graph_breaks(data, tmp_path):
     """2 ranks under FSDP2 with compiled blocks: every rank compiles its blocks with no graph break
     (the MX ops are custom ops inside inductor's graphs, as in one process), the losses are those

@@ -273,6 +273,7 @@ def test_activation_checkpointing_gives_the_same_step(demo_root, tmp_path):
     assert torch.equal(grads[0], grads[1])  # weights after one AdamW step: recompute is exact
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["mx_packers", "elementwise"])
 def test_selective_checkpointing_gives_the_same_compiled_step(demo_root, tmp_path, mode):
     """`model.activation_checkpointing: mx_packers` or `elementwise` through the Trainer (compiled
