@@ -44,7 +44,7 @@ test: setup-test
 
 # The compiled and distributed end-to-end tests `make test` skips (marked slow: up to minutes each on 2
 # cores), one pytest worker per core (pytest-xdist): they are compile- and process-bound, and two
-# workers halve their time (the rest of the suite gains nothing from them on 2 cores).
+# workers take them from ~17 to 11 minutes on 2 cores (the rest of the suite gains nothing from them).
 test-slow: setup-test
 	$(BIN)/python -m pytest -q -n auto --slow -m slow
 

@@ -36,7 +36,7 @@ def count_calls(monkeypatch):
 
 
 # The compiled and distributed end-to-end tests that take up to minutes each on 2 CPU cores: `make test`
-# (CI) skips them to stay under 20 minutes, `make test-slow` runs only them. Each covers a path that
+# (CI) skips them to keep its time near 20 minutes, `make test-slow` runs only them. Each covers a path that
 # faster tests also reach in part (the same ops, checkpointing and sharding on smaller cases).
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run the tests marked slow (make test-slow)")
