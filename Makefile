@@ -39,12 +39,14 @@ $(TESTING): $(RUNTIME)
 run: setup
 	$(BIN)/mxflux train
 
+# One pytest worker per core (pytest-xdist), each on one thread (tests/conftest.py): most of the suite's time is
+# `mxflux` processes starting and training tiny runs on one thread, which two workers halve (10 against
+# 14 minutes on 2 cores).
 test: setup-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 # The compiled and distributed end-to-end tests `make test` skips (marked slow: up to minutes each on 2
-# cores), one pytest worker per core (pytest-xdist): they are compile- and process-bound, and two
-# workers take them from ~17 to 11 minutes on 2 cores (the rest of the suite gains nothing from them).
+# cores), one pytest worker per core as in `make test`.
 test-slow: setup-test
 	$(BIN)/python -m pytest -q -n auto --slow -m slow
 

@@ -8,6 +8,15 @@ import os
 import pytest
 import torch
 
+# Under pytest-xdist (`make test`: one worker per core) each worker and every process it starts runs
+# torch, MKL and numba on one thread. Two workers of two threads each on two cores oversubscribe them,
+# and OpenMP's spin-waiting then made a 13 s training test take 150 s. The pinned losses are recorded
+# per thread count (tests/test_regression_losses.py), so this keeps them bit for bit.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[_var] = "1"
+    torch.set_num_threads(1)
+
 
 @pytest.fixture
 def gen(request) -> torch.Generator:
@@ -36,7 +45,7 @@ def count_calls(monkeypatch):
 
 
 # The compiled and distributed end-to-end tests that take up to minutes each on 2 CPU cores: `make test`
-# (CI) skips them to keep its time near 20 minutes, `make test-slow` runs only them. Each covers a path that
+# (CI) skips them to keep its time under 20 minutes, `make test-slow` runs only them. Each covers a path that
 # faster tests also reach in part (the same ops, checkpointing and sharding on smaller cases).
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run the tests marked slow (make test-slow)")

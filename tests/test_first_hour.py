@@ -299,7 +299,7 @@ def test_make_run_installs_only_the_runtime_and_make_test_then_adds_the_test_ext
 
     assert planned("run") == [".venv/bin/pip install torch==2.13.0", ".venv/bin/pip install -e .",
                               ".venv/bin/mxflux train"]
-    assert planned("test") == [".venv/bin/pip install -e '.[test]'", ".venv/bin/python -m pytest -q"]
+    assert planned("test") == [".venv/bin/pip install -e '.[test]'", ".venv/bin/python -m pytest -q -n auto"]
     assert planned("run") == [".venv/bin/mxflux train"]
     # the kernels' CPU tests: Triton and an interpreter-safe numpy in a folder of their own, never in the venv
     kernels = dry_run("test-kernels").splitlines()
@@ -309,4 +309,4 @@ def test_make_run_installs_only_the_runtime_and_make_test_then_adds_the_test_ext
                        "PYTHONPATH=.kernel-deps .venv/bin/python -m pytest -q tests/gpu/test_triton_compile.py"]
     os.utime(tmp_path / "pyproject.toml", (2e9, 2e9))  # changed after both installs: both are redone
     assert planned("test") == [".venv/bin/pip install torch==2.13.0", ".venv/bin/pip install -e .",
-                               ".venv/bin/pip install -e '.[test]'", ".venv/bin/python -m pytest -q"]
+                               ".venv/bin/pip install -e '.[test]'", ".venv/bin/python -m pytest -q -n auto"]
