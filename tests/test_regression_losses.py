@@ -7,8 +7,10 @@ any refactor that claims "behaviour unchanged" must keep them. A change that is 
 numerics must re-record them and say why in its commit:
 `PYTHONPATH=src python tests/test_regression_losses.py --record` runs `first_20_losses` (the
 function the test runs) for every recipe and writes this machine's entry; `make test` runs each
-worker on one thread (tests/conftest.py), so record with OMP_NUM_THREADS=1 too (on the 2-core AVX2
-EPYC of 2026-12-05 both thread counts gave the same bits; the AVX-512 machine's differ from them).
+worker on one thread (tests/conftest.py), so record with OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+NUMBA_NUM_THREADS=1 too (numba's OpenMP layer otherwise sets torch's thread count back to the cores'
+count during the MX steps), and without them for a serial run. Thread counts can change the bits: on
+the AVX2 EPYC of 2026-12-05 both gave the same, on the AMX Xeon of that day bf16's differ.
 
 The bits depend on the machine as well as on the code: MKL and oneDNN pick their GEMM kernels,
 and with them the order of the sums, by CPU vendor, instruction set and thread count (the same
