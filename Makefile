@@ -41,7 +41,7 @@ run: setup
 
 # One pytest worker per core (pytest-xdist), each on one thread (tests/conftest.py): most of the suite's time is
 # `mxflux` processes starting and training tiny runs on one thread, which two workers run side by side
-# (426 s in a fresh clone on 2 cores, against 861-1098 s serially).
+# (205-426 s in a fresh clone on 2 cores, against 861-1098 s serially).
 test: setup-test
 	$(BIN)/python -m pytest -q -n auto
 
