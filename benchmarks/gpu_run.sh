@@ -65,7 +65,7 @@ for stage in "$@"; do
       log="$OUT/gpu_$stage.log"
       # (-v: one line per test as it ends, line-buffered, so a call cut by its time limit still
       # names what ran and passed)
-      python3 -m pytest -v --tb=short --durations=10 ${GPU_TESTS:-$files} \
+      python3 -m pytest -v --tb=short --durations=10 --slow ${GPU_TESTS:-$files} \
         -p no:cacheprovider 2>&1 | grep --line-buffered -v "^W11" > "$log"
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$log" | tail -40 ;;
     kernels)

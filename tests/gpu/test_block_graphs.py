@@ -67,6 +67,7 @@ def test_block_graphs_train_as_the_compiled_model_with_accumulation(tmp_path, re
     for mode in ("default", "reduce-overhead"):
         tr = _trainer(tmp_path, recipe, mode)
         assert tr.accum == 2
+        rows[mode + " init"] = [p.detach().clone() for p in tr.model.parameters()]
         batches = tr.batches()
         rows[mode] = [tr.train_step([next(batches) for _ in range(tr.accum)]).read() for _ in range(6)]
         rows[mode + " params"] = [p.detach().clone() for p in tr.model.parameters()]
@@ -74,8 +75,21 @@ def test_block_graphs_train_as_the_compiled_model_with_accumulation(tmp_path, re
             assert tr.optimizer.weight_state is not None and tr.optimizer.weight_state.kept
     losses = {m: [r["loss"] for r in rows[m]] for m in ("default", "reduce-overhead")}
     assert losses["default"][-1] < losses["default"][0]
-    # the same kernels on the same inputs; only the bias gradients' atomic column sums (MX) may
-    # round in another order
-    assert losses["reduce-overhead"] == pytest.approx(losses["default"], rel=1e-5, abs=1e-6)
-    for a, b in zip(rows["default params"], rows["reduce-overhead params"]):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    for a, b in zip(rows["default init"], rows["reduce-overhead init"]):
+        assert torch.equal(a, b)  # one seed: the comparison starts from the same weights
+    if recipe == "tiny-bf16":  # the same kernels on the same inputs, no atomics: equal up to launch order
+        assert losses["reduce-overhead"] == pytest.approx(losses["default"], rel=1e-5, abs=1e-6)
+        for a, b in zip(rows["default params"], rows["reduce-overhead params"]):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+        return
+    # MX: the bias gradients are the dY packer's column sums added by fp32 atomics, so each step's
+    # bias update rounds in a run-dependent order, and the next steps' MX rounding amplifies it (an
+    # H100 run differed by 3.5e-5 relative at the sixth loss). The first loss precedes any update;
+    # the later ones are held to the bound the captured-step tests use for the same noise, and the
+    # weights to 5 % of how far the six steps moved them: a block graph replaying stale inputs or an
+    # accumulation that lost a micro-batch moves them by a large fraction of that.
+    assert losses["reduce-overhead"][0] == pytest.approx(losses["default"][0], rel=1e-6)
+    assert losses["reduce-overhead"] == pytest.approx(losses["default"], rel=2e-3)
+    moved = torch.cat([(p - p0).flatten().float() for p, p0 in zip(rows["default params"], rows["default init"])])
+    apart = torch.cat([(b - a).flatten().float() for a, b in zip(rows["default params"], rows["reduce-overhead params"])])
+    assert moved.norm() > 0 and apart.norm() <= 0.05 * moved.norm(), (apart.norm(), moved.norm())
