@@ -10,6 +10,9 @@ call is a few microseconds and the host is the limit), and the wall time per cal
   (MXFLUX_COMPILED_LAUNCH=0), and `mx_operands_cuda` with its Triton launches stubbed out: op
   dispatch, our Python, and the launches, each by difference;
 - `scaled_gemm` op against `torch._scaled_mm` called directly;
+- one packer call compiled alone, through the opaque op and launched from inductor's code
+  (`mxflux::mx_operands_inline`; with `mxflux.ops.inductor_options()`, and without them: Triton's
+  own launcher), with the driver launches per call;
 - a calibration: one tiny elementwise op (the host's cost of any launch).
 
 On a machine without CUDA it measures what it can: the op dispatch around a stubbed packer, and
@@ -68,7 +71,41 @@ class _NoCompiled:
         self.run = lambda *a: None
 
 
-def measure(device: str, rows: int, cols: int, calls: int) -> dict[str, float]:
+def _compiled_pack(custom_ops, x, outside, inline: bool, calls: int, sync, code_dir=None,
+                   static: bool = True) -> dict[str, float]:
+    """One packer call (row-wise, both orientations) compiled alone, through the opaque op or
+    launched from inductor's code (`INLINE_PACK`): wall per call and the driver launches per call
+    (torch.profiler); with `code_dir`, inductor's generated code is written there. `static`: compiled
+    with `inductor_options()` (user kernels on inductor's static launcher), else with inductor's
+    defaults."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    custom_ops.INLINE_PACK = inline
+    try:
+        def pack(t, c):
+            return custom_ops.mx_operands(t, None, c, True, True, "rowwise", True, "none", False)
+
+        fn = torch.compile(pack, options=custom_ops.inductor_options() if static else {})
+        _, code = run_and_get_code(fn, x, outside)
+        label = f"compiled packer call, {'inline' if inline else 'opaque op'}{'' if static else ', Triton launcher'}"
+        if code_dir:
+            with open(os.path.join(code_dir, f"packer_{'inline' if inline else 'opaque'}.py"), "w") as f:
+                f.write("\n\n".join(code))
+        result = {label: per_call_us(lambda: fn(x, outside), calls, sync)}
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                fn(x, outside)
+            sync()
+        launches = sum(e.count for e in prof.key_averages() if e.key in ("cuLaunchKernel", "cudaLaunchKernel",
+                                                                         "cuLaunchKernelEx", "cudaLaunchKernelExC"))
+        result[f"{label}: launches per call"] = launches / 20
+        return result
+    finally:
+        custom_ops.INLINE_PACK = True
+
+
+def measure(device: str, rows: int, cols: int, calls: int, code_dir=None) -> dict[str, float]:
     from mxflux.ops import custom_ops
     from mxflux.ops.custom_ops import mx_operands, scaled_gemm
 
@@ -92,6 +129,9 @@ def measure(device: str, rows: int, cols: int, calls: int) -> dict[str, float]:
             del os.environ["MXFLUX_COMPILED_LAUNCH"]
             operands_module.clear_launch_plans()
         out.update(_stubbed(operands_module, x, op_args, calls, sync))
+        for inline, static in ((False, True), (True, True), (True, False)):
+            out.update(_compiled_pack(custom_ops, x, outside, inline, calls, sync, code_dir if static else None,
+                                      static))
         p = mx_operands_cuda(x, col=False)
         w = mx_operands_cuda(torch.randn(cols, cols, device=device).bfloat16(), col=False)
         out["scaled_gemm op"] = per_call_us(
@@ -162,8 +202,9 @@ def main(argv=None):
     ap.add_argument("--cols", type=int, default=3072)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", help="write the results as JSON")
+    ap.add_argument("--code-dir", help="write inductor's code of the compiled packer calls there (CUDA)")
     args = ap.parse_args(argv)
-    res = measure(args.device, args.rows, args.cols, args.calls)
+    res = measure(args.device, args.rows, args.cols, args.calls, args.code_dir)
     print(f"host time per call, {args.device}, operand {args.rows}x{args.cols}:")
     for name, us in res.items():
         print(f"  {name:50s} {us:8.1f} us")

@@ -14,10 +14,13 @@ autocast), and timed two ways:
   one launch each.
 
 Layers: nn.Linear (bf16), torchao's Float8Linear (tensorwise, the FP8 users train with),
-MXFP6Linear with its GEMMs traced into the graph as `aten._scaled_mm` (the default), and
-MXFP6Linear with every GEMM through the opaque `mxflux::scaled_gemm` op (`INLINE_GEMM` off: the
-path before). The table prints microseconds per iteration and the ratio to nn.Linear's in the
-same mode. A GPU benchmark (the CPU has no FP8 GEMM path to compare).
+MXFP6Linear with its GEMMs traced into the graph as `aten._scaled_mm` and its packers as inductor's
+own launches of the packer kernel (`mxflux::mx_operands_inline`: the default), MXFP6Linear with
+the packers through the opaque `mxflux::mx_operands` op (`INLINE_PACK` off), and with the GEMMs
+through the opaque `mxflux::scaled_gemm` op as well (both off: the path before either). Every layer
+is compiled with `mxflux.ops.inductor_options(mode)`. The table prints microseconds per iteration
+and the ratio to nn.Linear's in the same mode. A GPU benchmark (the CPU has no FP8 GEMM path to
+compare).
 """
 
 from __future__ import annotations
@@ -69,13 +72,15 @@ def measure(tokens: int, features: int, iters: int) -> dict:
     x = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
     out = {}
-    for label, kind, inline in (("nn.Linear bf16", "bf16", True), ("torchao fp8 tensorwise", "fp8-tensorwise", True),
-                                ("MXFP6Linear", "mxfp6", True), ("MXFP6Linear, opaque GEMM op", "mxfp6", False)):
+    for label, kind, inline_pack, inline_gemm in (
+            ("nn.Linear bf16", "bf16", True, True), ("torchao fp8 tensorwise", "fp8-tensorwise", True, True),
+            ("MXFP6Linear", "mxfp6", True, True), ("MXFP6Linear, opaque packer op", "mxfp6", False, True),
+            ("MXFP6Linear, opaque packer and GEMM ops", "mxfp6", False, False)):
         for mode in ("default", "reduce-overhead"):
             torch._dynamo.reset()
-            custom_ops.INLINE_GEMM = inline
+            custom_ops.INLINE_PACK, custom_ops.INLINE_GEMM = inline_pack, inline_gemm
             layer = build(kind, features)
-            compiled = torch.compile(layer, mode=mode)
+            compiled = torch.compile(layer, options=custom_ops.inductor_options(mode))
             # gradients allocated outside the graphs: each backward adds into them, as in training
             # with accumulation (a replay's own output kept as .grad would be overwritten)
             for t in (x, *layer.parameters()):
@@ -87,8 +92,8 @@ def measure(tokens: int, features: int, iters: int) -> dict:
                 y.backward(g)
 
             out[f"{label} | {mode}"] = per_iteration_us(step, iters, mode == "reduce-overhead")
-            print(f"  {label:32s} {mode:16s} {out[f'{label} | {mode}']:9.1f} us", flush=True)
-    custom_ops.INLINE_GEMM = True
+            print(f"  {label:40s} {mode:16s} {out[f'{label} | {mode}']:9.1f} us", flush=True)
+    custom_ops.INLINE_PACK = custom_ops.INLINE_GEMM = True
     return out
 
 
@@ -104,11 +109,11 @@ def main(argv=None):
     print(f"host time per linear forward + backward, {args.tokens} x {args.features}, "
           f"{torch.cuda.get_device_name()}:", flush=True)
     res = measure(args.tokens, args.features, args.iters)
-    print(f"{'layer':34s} {'default µs':>11s} {'vs bf16':>8s} {'graphs µs':>10s} {'vs bf16':>8s}")
+    print(f"{'layer':42s} {'default µs':>11s} {'vs bf16':>8s} {'graphs µs':>10s} {'vs bf16':>8s}")
     base = {m: res[f"nn.Linear bf16 | {m}"] for m in ("default", "reduce-overhead")}
     for label in dict.fromkeys(k.split(" | ")[0] for k in res):
         d, r = res[f"{label} | default"], res[f"{label} | reduce-overhead"]
-        print(f"{label:34s} {d:11.1f} {d / base['default']:7.2f}x {r:10.1f} {r / base['reduce-overhead']:7.2f}x")
+        print(f"{label:42s} {d:11.1f} {d / base['default']:7.2f}x {r:10.1f} {r / base['reduce-overhead']:7.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "tokens": args.tokens, "features": args.features,

@@ -6,7 +6,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from mxflux.nn import FusedMXFP6MLP, MXFP6Linear
-from mxflux.ops.custom_ops import mx_operands, scaled_gemm_op
+from mxflux.ops.custom_ops import mx_operands_op, scaled_gemm_op
 
 
 @pytest.fixture(autouse=True)
@@ -57,10 +57,10 @@ def test_custom_ops_pass_opcheck(gen):
         (x, None, outside, False, True, "rowwise", False, "gelu_tanh", False),
         (torch.randn(40, 128, generator=gen).bfloat16(), None, outside, True, True, "blockwise", True, "none", False),
     ]:
-        torch.library.opcheck(mx_operands, args, test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(mx_operands_op, args, test_utils=("test_schema", "test_faketensor"))
     # (test_schema compares FP8 inputs arithmetically, which CPU FP8 tensors do not support.)
     for granularity in ("rowwise", "exact"):
-        rd, rs, _, _, _ = mx_operands(x, None, outside, True, False, granularity, True, "none", False)
+        rd, rs, _, _, _ = mx_operands_op(x, None, outside, True, False, granularity, True, "none", False)
         torch.library.opcheck(scaled_gemm_op, (rd, rs, rd[:32], rs[:32], granularity, None, torch.bfloat16),
                               test_utils=("test_faketensor",))
 
@@ -108,7 +108,7 @@ def test_compaction_ops_pass_opcheck(gen):
     from mxflux.ops import compact_operand, expand_operand
 
     x = torch.randn(40, 64, generator=gen).bfloat16()
-    _, _, cd, _, _ = mx_operands(x, None, torch.zeros(1, dtype=torch.int64), False, True, "rowwise", True,
+    _, _, cd, _, _ = mx_operands_op(x, None, torch.zeros(1, dtype=torch.int64), False, True, "rowwise", True,
                                  "none", False)
     torch.library.opcheck(compact_operand, (cd,), test_utils=("test_faketensor",))
     packed, shifts = compact_operand(cd)

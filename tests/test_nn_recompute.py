@@ -24,7 +24,7 @@ from mxflux.bench.memory import record_saved_tensors
 from mxflux.model import Flux, flux_config, image_ids, text_ids
 from mxflux.nn import MXFP6Linear, apply_precision
 from mxflux.nn.recompute import MXPackerRecompute, mx_packer_checkpoint_context
-from mxflux.ops.custom_ops import mx_operands
+from mxflux.ops.custom_ops import mx_operands_op
 from mxflux.train.config import RecipeError, load_recipe
 from mxflux.train.parallelize import checkpoint_block
 
@@ -189,7 +189,7 @@ def test_the_policy_refuses_eager_mode(gen):
     policy = MXPackerRecompute()
     with FakeTensorMode():
         fake = torch.randn(40, 64).bfloat16()
-    assert policy(None, mx_operands.default, fake) is CheckpointPolicy.MUST_RECOMPUTE
+    assert policy(None, mx_operands_op.default, fake) is CheckpointPolicy.MUST_RECOMPUTE
     assert policy(None, torch.ops.aten.lift_fresh.default, torch.tensor(())) is CheckpointPolicy.PREFER_SAVE
 
 

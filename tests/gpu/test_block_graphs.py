@@ -28,12 +28,16 @@ def _fwd_bwd(layer, x, g):
     return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
 
 
-@pytest.mark.parametrize("inline", [True, False], ids=["inline", "opaque"])
-def test_compiled_mx_gemms_are_scaled_mm_in_the_graph_and_bit_identical(monkeypatch, inline):
+@pytest.mark.parametrize("inline, inline_pack", [(True, True), (True, False), (False, False)],
+                         ids=["inline", "inline-gemm", "opaque"])
+def test_compiled_mx_gemms_are_scaled_mm_in_the_graph_and_bit_identical(monkeypatch, inline, inline_pack):
+    """Compiled, the MX GEMMs are `aten._scaled_mm` and the packers inductor's own launches of the
+    packer kernel (each can be turned off): the same bits as the eager layer either way."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     monkeypatch.setattr(custom_ops, "INLINE_GEMM", inline)
+    monkeypatch.setattr(custom_ops, "INLINE_PACK", inline_pack)
     layer = MXFP6Linear(1024, 768, device="cuda")
     x = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(300, 768, device="cuda", dtype=torch.bfloat16)
@@ -47,7 +51,8 @@ def test_compiled_mx_gemms_are_scaled_mm_in_the_graph_and_bit_identical(monkeypa
     torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-4)
     assert ("mxflux.scaled_gemm" in code) is not inline
     assert ("_scaled_mm" in code) is inline
-    assert "mxflux.mx_operands" in code  # the packers stay our kernels
+    assert ("mxflux.mx_operands.default" in code) is not inline_pack
+    assert ("_pack_kernel" in code) is inline_pack  # inductor's code launches our packer kernel itself
 
 
 def _trainer(tmp_path, recipe, mode, *extra):

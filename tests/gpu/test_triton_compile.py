@@ -22,7 +22,7 @@ from mxflux.kernels.triton_common import PAIR_SHUFFLE_ASM, lane_pair_shuffles_ho
 from mxflux.mx import FoldGranularity as G  # noqa: E402
 
 
-def _compile(fn, sig, consts, num_warps=8, aligned=False, divisible=()):
+def _compile(fn, sig, consts, num_warps=8, aligned=False, divisible=(), options=None):
     """The sm_90 compile's assembly (ttgir, ptx, ...). `aligned`: every pointer 16-byte aligned
     (what Triton specialises on at a launch with torch.empty outputs), so the vector accesses
     show; `divisible`: integer parameters a launch passes as multiples of 16 (Triton specialises
@@ -33,7 +33,8 @@ def _compile(fn, sig, consts, num_warps=8, aligned=False, divisible=()):
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
              if (aligned and ty.startswith("*")) or name in divisible} or None
     src = ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts, attrs=attrs)
-    opts = {"num_warps": num_warps, "enable_fp_fusion": False, "enable_reflect_ftz": False}
+    opts = {"num_warps": num_warps, "enable_fp_fusion": False, "enable_reflect_ftz": False} if options is None \
+        else {"num_warps": num_warps, **options}
     try:
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm
     except RuntimeError as e:  # no CUDA toolchain (ptxas) in this Triton install
@@ -207,3 +208,84 @@ def _registers(asm) -> int:
     regs = [int(r) for r in re.findall(r"REG:(\d+)", usage)]
     assert regs, usage
     return max(regs)
+
+
+# What inductor compiles a user-defined kernel with (torch/_inductor/runtime/triton_heuristics.py): Triton's
+# defaults for FMA contraction and flush-to-zero libdevice, device asserts on, no overflow checks.
+_INDUCTOR_OPTIONS = {"num_stages": 3, "debug": True, "sanitize_overflow": False}
+
+
+@pytest.mark.parametrize("granularity, pass_, colsum, x_f32", [
+    (G.ROWWISE, 1, False, False), (G.ROWWISE, 2, True, False), (G.ROWWISE, 2, False, True),
+    (G.BLOCKWISE, 2, True, False), (G.EXACT, 2, False, False),
+], ids=str)
+def test_the_inlined_packer_compiles_to_the_same_sass_under_inductors_options(granularity, pass_, colsum, x_f32):
+    """Compiled regions launch the prologue-free packer from inductor's code
+    (`kernels.operands_inline`), which compiles it with its own options; the sm_90 machine code
+    must be the one our launches run, instruction for instruction (so the same bits)."""
+    consts = {"PASS": pass_, "DO_ROW": True, "DO_COL": True, "DO_COLSUM": colsum, "HADAMARD": True, "HW": True,
+              **operands_plan.kernel_constexprs(granularity, "none", x_f32=x_f32)}
+    sig = dict(_PACK_SIG, x_ptr="*fp32") if x_f32 else _PACK_SIG
+    kw = dict(num_warps=operands_plan.kernel_num_warps(granularity), aligned=True, divisible=("C", "Rp"))
+    ours = _sass(_compile(operands_cuda._pack_kernel, sig, consts, **kw))
+    inductors = _sass(_compile(operands_cuda._pack_kernel, sig, consts, options=_INDUCTOR_OPTIONS, **kw))
+    assert len(ours) > 500 and ours == inductors
+
+
+def _sass(asm) -> list[str]:
+    """The cubin's instructions (addresses and encodings stripped), by the Triton wheel's cuobjdump."""
+    import subprocess
+    import tempfile
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return [re.sub(r"\s*/\*.*?\*/\s*", " ", line).strip() for line in out.splitlines()
+            if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+
+
+@pytest.mark.parametrize("pass_, erefs", [(1, False), (2, False), (2, True)])
+def test_inductors_mutation_analysis_finds_exactly_what_the_packer_writes(pass_, erefs):
+    """Inductor works out which arguments of a user-defined kernel it writes from the kernel's TTIR;
+    were the analysis to fail, it would take every argument as written and copy x on every call.
+    It must find the packer's outputs, the e_ref maxima (pass 1) and the counter, and nothing it
+    only reads. (Run against an sm_90 target with no GPU.)"""
+    import torch
+
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+    from triton.backends.compiler import GPUTarget
+
+    class _Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    def t(dtype):
+        return torch.empty(64, dtype=dtype)
+
+    kw = dict(x_ptr=t(torch.bfloat16), aux_ptr=t(torch.bfloat16), stride_x=512, stride_aux=512, R=300, C=512, Rp=320,
+              row_data_ptr=t(torch.int32), row_scale_ptr=t(torch.float32), col_data_ptr=t(torch.int32),
+              col_scale_ptr=t(torch.float32), colsum_ptr=t(torch.float32), outside_ptr=t(torch.int64),
+              row_eref_ptr=t(torch.int32), col_eref_ptr=t(torch.int32), n_row_tiles=3, n_prog_r=3, PASS=pass_,
+              DO_ROW=True, DO_COL=True, DO_COLSUM=pass_ == 2, HADAMARD=True, HW=True,
+              **operands_plan.kernel_constexprs(G.ROWWISE, "none"))
+    config = triton.runtime.driver
+    before = config._active
+    config.set_active(_Sm90())
+    try:
+        if hasattr(wrap, "identify_accessed_tensors"):  # torch 2.13
+            written = {d.name for d in wrap.identify_accessed_tensors(operands_cuda._pack_kernel, kw, {})
+                       .read_writes.writes}
+        else:  # torch 2.11
+            written = set(wrap.identify_mutated_tensors(operands_cuda._pack_kernel, kw, {}))
+    finally:
+        config._active = before  # (reset_active would look for a GPU driver)
+    if pass_ == 1:
+        assert written == {"row_eref_ptr", "col_eref_ptr"}
+    else:
+        assert written == {"row_data_ptr", "row_scale_ptr", "col_data_ptr", "col_scale_ptr", "colsum_ptr",
+                           "outside_ptr"}

@@ -114,6 +114,7 @@ if HAS_TRITON:
         _rotate_amax,
         _store_blocks,
         _word_halves,
+        _word_stride,
     )
 
     @triton.jit(do_not_specialize=["R", "n_row_tiles", "n_prog_r"])
@@ -245,7 +246,7 @@ if HAS_TRITON:
                     zl = tl.permute(zl, (1, 0, 2))
                     zh = tl.permute(zh, (1, 0, 2))
                     rest = (tl.arange(0, NB) * (_BLOCK // 4))[None, :, None] + tl.arange(0, 4)[None, None, :]
-                    _store_blocks(row_data_ptr + col0 // 4, row0 + r3, tl.multiple_of(C // 4, 8), R, rest, zl, zh,
+                    _store_blocks(row_data_ptr + col0 // 4, row0 + r3, _word_stride(C, pid_r), R, rest, zl, zh,
                                   cblk3 < C, PAIRS, HW)
                     if GRAN == 0:
                         if pid_c == 0:
@@ -303,7 +304,7 @@ if HAS_TRITON:
                         zh = tl.permute(zh, (1, 0, 2))
                         ct = col0 + tl.arange(0, BC)[:, None, None]
                         rt3 = row0 + tl.arange(0, RB)[None, :, None] * _BLOCK
-                        _store_blocks(col_data_ptr, ct, tl.multiple_of(Rp // 4, 8), C,
+                        _store_blocks(col_data_ptr, ct, _word_stride(Rp, pid_r), C,
                                       rt3 // 4 + tl.arange(0, 4)[None, None, :], zl, zh, rt3 < Rp, PAIRS, HW)
                         if GRAN != 0:
                             rbg = row0 + rb2

@@ -225,6 +225,15 @@ def _store_block_pairs(ptr, d0, stride, n_d0, rest, zl, zh, mask_rest, HW: tl.co
              mask=(first + 1 < n_d0) & mask_rest)
 
 @triton.jit
+def _word_stride(n, runtime):
+    """n // 4, a row of n E4M3 bytes in int32 words, hinted as a multiple of 8 (n is a multiple of
+    32), kept a runtime value by `runtime` (any runtime integer, weighted by 0, folded away by the
+    compiler): torch 2.11's inductor analyses which arguments a kernel writes with the ones that are
+    multiples of 16 bound as constants, on which tl.multiple_of fails, and then copies them all."""
+    return tl.multiple_of((n + 0 * runtime) // 4, 8)
+
+
+@triton.jit
 def _store_blocks(ptr, d0, stride, n_d0, rest, zl, zh, mask_rest, PAIRS: tl.constexpr, HW: tl.constexpr):
     """Blocks by lane pairs (`_store_block_pairs`) or each thread its own block's two halves
     (where the compiled layout does not carry the pair swap: `_paired_stores_hold`)."""

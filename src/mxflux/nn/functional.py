@@ -78,8 +78,9 @@ class Operand(NamedTuple):
 
 def _pack(x, cfg: MXConfig, blocks_outside_window, *, row=True, col=True, prologue="none", aux=None,
           colsum=False, erefs=None):
+    # a recomputed call stays the opaque op, which the selective-recompute policy recognises
     rd, rs, cd, cs, sums = mx_operands(x, aux, blocks_outside_window, row, col, cfg.granularity.value,
-                                       cfg.hadamard, prologue, colsum, erefs)
+                                       cfg.hadamard, prologue, colsum, erefs, inline=not cfg.recomputed)
     return Operand(rd, rs), Operand(cd, cs), sums
 
 

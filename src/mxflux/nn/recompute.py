@@ -60,7 +60,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..ops.custom_ops import mx_operands, scaled_gemm_op
+from ..ops.custom_ops import mx_operands_op, scaled_gemm_op
 
 __all__ = ["MXPackerRecompute", "mark_recomputed", "mx_packer_checkpoint_context"]
 
@@ -93,7 +93,7 @@ class MXPackerRecompute:
         self.elementwise = elementwise
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op is mx_operands.default:
+        if op is mx_operands_op.default:
             # Eager means real tensors: torch 2.11's inductor re-runs the checkpointed region on
             # fake tensors with `is_compiling()` off (and makes an RNG seed tensor so), which
             # must pass; the check is on the packer calls only for that reason too.

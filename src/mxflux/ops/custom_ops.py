@@ -24,11 +24,15 @@ checks). It is read once, when this module is imported, into `FORCE_REFERENCE`.
 
 Compiled, the row-granularity GEMM on CUDA is not this op but torch's `_scaled_mm` traced into the
 graph (`scaled_gemm`): inductor then launches it from its generated code, as it launches a bf16
-GEMM, instead of calling back into Python for each GEMM.
+GEMM, instead of calling back into Python for each GEMM. The packer likewise: compiled on CUDA, a
+call without a prologue is the `torch.library.triton_op` `mxflux::mx_operands_inline`, whose body
+(`kernels.operands_inline`) inductor traces into a launch of the same Triton kernel from its own
+code (`mx_operands`; `MXFLUX_INLINE_PACK=0` keeps the opaque op).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -36,6 +40,7 @@ import torch
 from ..kernels import (HAS_TRITON, compact_operand_cuda, cpu_kernel_available, expand_operand_cuda, mx_operands_cpu,
                        mx_operands_cuda_counted, scaled_gemm_cpu, scaled_gemm_cuda, scaled_gemm_cuda_traceable)
 from ..kernels.operands_cuda import weight_exponents_cuda
+from ..kernels.operands_inline import inline_packable, mx_operands_cuda_inline
 from ..kernels.triton_common import interpreting
 from ..kernels.weight_erefs import buffer_words as eref_buffer_words
 from ..mx.compact import compact_operand as compact_operand_reference
@@ -45,13 +50,16 @@ from ..mx.granularity import FoldGranularity
 from ..mx.operands import mx_operands_reference, padded_rows
 from ..mx.scaled_gemm import scaled_gemm_reference
 
-__all__ = ["FORCE_REFERENCE", "INLINE_GEMM", "compact_operand", "expand_operand", "mx_operands", "scaled_gemm",
-           "eref_buffer_words", "scaled_gemm_op", "use_kernels", "weight_exponents", "weight_exponents_available"]
+__all__ = ["FORCE_REFERENCE", "INLINE_GEMM", "INLINE_PACK", "compact_operand", "eref_buffer_words", "expand_operand",
+           "inductor_options", "mx_operands", "mx_operands_inline", "mx_operands_op", "scaled_gemm", "scaled_gemm_op",
+           "use_kernels", "weight_exponents", "weight_exponents_available"]
 
 FORCE_REFERENCE = os.environ.get("MXFLUX_REFERENCE", "0") == "1"
 # MXFLUX_INLINE_GEMM=0 keeps compiled regions on the opaque GEMM op (A/B runs of host time; the
 # numerics are the same either way). Read once, at import.
 INLINE_GEMM = os.environ.get("MXFLUX_INLINE_GEMM", "1") != "0"
+# MXFLUX_INLINE_PACK=0 keeps compiled regions on the opaque packer op (the same bits either way).
+INLINE_PACK = os.environ.get("MXFLUX_INLINE_PACK", "1") != "0"
 
 _EMPTY_DTYPE = torch.float32
 
@@ -158,7 +166,63 @@ def _mx_operands_fake(x, aux, blocks_outside_window, row, col, granularity, hada
     )
 
 
-mx_operands = _register("mx_operands", _mx_operands, _mx_operands_fake)
+mx_operands_op = _register("mx_operands", _mx_operands, _mx_operands_fake)
+
+
+def _mx_operands_inline(
+    x: torch.Tensor,
+    blocks_outside_window: torch.Tensor,
+    row: bool,
+    col: bool,
+    granularity: str,
+    hadamard: bool,
+    colsum: bool,
+    erefs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`mxflux::mx_operands` without a prologue, for compiled regions on CUDA: traced, its body
+    becomes inductor's own launches of the packer kernel (`kernels.operands_inline`). Same outputs,
+    same bits; blocks_outside_window int64 with one element on x's device."""
+    return mx_operands_cuda_inline(x, blocks_outside_window, row, col, granularity, hadamard, colsum, erefs)
+
+
+# (triton_op reads the body's source for the kernels it launches and warns where Triton is missing,
+# as on a CPU-only machine, where this op never runs: that warning is silenced)
+_triton_op_log = logging.getLogger("torch._library.triton")
+_level = _triton_op_log.level
+_triton_op_log.setLevel(logging.ERROR)
+try:
+    mx_operands_inline = torch.library.triton_op("mxflux::mx_operands_inline", _mx_operands_inline,
+                                                 mutates_args={"blocks_outside_window"})
+finally:
+    _triton_op_log.setLevel(_level)
+
+
+def inductor_options(mode: str = "default") -> dict:
+    """`torch.compile(..., options=)` for regions with MX layers: `mode`'s inductor options, and the
+    launch of user-defined Triton kernels (the inlined packers) by inductor's static CUDA launcher
+    where this torch has the switch. Inductor otherwise launches them through Triton's own Python
+    launcher, ~50 us of host time per launch on an H200 host (benchmarks/bench_host.py), more than
+    the opaque op costs; its own kernels it always launches statically."""
+    from torch import _inductor
+    from torch._inductor import config
+
+    options = dict(_inductor.list_mode_options(mode))
+    if hasattr(config, "static_launch_user_defined_triton_kernels"):
+        options["static_launch_user_defined_triton_kernels"] = True
+    return options
+
+
+def mx_operands(x, aux, blocks_outside_window, row: bool, col: bool, granularity: str, hadamard: bool,
+                prologue: str, colsum: bool, erefs=None, *, inline: bool = True):
+    """The MX packer (`_mx_operands`' contract). Being traced by torch.compile on CUDA, a call
+    without a prologue is `mx_operands_inline`, which inductor launches from its generated code;
+    everything else, every eager call and any call with `inline` False (a packer call a
+    selective-recompute policy must see as this op: `nn.recompute`) is the opaque op
+    `torch.ops.mxflux.mx_operands` (`INLINE_PACK` off: always)."""
+    if (inline and INLINE_PACK and torch.compiler.is_compiling() and use_kernels(x)
+            and inline_packable(x, blocks_outside_window, prologue)):
+        return mx_operands_inline(x, blocks_outside_window, row, col, granularity, hadamard, colsum, erefs)
+    return mx_operands_op(x, aux, blocks_outside_window, row, col, granularity, hadamard, prologue, colsum, erefs)
 
 
 def _scaled_gemm(

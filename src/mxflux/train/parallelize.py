@@ -29,6 +29,7 @@ from torch import nn
 
 from ..model.layers import DoubleStreamBlock, SingleStreamBlock
 from ..nn.recompute import mark_recomputed, mx_packer_checkpoint_context
+from ..ops import inductor_options
 from .config import DistributedSection, RunConfig
 from .distributed import DistContext
 
@@ -58,7 +59,7 @@ def parallelize(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> nn.Module
                 blocks[i] = checkpoint_block(block, m.activation_checkpointing)
     if m.compile:
         for block in _blocks(model):
-            block.compile(mode=m.compile_mode)
+            block.compile(options=inductor_options(m.compile_mode))  # (the mode's options among them)
     if ctx.world_size == 1:
         return model
     if cfg.distributed.strategy == "ddp":

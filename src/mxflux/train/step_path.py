@@ -1,8 +1,8 @@
 """How a run's training step runs, as the run reports it (`mxflux train`'s result, "step_path").
 
 What makes a step fast differs by setting, and most of it is chosen silently by the code: whether
-the blocks compiled without graph breaks, whether the MX GEMMs are launched from inductor's code or
-through the opaque op, whether the optimizer step keeps the MX weights' e_ref and operands (else
+the blocks compiled without graph breaks, whether the MX GEMMs and packers are launched from
+inductor's code or through the opaque ops, whether the optimizer step keeps the MX weights' e_ref and operands (else
 each forward packs its weights with both passes), and which CUDA graphs replay. A user who turns
 on FSDP2, accumulation or another optimizer should see which of these still hold and, where one is
 off, the field or fact that turns it off, instead of inferring it from a slower step.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..ops.custom_ops import FORCE_REFERENCE, INLINE_GEMM
+from ..ops.custom_ops import FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK
 from .build import weight_state_off
 
 __all__ = ["compile_counts", "step_path", "step_path_line"]
@@ -54,6 +54,17 @@ def step_path(trainer) -> dict:
         gemm = f"opaque op (precision.mx_gemm: {cfg.precision.mx_gemm}; only rowwise GEMMs are traced)"
     else:
         gemm = "inline: torch._scaled_mm in inductor's code"
+    if not mx or not m.compile or not kernels:
+        packers = gemm  # for the same reason
+    elif not INLINE_PACK:
+        packers = "opaque op (MXFLUX_INLINE_PACK=0)"
+    elif m.activation_checkpointing != "none":
+        packers = (f"opaque op (model.activation_checkpointing: {m.activation_checkpointing}; recomputed packer "
+                   "calls stay the op the recompute policy sees)")
+    else:
+        packers = "inline: the packer kernel launched from inductor's code"
+        if cfg.precision.fused_mlp != "off":
+            packers += " (the fused MLP's GELU prologues: the opaque op)"
     state = getattr(trainer.optimizer, "weight_state", None)
     if not mx:
         weights = f"none ({cfg.precision.name})"
@@ -73,6 +84,7 @@ def step_path(trainer) -> dict:
         "graphs": [r["graphs"] for r in per_rank],
         "graph_breaks": [r["graph_breaks"] for r in per_rank],
         "mx_gemm": gemm,
+        "mx_packers": packers,
         "mx_weights": weights,
         "cuda_graphs": graphs,
         "accumulation": trainer.accum,
@@ -86,5 +98,6 @@ def step_path_line(path: dict) -> str:
     if not compiled.startswith("no"):
         breaks = max(path["graph_breaks"])
         compiled += f", {breaks} graph break(s) on some rank" if breaks else ", 0 graph breaks"
-    return (f"step: compiled {compiled}; MX GEMMs {path['mx_gemm']}; MX weights {path['mx_weights']}; "
+    packers = f"MX packers {path['mx_packers']}; " if "mx_packers" in path else ""
+    return (f"step: compiled {compiled}; MX GEMMs {path['mx_gemm']}; {packers}MX weights {path['mx_weights']}; "
             f"CUDA graphs {path['cuda_graphs']}")
