@@ -228,7 +228,9 @@ def test_the_inlined_packer_compiles_to_the_same_sass_under_inductors_options(gr
     sig = dict(_PACK_SIG, x_ptr="*fp32") if x_f32 else _PACK_SIG
     kw = dict(num_warps=operands_plan.kernel_num_warps(granularity), aligned=True, divisible=("C", "Rp"))
     ours = _sass(_compile(operands_cuda._pack_kernel, sig, consts, **kw))
-    inductors = _sass(_compile(operands_cuda._pack_kernel, sig, consts, options=_INDUCTOR_OPTIONS, **kw))
+    # (the inlined packer hands the kernel its E4M3 outputs, which it stores to as int32 words)
+    inlined = dict(sig, row_data_ptr="*fp8e4nv", col_data_ptr="*fp8e4nv")
+    inductors = _sass(_compile(operands_cuda._pack_kernel, inlined, consts, options=_INDUCTOR_OPTIONS, **kw))
     assert len(ours) > 500 and ours == inductors
 
 
@@ -268,7 +270,7 @@ def test_inductors_mutation_analysis_finds_exactly_what_the_packer_writes(pass_,
         return torch.empty(64, dtype=dtype)
 
     kw = dict(x_ptr=t(torch.bfloat16), aux_ptr=t(torch.bfloat16), stride_x=512, stride_aux=512, R=300, C=512, Rp=320,
-              row_data_ptr=t(torch.int32), row_scale_ptr=t(torch.float32), col_data_ptr=t(torch.int32),
+              row_data_ptr=t(torch.float8_e4m3fn), row_scale_ptr=t(torch.float32), col_data_ptr=t(torch.float8_e4m3fn),
               col_scale_ptr=t(torch.float32), colsum_ptr=t(torch.float32), outside_ptr=t(torch.int64),
               row_eref_ptr=t(torch.int32), col_eref_ptr=t(torch.int32), n_row_tiles=3, n_prog_r=3, PASS=pass_,
               DO_ROW=True, DO_COL=True, DO_COLSUM=pass_ == 2, HADAMARD=True, HW=True,

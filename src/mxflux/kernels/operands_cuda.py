@@ -112,6 +112,7 @@ if HAS_TRITON:
         _prologue_kernel,
         _quarters,
         _rotate_amax,
+        _as_words,
         _store_blocks,
         _word_halves,
         _word_stride,
@@ -246,8 +247,8 @@ if HAS_TRITON:
                     zl = tl.permute(zl, (1, 0, 2))
                     zh = tl.permute(zh, (1, 0, 2))
                     rest = (tl.arange(0, NB) * (_BLOCK // 4))[None, :, None] + tl.arange(0, 4)[None, None, :]
-                    _store_blocks(row_data_ptr + col0 // 4, row0 + r3, _word_stride(C, pid_r), R, rest, zl, zh,
-                                  cblk3 < C, PAIRS, HW)
+                    _store_blocks(_as_words(row_data_ptr) + col0 // 4, row0 + r3, _word_stride(C, pid_r), R, rest, zl,
+                                  zh, cblk3 < C, PAIRS, HW)
                     if GRAN == 0:
                         if pid_c == 0:
                             tl.store(row_scale_ptr + rows[None, :], pow2_f32(e_ref - _SHIFT), mask=rows[None, :] < R)
@@ -304,7 +305,7 @@ if HAS_TRITON:
                         zh = tl.permute(zh, (1, 0, 2))
                         ct = col0 + tl.arange(0, BC)[:, None, None]
                         rt3 = row0 + tl.arange(0, RB)[None, :, None] * _BLOCK
-                        _store_blocks(col_data_ptr, ct, _word_stride(Rp, pid_r), C,
+                        _store_blocks(_as_words(col_data_ptr), ct, _word_stride(Rp, pid_r), C,
                                       rt3 // 4 + tl.arange(0, 4)[None, None, :], zl, zh, rt3 < Rp, PAIRS, HW)
                         if GRAN != 0:
                             rbg = row0 + rb2

@@ -225,6 +225,14 @@ def _store_block_pairs(ptr, d0, stride, n_d0, rest, zl, zh, mask_rest, HW: tl.co
              mask=(first + 1 < n_d0) & mask_rest)
 
 @triton.jit
+def _as_words(ptr):
+    """An operand's data pointer as int32 words, which the packers store: the operand may come as
+    E4M3 bytes (the inlined packer allocates them so, and needs no view of them afterwards) or as
+    their int32 view; the cast is free (the same machine code either way)."""
+    return ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+
+
+@triton.jit
 def _word_stride(n, runtime):
     """n // 4, a row of n E4M3 bytes in int32 words, hinted as a multiple of 8 (n is a multiple of
     32), kept a runtime value by `runtime` (any runtime integer, weighted by 0, folded away by the

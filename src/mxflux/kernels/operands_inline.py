@@ -16,9 +16,10 @@ What it takes for the same bits as `mx_operands_cuda`:
   libdevice, debug): for the prologue-free kernels the sm_90 code is the same instruction for
   instruction (tests/gpu/test_triton_compile.py checks it), so only "none" is inlined; the
   prologues (tanh-GELU, whose libdevice tanhf changes with flush-to-zero) keep the opaque op.
-- Outputs are allocated as the int32 words the kernel stores and viewed as E4M3 afterwards, and
-  every buffer the kernel accumulates into is its own zero tensor: a kernel argument that is a
-  view of another output would make the functionalised graph copy it.
+- The E4M3 outputs go to the kernel as they are (it casts their pointers to the int32 words it
+  stores), so the graph has no views to make of them; every buffer the kernel accumulates into is
+  its own zero tensor (a kernel argument that is a view of another would make the functionalised
+  graph copy it).
 - Inductor's mutation analysis reads the kernel's TTIR and finds exactly the outputs, the e_ref
   maxima and the counter written (checked on the CPU); were it to fail, it would assume every
   argument written and copy x each call.
@@ -68,10 +69,10 @@ def _plan(x, counter, row, col, granularity, hadamard, colsum, erefs, hw) -> Lau
     if plan.launch and hw and not interpreting():
         with torch._C._DisableTorchDispatch():
             dev = plan.device
-            stand = {dt: torch.empty(64, dtype=dt, device=dev) for dt in (x.dtype, torch.int32, torch.float32,
+            stand = {dt: torch.empty(64, dtype=dt, device=dev) for dt in (x.dtype, _F8, torch.int32, torch.float32,
                                                                         torch.int64)}
-            i32, f32 = stand[torch.int32], stand[torch.float32]
-            args = (stand[x.dtype], stand[x.dtype], plan.C, plan.C, plan.R, plan.C, plan.Rp, i32, f32, i32, f32, f32,
+            f8, i32, f32 = stand[_F8], stand[torch.int32], stand[torch.float32]
+            args = (stand[x.dtype], stand[x.dtype], plan.C, plan.C, plan.R, plan.C, plan.Rp, f8, f32, f8, f32, f32,
                     stand[torch.int64], i32, i32, plan.n_rt, plan.grid[1])
             plan.meta["PAIRS"] = _paired_stores_hold(plan, args)
             _size_grids_per_pass(plan, args)
@@ -108,9 +109,9 @@ def mx_operands_cuda_inline(
     def none():  # one per output: an op's outputs may not alias each other
         return x.new_empty(0, dtype=f32)
 
-    row_words = x.new_empty((R, C // 4), dtype=i32) if row else None
+    row_data = x.new_empty((R, C), dtype=_F8) if row else none()
     row_scale = x.new_empty(plan.row_scale_shape, dtype=f32) if row else none()
-    col_words = x.new_empty((C, Rp // 4), dtype=i32) if col else None
+    col_data = x.new_empty((C, Rp), dtype=_F8) if col else none()
     col_scale = x.new_empty(plan.col_scale_shape, dtype=f32) if col else none()
     sums = x.new_zeros(C, dtype=f32) if colsum else none()
     if plan.launch:
@@ -126,9 +127,8 @@ def mx_operands_cuda_inline(
             grid = plan.grids[p]
             kernel[grid](
                 x, x, x.stride(0), x.stride(0), R, C, Rp,
-                row_words if row else unused, row_scale if row else unused,
-                col_words if col else unused, col_scale if col else unused,
+                row_data if row else unused, row_scale if row else unused,
+                col_data if col else unused, col_scale if col else unused,
                 sums if colsum else unused, blocks_outside_window, row_eref, col_eref, plan.n_rt, grid[1],
                 PASS=p, **plan.meta, **{k: v for k, v in options.items() if k == "num_warps"})
-    return (row_words.view(_F8) if row else none(), row_scale, col_words.view(_F8) if col else none(), col_scale,
-            sums)
+    return row_data, row_scale, col_data, col_scale, sums
