@@ -393,13 +393,17 @@ def test_adamw_implementation_is_chosen_and_validated(demo_root, tmp_path):
 
 
 def test_blocks_compile_with_the_recipe_mode(demo_root, tmp_path, monkeypatch):
-    """`model.compile_mode` reaches torch.compile for every block; a bad mode names the field."""
-    modes = []
-    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **kw: modes.append(mode) or fn)
+    """`model.compile_mode` reaches torch.compile for every block, as its inductor options (with the
+    static launch of the inlined packers: `mxflux.ops.inductor_options`); a bad mode names the field."""
+    from mxflux.ops import inductor_options
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, options=None, **kw: calls.append((mode, options)) or fn)
     tr = make_trainer(demo_root, tmp_path, "model.compile=true", "model.compile_mode=reduce-overhead",
                       recipe="tiny-bf16")
     n_blocks = len(tr.model.double_blocks) + len(tr.model.single_blocks)
-    assert modes == ["reduce-overhead"] * n_blocks and n_blocks > 0
+    assert calls == [(None, inductor_options("reduce-overhead"))] * n_blocks and n_blocks > 0
+    assert calls[0][1]["triton.cudagraphs"] is True
     with pytest.raises(ValueError, match="compile_mode"):
         load_recipe("tiny-bf16", ["model.compile_mode=fast"])
 
