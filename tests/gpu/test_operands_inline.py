@@ -95,7 +95,7 @@ def test_inline_op_packs_fp32_weights_with_their_erefs(gen):
 @pytest.mark.skipif(not CUDA, reason="traced calls need inductor on CUDA")
 def test_compiled_calls_launch_the_kernel_from_inductors_code(gen, monkeypatch):
     """Traced, `mx_operands` is the inline op and inductor launches the packer's two passes itself:
-    no call into the opaque op, and the same bits and count as the eager op."""
+    no call into the opaque op, no copies, and the same bits and count as the eager op."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
@@ -112,3 +112,7 @@ def test_compiled_calls_launch_the_kernel_from_inductors_code(gen, monkeypatch):
     _check(x, out, counter, colsum=True)
     assert "mxflux.mx_operands" not in code
     assert len(set(re.findall(r"\b_pack_kernel\w*", code))) >= 1  # the passes' kernels, in inductor's code
+    # nothing copied (inductor found what the kernel writes; the counter is updated in place) and no
+    # dtype views: the outputs are the buffers the kernel wrote
+    wrapper = code[code.rindex("def call("):]  # (the module before it holds the kernels' sources)
+    assert "clone" not in wrapper and "copy_" not in wrapper and "view.dtype" not in wrapper
