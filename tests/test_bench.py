@@ -227,6 +227,40 @@ def test_a_failing_setting_is_reported_and_the_others_still_run(tmp_path):
     assert results[1]["precision"] == "bf16" and results[1]["images_per_s"] > 0
 
 
+def test_a_settings_environment_reaches_its_process_only(monkeypatch):
+    """`mxfp6-opaque-pack` runs its process with MXFLUX_INLINE_PACK=0 (read at import); the next
+    setting's process does not inherit it."""
+    from mxflux.bench import compare
+
+    envs = {}
+
+    class _Exits:  # a child that prints nothing and fails at once
+        def __init__(self, cmd, env, **kw):
+            envs[cmd[cmd.index("--settings") + 1]] = env
+            self.stdout = iter(())
+
+        def wait(self):
+            return 1
+
+    monkeypatch.setattr(compare.subprocess, "Popen", _Exits)
+    monkeypatch.delenv("MXFLUX_INLINE_PACK", raising=False)
+    results, _ = compare.run_in_subprocesses(["mxfp6-opaque-pack", "mxfp6"],
+                                             lambda name, j, m: ["--settings", name, "--json", str(j)])
+    assert envs["mxfp6-opaque-pack"]["MXFLUX_INLINE_PACK"] == "0" and "MXFLUX_INLINE_PACK" not in envs["mxfp6"]
+    assert all("exit status 1" in r["failed"] for r in results)
+    assert compare.SETTINGS["mxfp6-opaque-pack"] == compare.SETTINGS["mxfp6"]
+
+
+def test_a_setting_that_needs_an_environment_says_so_when_run_alone(capsys, monkeypatch):
+    from mxflux.cli import main
+
+    monkeypatch.delenv("MXFLUX_INLINE_PACK", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "step", "--recipe", "tiny-mxfp6", "--settings", "mxfp6-opaque-pack"])
+    assert e.value.code == 2
+    assert "--settings mxfp6-opaque-pack: needs MXFLUX_INLINE_PACK=0 in the environment" in capsys.readouterr().err
+
+
 def test_release_frees_a_finished_runs_state_even_while_the_module_is_still_held():
     from mxflux.bench.step import _release
 

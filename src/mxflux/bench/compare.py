@@ -33,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["SETTINGS", "DEFAULT_SETTINGS", "PROXY_RECIPE", "PROXY_OVERRIDES", "parse_settings",
+__all__ = ["SETTINGS", "SETTING_ENV", "DEFAULT_SETTINGS", "PROXY_RECIPE", "PROXY_OVERRIDES", "parse_settings",
            "run_in_subprocesses", "combine_rounds"]
 
 SETTINGS: dict[str, tuple[str, ...]] = {
@@ -83,6 +83,13 @@ SETTINGS.update({f"{name}-block-graphs": (*SETTINGS[name], "model.compile_mode=r
 SETTINGS.update({f"{name}-torch-adamw": (*SETTINGS[name], "optim.implementation=fused")
                  for name in ("bf16", "fp8-tensorwise", "mxfp6", "bf16-block-graphs", "fp8-tensorwise-block-graphs",
                               "mxfp6-block-graphs")})
+# A/B of the packers launched from inductor's code: mxfp6 with every packer call through the opaque op
+# (MXFLUX_INLINE_PACK=0 in the setting's process; bit-identical numerics), with and without block graphs.
+SETTINGS["mxfp6-opaque-pack"] = SETTINGS["mxfp6"]
+SETTINGS["mxfp6-opaque-pack-block-graphs"] = SETTINGS["mxfp6-block-graphs"]
+# Environment variables a setting's process runs with (the switches read at import, not recipe fields)
+SETTING_ENV = {"mxfp6-opaque-pack": {"MXFLUX_INLINE_PACK": "0"},
+               "mxfp6-opaque-pack-block-graphs": {"MXFLUX_INLINE_PACK": "0"}}
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 
 # The throughput proxy of flux-12b (`--proxy`): its width (3072) and attention heads, 2 double + 4
@@ -120,7 +127,7 @@ def run_in_subprocesses(settings: list[str], child_argv, *, timeout_s: float | N
             tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
             t0 = time.monotonic()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **SETTING_ENV.get(name, {})})
             timed_out = threading.Event()
 
             def kill(proc=proc, timed_out=timed_out):  # a hung child (no output) is stopped too

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from ..argtypes import non_negative_int, positive_float, positive_int
-from ..bench.compare import DEFAULT_SETTINGS, PROXY_OVERRIDES, PROXY_RECIPE, SETTINGS, parse_settings
+from ..bench.compare import DEFAULT_SETTINGS, PROXY_OVERRIDES, PROXY_RECIPE, SETTING_ENV, SETTINGS, parse_settings
 
 __all__ = ["add_bench_parser"]
 
@@ -159,6 +159,10 @@ def _one(args) -> int:
     from ..bench.report import print_table, write_json
 
     (setting,) = args.settings
+    for var, value in SETTING_ENV.get(setting, {}).items():  # read at import: too late to set here
+        if os.environ.get(var) != value:
+            args.parser.error(f"--settings {setting}: needs {var}={value} in the environment (it is set for it when "
+                              f"it runs beside another setting)")
     try:
         cfg = step.load_bench_recipe(args.recipe, [*SETTINGS[setting], *_user_overrides(args)])
     except RecipeError as e:
