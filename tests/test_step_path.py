@@ -26,7 +26,33 @@ def test_the_weight_state_says_what_turns_it_off(recipe, overrides, reason):
 
 def test_the_console_line_counts_graph_breaks_only_where_compiled():
     path = {"compiled": "per block, mode default", "graph_breaks": [0, 2], "mx_gemm": "opaque op (cpu kernels)",
+            "mx_packers": "opaque op (cpu kernels)",
             "mx_weights": "packed each forward: x", "cuda_graphs": "none"}
     assert "2 graph break(s) on some rank" in step_path_line(path)
     assert "0 graph breaks" in step_path_line({**path, "graph_breaks": [0, 0]})
     assert "graph break" not in step_path_line({**path, "compiled": "no (model.compile: false)"})
+
+
+@pytest.mark.parametrize("overrides, inline_pack, want", [
+    ([], True, "inline: the packer kernel launched from inductor's code"),
+    (["model.activation_checkpointing=full"], True, "opaque op (model.activation_checkpointing: full; recomputed"),
+    ([], False, "opaque op (MXFLUX_INLINE_PACK=0)"),
+    (["model.compile=false"], True, "opaque op (model.compile: false)"),
+])
+def test_the_packers_path_names_what_keeps_them_off_inductors_code(overrides, inline_pack, want, monkeypatch):
+    """`step_path`'s `mx_packers` for a CUDA run (no CUDA is touched: the report reads settings only)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mxflux.train import step_path as sp
+
+    monkeypatch.setattr(sp, "INLINE_PACK", inline_pack)
+    monkeypatch.setattr(sp, "FORCE_REFERENCE", False)
+    cfg = load_recipe("tiny-mxfp6", ["model.compile=true", 'precision.fused_mlp="off"', *overrides])
+    model, _ = build_model(cfg, "cpu")
+    trainer = SimpleNamespace(cfg=cfg, device=torch.device("cuda"), model=model, optimizer=None,
+                              block_graphs=SimpleNamespace(on=False), accum=1, world=1)
+    path = sp.step_path(trainer)
+    assert path["mx_packers"].startswith(want)
+    assert f"MX packers {path['mx_packers']};" in step_path_line(path)

@@ -154,6 +154,7 @@ def test_fsdp2_takes_the_compiled_path_of_one_process_without_graph_breaks(data,
     assert p1["graph_breaks"] == [0] and p2["graph_breaks"] == [0, 0]
     assert min(p2["graphs"]) >= 1 and p2["graphs"][0] == p2["graphs"][1]  # both ranks compiled every block
     assert p2["compiled"] == p1["compiled"] == "per block, mode default" and p2["mx_gemm"] == p1["mx_gemm"]
+    assert p2["mx_packers"] == p1["mx_packers"] == "opaque op (cpu kernels)"
     assert p2["world_size"] == 2 and p2["cuda_graphs"] == "none"
     assert "sharded (FSDP2 DTensors)" in p2["mx_weights"] and "CUDA only" in p1["mx_weights"]
 

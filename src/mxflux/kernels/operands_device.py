@@ -224,6 +224,7 @@ def _store_block_pairs(ptr, d0, stride, n_d0, rest, zl, zh, mask_rest, HW: tl.co
     tl.store(ptr + (first + 1).to(tl.int64) * stride + half + rest, tl.where(odd, zh, recv),
              mask=(first + 1 < n_d0) & mask_rest)
 
+
 @triton.jit
 def _as_words(ptr):
     """An operand's data pointer as int32 words, which the packers store: the operand may come as

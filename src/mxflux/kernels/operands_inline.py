@@ -33,7 +33,7 @@ from torch.library import wrap_triton
 from ..mx.granularity import FoldGranularity
 from .operands_cuda import _paired_stores_hold, _size_grids_per_pass
 from .operands_plan import LaunchPlan, pack_io_mode
-from .triton_common import HAS_TRITON, interpreting, launch_options
+from .triton_common import HAS_TRITON, interpreting
 from .weight_erefs import rows_and_columns
 
 if HAS_TRITON:
@@ -121,7 +121,8 @@ def mx_operands_cuda_inline(
         else:
             row_eref = x.new_zeros(R, dtype=i32) if plan.rowwise and row else unused
             col_eref = x.new_zeros(C, dtype=i32) if plan.rowwise and col else unused
-        options = launch_options(plan.options.get("num_warps", 4))
+        # the plan's warps; its other compile options are inductor's to choose (the module docstring)
+        warps = {"num_warps": plan.options["num_warps"]} if "num_warps" in plan.options else {}
         kernel = wrap_triton(_pack_kernel)  # (by this name: how triton_op finds the kernels it launches)
         for p in plan.passes:
             grid = plan.grids[p]
@@ -130,5 +131,5 @@ def mx_operands_cuda_inline(
                 row_data if row else unused, row_scale if row else unused,
                 col_data if col else unused, col_scale if col else unused,
                 sums if colsum else unused, blocks_outside_window, row_eref, col_eref, plan.n_rt, grid[1],
-                PASS=p, **plan.meta, **{k: v for k, v in options.items() if k == "num_warps"})
+                PASS=p, **plan.meta, **warps)
     return row_data, row_scale, col_data, col_scale, sums

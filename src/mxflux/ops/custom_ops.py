@@ -169,29 +169,15 @@ def _mx_operands_fake(x, aux, blocks_outside_window, row, col, granularity, hada
 mx_operands_op = _register("mx_operands", _mx_operands, _mx_operands_fake)
 
 
-def _mx_operands_inline(
-    x: torch.Tensor,
-    blocks_outside_window: torch.Tensor,
-    row: bool,
-    col: bool,
-    granularity: str,
-    hadamard: bool,
-    colsum: bool,
-    erefs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`mxflux::mx_operands` without a prologue, for compiled regions on CUDA: traced, its body
-    becomes inductor's own launches of the packer kernel (`kernels.operands_inline`). Same outputs,
-    same bits; blocks_outside_window int64 with one element on x's device."""
-    return mx_operands_cuda_inline(x, blocks_outside_window, row, col, granularity, hadamard, colsum, erefs)
-
-
-# (triton_op reads the body's source for the kernels it launches and warns where Triton is missing,
-# as on a CPU-only machine, where this op never runs: that warning is silenced)
+# `mxflux::mx_operands` without a prologue, for compiled regions on CUDA: traced, its body
+# (`kernels.operands_inline`) becomes inductor's own launches of the packer kernel; same outputs, same
+# bits. (triton_op reads the body's source for the kernels it launches and warns where Triton is
+# missing, as on a CPU-only machine, where this op never runs: that warning is silenced.)
 _triton_op_log = logging.getLogger("torch._library.triton")
 _level = _triton_op_log.level
 _triton_op_log.setLevel(logging.ERROR)
 try:
-    mx_operands_inline = torch.library.triton_op("mxflux::mx_operands_inline", _mx_operands_inline,
+    mx_operands_inline = torch.library.triton_op("mxflux::mx_operands_inline", mx_operands_cuda_inline,
                                                  mutates_args={"blocks_outside_window"})
 finally:
     _triton_op_log.setLevel(_level)
@@ -200,9 +186,9 @@ finally:
 def inductor_options(mode: str = "default") -> dict:
     """`torch.compile(..., options=)` for regions with MX layers: `mode`'s inductor options, and the
     launch of user-defined Triton kernels (the inlined packers) by inductor's static CUDA launcher
-    where this torch has the switch. Inductor otherwise launches them through Triton's own Python
-    launcher, ~50 us of host time per launch on an H200 host (benchmarks/bench_host.py), more than
-    the opaque op costs; its own kernels it always launches statically."""
+    where this torch has the switch (its own kernels it always launches so). On Triton's Python
+    launcher instead, a compiled packer call took 212 us against 182 on an H100 host
+    (benchmarks/RESULTS.md, "Host time per compiled linear, and per op call")."""
     from torch import _inductor
     from torch._inductor import config
 

@@ -2,8 +2,8 @@
 
 What makes a step fast differs by setting, and most of it is chosen silently by the code: whether
 the blocks compiled without graph breaks, whether the MX GEMMs and packers are launched from
-inductor's code or through the opaque ops, whether the optimizer step keeps the MX weights' e_ref and operands (else
-each forward packs its weights with both passes), and which CUDA graphs replay. A user who turns
+inductor's code or through the opaque ops, whether the optimizer step keeps the MX weights' e_ref
+and operands (else each forward packs its weights with both passes), and which CUDA graphs replay. A user who turns
 on FSDP2, accumulation or another optimizer should see which of these still hold and, where one is
 off, the field or fact that turns it off, instead of inferring it from a slower step.
 """
@@ -98,6 +98,5 @@ def step_path_line(path: dict) -> str:
     if not compiled.startswith("no"):
         breaks = max(path["graph_breaks"])
         compiled += f", {breaks} graph break(s) on some rank" if breaks else ", 0 graph breaks"
-    packers = f"MX packers {path['mx_packers']}; " if "mx_packers" in path else ""
-    return (f"step: compiled {compiled}; MX GEMMs {path['mx_gemm']}; {packers}MX weights {path['mx_weights']}; "
-            f"CUDA graphs {path['cuda_graphs']}")
+    return (f"step: compiled {compiled}; MX GEMMs {path['mx_gemm']}; MX packers {path['mx_packers']}; "
+            f"MX weights {path['mx_weights']}; CUDA graphs {path['cuda_graphs']}")
