@@ -1,0 +1,58 @@
+"""Which packer op a call becomes (`mxflux.ops.mx_operands`): inside compiled code on CUDA, a call
+without a prologue is the inline op that inductor launches from its own code; every other call is
+the opaque op. The routing is settings and flags only, so it is checked here with both ops
+replaced by recorders (the ops themselves: tests/gpu/test_operands_inline.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxflux.nn.functional import MXConfig, _pack
+from mxflux.ops import custom_ops
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Both ops recorded instead of run; compiling and CUDA kernels pretended."""
+    seen = []
+    monkeypatch.setattr(custom_ops, "mx_operands_inline", lambda *a: seen.append("inline") or (None,) * 5)
+    monkeypatch.setattr(custom_ops, "mx_operands_op", lambda *a: seen.append("op") or (None,) * 5)
+    monkeypatch.setattr(custom_ops, "INLINE_PACK", True)
+    monkeypatch.setattr(custom_ops, "use_kernels", lambda t: True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    return seen
+
+
+def _call(counter=None, prologue="none", **kw):
+    x = torch.zeros(64, 64, dtype=torch.bfloat16)
+    counter = torch.zeros(1, dtype=torch.int64) if counter is None else counter
+    custom_ops.mx_operands(x, None, counter, True, True, "rowwise", True, prologue, False, **kw)
+
+
+def test_compiled_cuda_calls_without_a_prologue_are_inline(calls):
+    _call()
+    assert calls == ["inline"]
+
+
+@pytest.mark.parametrize("case", ["prologue", "counter dtype", "counter size", "not inline", "switched off",
+                                  "eager", "no kernels"])
+def test_every_other_call_is_the_opaque_op(calls, case, monkeypatch):
+    if case == "switched off":
+        monkeypatch.setattr(custom_ops, "INLINE_PACK", False)
+    if case == "eager":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    if case == "no kernels":  # the reference forced, or not CUDA
+        monkeypatch.setattr(custom_ops, "use_kernels", lambda t: False)
+    _call(prologue="gelu_tanh" if case == "prologue" else "none",
+          counter={"counter dtype": torch.zeros(1, dtype=torch.int32),
+                   "counter size": torch.zeros(2, dtype=torch.int64)}.get(case),
+          inline=case != "not inline")
+    assert calls == ["op"]
+
+
+@pytest.mark.parametrize("recomputed, want", [(False, "inline"), (True, "op")])
+def test_a_recomputed_layers_calls_stay_the_op_the_recompute_policy_sees(calls, recomputed, want):
+    x = torch.zeros(64, 64, dtype=torch.bfloat16)
+    _pack(x, MXConfig(recomputed=recomputed), torch.zeros(1, dtype=torch.int64))
+    assert calls == [want]
