@@ -21,7 +21,9 @@
 # fsdp12b      flux-12b with FSDP2 over every visible GPU (`mxflux bench step` under torchrun)
 # deep         the flux-12b width at DEEP_BLOCKS (double,single; default 6,12) and micro-batch DEEP_MBS (8),
 #              DEEP_SETTINGS (bf16-graph,mxfp6-graph) alternated DEEP_ROUNDS (3) times: MXFP6 / bf16 within each
-#              round, mean and range (issue 13's deep-model check; ~5 min at 6+12); $OUT/deep_mbs$DEEP_MBS.json
+#              round, mean and range (issue 13's deep-model check; ~5 min at 6+12); $OUT/deep_mbs$DEEP_MBS.json.
+#              DEEP_ARGS adds arguments. The inline-packer A/B without graphs, device idle time profiled:
+#              DEEP_SETTINGS=bf16,fp8-tensorwise,mxfp6,mxfp6-opaque-pack DEEP_ROUNDS=1 DEEP_ARGS="--profile-steps 1"
 # fp8seq       benchmarks/probe_fp8_in_process.py: torchao tensorwise then rowwise in one process
 # host         benchmarks/bench_host.py: host time per MX op call (op dispatch, our Python, Triton launch), and
 #              benchmarks/bench_host_linear.py: per compiled linear fwd+bwd against nn.Linear and torchao FP8
@@ -56,7 +58,7 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     tests|tests1|tests2)
-      packer_tests="tests/gpu/test_operands_cuda.py tests/gpu/test_operands_interpreted.py tests/gpu/test_triton_compile.py"
+      packer_tests="tests/gpu/test_operands_cuda.py tests/gpu/test_operands_interpreted.py tests/gpu/test_operands_inline.py tests/gpu/test_triton_compile.py"
       case $stage in
         tests) files="tests/gpu tests/test_saved_tensors.py tests/test_nn_repack_weights.py" ;;
         tests1) files=$(ls tests/gpu/test_*.py | grep -vxF -f <(tr ' ' '\n' <<<"$packer_tests")) ;;
@@ -107,7 +109,7 @@ for stage in "$@"; do
       timeout ${BENCH_TIMEOUT:-560} python3 -m mxflux.cli bench step --recipe flux12b-mxfp6-dev --synthetic \
         --set "model.overrides={depth: $nd, depth_single_blocks: $ns}" --set model.compile=true --mbs $mbs \
         --settings ${DEEP_SETTINGS:-bf16-graph,mxfp6-graph} --rounds ${DEEP_ROUNDS:-3} --setting-timeout ${SETTING_TIMEOUT:-150} \
-        --steps 8 --warmup 3 --json "$OUT/deep_mbs$mbs.json" > "$OUT/deep_mbs$mbs.log" 2>&1
+        --steps 8 --warmup 3 ${DEEP_ARGS:-} --json "$OUT/deep_mbs$mbs.json" > "$OUT/deep_mbs$mbs.log" 2>&1
       grep -v "^\[" "$OUT/deep_mbs$mbs.log" | grep -v "^W11" | tail -40 ;;
     fp8seq)  # torchao tensorwise then rowwise in ONE process, launches blocking (issue: the in-process crash)
       CUDA_LAUNCH_BLOCKING=1 timeout ${FP8SEQ_TIMEOUT:-300} python3 benchmarks/probe_fp8_in_process.py ${FP8SEQ_ARGS:-} \
