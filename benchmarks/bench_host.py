@@ -11,8 +11,8 @@ call is a few microseconds and the host is the limit), and the wall time per cal
   dispatch, our Python, and the launches, each by difference;
 - `scaled_gemm` op against `torch._scaled_mm` called directly;
 - one packer call compiled alone, through the opaque op and launched from inductor's code
-  (`mxflux::mx_operands_inline`; with `mxflux.ops.inductor_options()`, and without them: Triton's
-  own launcher), with the driver launches per call;
+  (`mxflux::mx_operands_inline`, inductor's static launch of user kernels on:
+  `mxflux.ops.static_kernel_launch()`), with the driver launches per call;
 - a calibration: one tiny elementwise op (the host's cost of any launch).
 
 On a machine without CUDA it measures what it can: the op dispatch around a stubbed packer, and
@@ -71,24 +71,23 @@ class _NoCompiled:
         self.run = lambda *a: None
 
 
-def _compiled_pack(custom_ops, x, outside, inline: bool, calls: int, sync, code_dir=None,
-                   static: bool = True) -> dict[str, float]:
+def _compiled_pack(custom_ops, x, outside, inline: bool, calls: int, sync, code_dir=None) -> dict[str, float]:
     """One packer call (row-wise, both orientations) compiled alone, through the opaque op or
-    launched from inductor's code (`INLINE_PACK`): wall per call and the driver launches per call
-    (torch.profiler); with `code_dir`, inductor's generated code is written there. `static`: compiled
-    with `inductor_options()` (user kernels on inductor's static launcher), else with inductor's
-    defaults."""
+    launched from inductor's code (`INLINE_PACK`; inductor's static launch of user kernels on, as
+    the trainer sets it): wall per call and the driver launches per call (torch.profiler); with
+    `code_dir`, inductor's generated code is written there."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     custom_ops.INLINE_PACK = inline
+    custom_ops.static_kernel_launch()
     try:
         def pack(t, c):
             return custom_ops.mx_operands(t, None, c, True, True, "rowwise", True, "none", False)
 
-        fn = torch.compile(pack, options=custom_ops.inductor_options() if static else {})
+        fn = torch.compile(pack)
         _, code = run_and_get_code(fn, x, outside)
-        label = f"compiled packer call, {'inline' if inline else 'opaque op'}{'' if static else ', Triton launcher'}"
+        label = f"compiled packer call, {'inline' if inline else 'opaque op'}"
         if code_dir:
             with open(os.path.join(code_dir, f"packer_{'inline' if inline else 'opaque'}.py"), "w") as f:
                 f.write("\n\n".join(code))
@@ -129,9 +128,8 @@ def measure(device: str, rows: int, cols: int, calls: int, code_dir=None) -> dic
             del os.environ["MXFLUX_COMPILED_LAUNCH"]
             operands_module.clear_launch_plans()
         out.update(_stubbed(operands_module, x, op_args, calls, sync))
-        for inline, static in ((False, True), (True, True), (True, False)):
-            out.update(_compiled_pack(custom_ops, x, outside, inline, calls, sync, code_dir if static else None,
-                                      static))
+        for inline in (False, True):
+            out.update(_compiled_pack(custom_ops, x, outside, inline, calls, sync, code_dir))
         p = mx_operands_cuda(x, col=False)
         w = mx_operands_cuda(torch.randn(cols, cols, device=device).bfloat16(), col=False)
         out["scaled_gemm op"] = per_call_us(

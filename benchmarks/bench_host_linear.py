@@ -17,9 +17,9 @@ Layers: nn.Linear (bf16), torchao's Float8Linear (tensorwise, the FP8 users trai
 MXFP6Linear with its GEMMs traced into the graph as `aten._scaled_mm` and its packers as inductor's
 own launches of the packer kernel (`mxflux::mx_operands_inline`: the default), MXFP6Linear with
 the packers through the opaque `mxflux::mx_operands` op (`INLINE_PACK` off), and with the GEMMs
-through the opaque `mxflux::scaled_gemm` op as well (both off: the path before either). Every layer
-is compiled with `mxflux.ops.inductor_options(mode)`. The table prints microseconds per iteration
-and the ratio to nn.Linear's in the same mode. A GPU benchmark (the CPU has no FP8 GEMM path to
+through the opaque `mxflux::scaled_gemm` op as well (both off: the path before either). Inductor's
+static launch of user kernels is on, as the trainer sets it (`mxflux.ops.static_kernel_launch()`).
+The table prints microseconds per iteration and the ratio to nn.Linear's in the same mode. A GPU benchmark (the CPU has no FP8 GEMM path to
 compare).
 """
 
@@ -69,6 +69,7 @@ def build(kind: str, features: int) -> torch.nn.Module:
 def measure(tokens: int, features: int, iters: int) -> dict:
     from mxflux.ops import custom_ops
 
+    custom_ops.static_kernel_launch()
     x = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
     out = {}
@@ -80,7 +81,7 @@ def measure(tokens: int, features: int, iters: int) -> dict:
             torch._dynamo.reset()
             custom_ops.INLINE_PACK, custom_ops.INLINE_GEMM = inline_pack, inline_gemm
             layer = build(kind, features)
-            compiled = torch.compile(layer, options=custom_ops.inductor_options(mode))
+            compiled = torch.compile(layer, mode=mode)
             # gradients allocated outside the graphs: each backward adds into them, as in training
             # with accumulation (a replay's own output kept as .grad would be overwritten)
             for t in (x, *layer.parameters()):

@@ -33,13 +33,16 @@ def test_the_console_line_counts_graph_breaks_only_where_compiled():
     assert "graph break" not in step_path_line({**path, "compiled": "no (model.compile: false)"})
 
 
-@pytest.mark.parametrize("overrides, inline_pack, want", [
-    ([], True, "inline: the packer kernel launched from inductor's code"),
-    (["model.activation_checkpointing=full"], True, "opaque op (model.activation_checkpointing: full; recomputed"),
-    ([], False, "opaque op (MXFLUX_INLINE_PACK=0)"),
-    (["model.compile=false"], True, "opaque op (model.compile: false)"),
+@pytest.mark.parametrize("overrides, inline_pack, static, want", [
+    ([], True, True, "inline: the packer kernel launched from inductor's code"),
+    (["model.activation_checkpointing=full"], True, True,
+     "opaque op (model.activation_checkpointing: full; recomputed"),
+    ([], False, True, "opaque op (MXFLUX_INLINE_PACK=0)"),
+    ([], True, False, "opaque op (inductor's static launch of user kernels is off"),
+    (["model.compile=false"], True, True, "opaque op (model.compile: false)"),
 ])
-def test_the_packers_path_names_what_keeps_them_off_inductors_code(overrides, inline_pack, want, monkeypatch):
+def test_the_packers_path_names_what_keeps_them_off_inductors_code(overrides, inline_pack, static, want,
+                                                                   monkeypatch):
     """`step_path`'s `mx_packers` for a CUDA run (no CUDA is touched: the report reads settings only)."""
     from types import SimpleNamespace
 
@@ -48,6 +51,7 @@ def test_the_packers_path_names_what_keeps_them_off_inductors_code(overrides, in
     from mxflux.train import step_path as sp
 
     monkeypatch.setattr(sp, "INLINE_PACK", inline_pack)
+    monkeypatch.setattr(sp, "static_launch_on", lambda: static)
     monkeypatch.setattr(sp, "FORCE_REFERENCE", False)
     cfg = load_recipe("tiny-mxfp6", ["model.compile=true", 'precision.fused_mlp="off"', *overrides])
     model, _ = build_model(cfg, "cpu")

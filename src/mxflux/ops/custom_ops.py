@@ -27,13 +27,15 @@ graph (`scaled_gemm`): inductor then launches it from its generated code, as it 
 GEMM, instead of calling back into Python for each GEMM. The packer likewise: compiled on CUDA, a
 call without a prologue is the `torch.library.triton_op` `mxflux::mx_operands_inline`, whose body
 (`kernels.operands_inline`) inductor traces into a launch of the same Triton kernel from its own
-code (`mx_operands`; `MXFLUX_INLINE_PACK=0` keeps the opaque op).
+code while inductor launches user kernels statically (`mx_operands`, `static_kernel_launch`;
+`MXFLUX_INLINE_PACK=0` keeps the opaque op).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
 
@@ -51,8 +53,8 @@ from ..mx.operands import mx_operands_reference, padded_rows
 from ..mx.scaled_gemm import scaled_gemm_reference
 
 __all__ = ["FORCE_REFERENCE", "INLINE_GEMM", "INLINE_PACK", "compact_operand", "eref_buffer_words", "expand_operand",
-           "inductor_options", "mx_operands", "mx_operands_inline", "mx_operands_op", "scaled_gemm", "scaled_gemm_op",
-           "use_kernels", "weight_exponents", "weight_exponents_available"]
+           "mx_operands", "mx_operands_inline", "mx_operands_op", "scaled_gemm", "scaled_gemm_op", "static_kernel_launch",
+           "static_launch_on", "use_kernels", "weight_exponents", "weight_exponents_available"]
 
 FORCE_REFERENCE = os.environ.get("MXFLUX_REFERENCE", "0") == "1"
 # MXFLUX_INLINE_GEMM=0 keeps compiled regions on the opaque GEMM op (A/B runs of host time; the
@@ -183,30 +185,43 @@ finally:
     _triton_op_log.setLevel(_level)
 
 
-def inductor_options(mode: str = "default") -> dict:
-    """`torch.compile(..., options=)` for regions with MX layers: `mode`'s inductor options, and the
-    launch of user-defined Triton kernels (the inlined packers) by inductor's static CUDA launcher
-    where this torch has the switch (its own kernels it always launches so). On Triton's Python
-    launcher instead, a compiled packer call took 212 us against 182 on an H100 host
-    (benchmarks/RESULTS.md, "Host time per compiled linear, and per op call")."""
-    from torch import _inductor
+# inductor's switch for launching user-defined Triton kernels (the inlined packers) with its static CUDA
+# launcher, as it launches its own; off by default in torch 2.11 and 2.13
+_STATIC_LAUNCH = "static_launch_user_defined_triton_kernels"
+
+
+def static_kernel_launch(on: bool = True) -> bool:
+    """Turn inductor's static launch of user-defined Triton kernels on (or off) for this process;
+    False where this torch has no such switch. Compiled regions inline the packers only while it is
+    on: on Triton's own Python launcher an inlined packer call can cost more host time than the
+    opaque op (benchmarks/RESULTS.md, "Host time per compiled linear, and per op call"). The
+    trainer turns it on before compiling; a user who compiles MX layers themselves calls this."""
     from torch._inductor import config
 
-    options = dict(_inductor.list_mode_options(mode))
-    if hasattr(config, "static_launch_user_defined_triton_kernels"):
-        options["static_launch_user_defined_triton_kernels"] = True
-    return options
+    if not hasattr(config, _STATIC_LAUNCH):
+        return False
+    setattr(config, _STATIC_LAUNCH, bool(on))
+    return True
+
+
+@torch.compiler.assume_constant_result
+def static_launch_on() -> bool:
+    """Whether inductor launches user-defined kernels statically in this process (read while tracing,
+    as a constant; inductor's config is loaded by then, and a process that never loaded it has it off)."""
+    config = sys.modules.get("torch._inductor.config")
+    return bool(getattr(config, _STATIC_LAUNCH, False))
 
 
 def mx_operands(x, aux, blocks_outside_window, row: bool, col: bool, granularity: str, hadamard: bool,
                 prologue: str, colsum: bool, erefs=None, *, inline: bool = True):
     """The MX packer (`_mx_operands`' contract). Being traced by torch.compile on CUDA, a call
-    without a prologue is `mx_operands_inline`, which inductor launches from its generated code;
-    everything else, every eager call and any call with `inline` False (a packer call a
-    selective-recompute policy must see as this op: `nn.recompute`) is the opaque op
-    `torch.ops.mxflux.mx_operands` (`INLINE_PACK` off: always)."""
+    without a prologue is `mx_operands_inline`, which inductor launches from its generated code,
+    while inductor launches such kernels statically (`static_kernel_launch`); everything else, every
+    eager call and any call with `inline` False (a packer call a selective-recompute policy must see
+    as this op: `nn.recompute`) is the opaque op `torch.ops.mxflux.mx_operands` (`INLINE_PACK` off:
+    always)."""
     if (inline and INLINE_PACK and torch.compiler.is_compiling() and use_kernels(x)
-            and inline_packable(x, blocks_outside_window, prologue)):
+            and inline_packable(x, blocks_outside_window, prologue) and static_launch_on()):
         return mx_operands_inline(x, blocks_outside_window, row, col, granularity, hadamard, colsum, erefs)
     return mx_operands_op(x, aux, blocks_outside_window, row, col, granularity, hadamard, prologue, colsum, erefs)
 

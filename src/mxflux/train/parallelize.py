@@ -29,7 +29,7 @@ from torch import nn
 
 from ..model.layers import DoubleStreamBlock, SingleStreamBlock
 from ..nn.recompute import mark_recomputed, mx_packer_checkpoint_context
-from ..ops import inductor_options
+from ..ops import static_kernel_launch
 from .config import DistributedSection, RunConfig
 from .distributed import DistContext
 
@@ -58,8 +58,9 @@ def parallelize(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> nn.Module
             for i, block in enumerate(blocks):
                 blocks[i] = checkpoint_block(block, m.activation_checkpointing)
     if m.compile:
+        static_kernel_launch()  # so that the compiled blocks launch the MX packers from inductor's code
         for block in _blocks(model):
-            block.compile(options=inductor_options(m.compile_mode))  # (the mode's options among them)
+            block.compile(mode=m.compile_mode)
     if ctx.world_size == 1:
         return model
     if cfg.distributed.strategy == "ddp":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..ops.custom_ops import FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK
+from ..ops.custom_ops import FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK, static_launch_on
 from .build import weight_state_off
 
 __all__ = ["compile_counts", "step_path", "step_path_line"]
@@ -58,6 +58,9 @@ def step_path(trainer) -> dict:
         packers = gemm  # for the same reason
     elif not INLINE_PACK:
         packers = "opaque op (MXFLUX_INLINE_PACK=0)"
+    elif not static_launch_on():
+        packers = ("opaque op (inductor's static launch of user kernels is off: mxflux.ops.static_kernel_launch() "
+                   "turns it on)")
     elif m.activation_checkpointing != "none":
         packers = (f"opaque op (model.activation_checkpointing: {m.activation_checkpointing}; recomputed packer "
                    "calls stay the op the recompute policy sees)")
