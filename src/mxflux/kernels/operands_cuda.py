@@ -371,9 +371,15 @@ def mx_operands_cuda_counted(x, aux, counter, row, col, granularity, hadamard, p
     None for what was not asked (host time per call is what a small micro-batch is bound by). An
     fp32 x (a master weight) with its current e_ref given (`erefs`, from the optimizer step) is
     packed by pass 2 alone; `erefs` is ignored for any other x or granularity."""
+    return _pack(x, aux, counter, row, col, granularity, hadamard, "e2m3", prologue, colsum, None, False,
+                 weight_erefs_or_none(x, granularity, erefs))
+
+
+def weight_erefs_or_none(x: torch.Tensor, granularity: FoldGranularity, erefs):
+    """`erefs` where the packer can use them (an fp32 weight at the row granularity), else None."""
     if erefs is not None and (x.dtype is not torch.float32 or granularity is not FoldGranularity.ROWWISE):
-        erefs = None
-    return _pack(x, aux, counter, row, col, granularity, hadamard, "e2m3", prologue, colsum, None, False, erefs)
+        return None
+    return erefs
 
 
 def weight_exponents_cuda(x: torch.Tensor, hadamard: bool, out: torch.Tensor) -> torch.Tensor:

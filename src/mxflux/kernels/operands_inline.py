@@ -31,8 +31,8 @@ import torch
 from torch.library import wrap_triton
 
 from ..mx.granularity import FoldGranularity
-from .operands_cuda import _paired_stores_hold, _size_grids_per_pass
-from .operands_plan import LaunchPlan, pack_io_mode
+from .operands_cuda import _paired_stores_hold, _size_grids_per_pass, weight_erefs_or_none
+from .operands_plan import LaunchPlan, counts_in_place, pack_io_mode
 from .triton_common import HAS_TRITON, interpreting
 from .weight_erefs import rows_and_columns
 
@@ -46,9 +46,8 @@ _F8 = torch.float8_e4m3fn
 
 def inline_packable(x: torch.Tensor, counter: torch.Tensor, prologue: str) -> bool:
     """Whether `mx_operands_cuda_inline` takes this call: no prologue (see the module docstring) and
-    the counter one int64 element on x's device, which the kernels add into."""
-    return (prologue == "none" and counter.dtype == torch.int64 and counter.numel() == 1
-            and counter.device == x.device)
+    a counter the kernels add into (`counts_in_place`)."""
+    return prologue == "none" and counts_in_place(counter, x.device)
 
 
 _TRACED_PLANS: dict[tuple, LaunchPlan] = {}
@@ -97,12 +96,11 @@ def mx_operands_cuda_inline(
     if not HAS_TRITON:
         raise RuntimeError("mx_operands_cuda_inline: Triton is not installed")
     g = FoldGranularity.from_mx_gemm(granularity)
-    if erefs is not None and (x.dtype is not torch.float32 or g is not FoldGranularity.ROWWISE):
-        erefs = None
+    erefs = weight_erefs_or_none(x, g, erefs)
     hw = not interpreting()
-    if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or (x.storage_offset() * x.element_size()) % 16:
-        x = x.clone(memory_format=torch.contiguous_format)
     plan = _plan(x, blocks_outside_window, row, col, g, hadamard, colsum, erefs, hw)
+    if plan.copy_x or (x.storage_offset() * x.element_size()) % 16:  # (a view not starting 16-byte aligned)
+        x = x.clone(memory_format=torch.contiguous_format)
     R, C, Rp = plan.R, plan.C, plan.Rp
     i32, f32 = torch.int32, torch.float32
 

@@ -23,6 +23,7 @@ from .triton_common import HAS_TRITON, PROLOGUE_IDS, interpreting, launch_option
 from .weight_erefs import buffer_words
 
 __all__ = ["RUNTIME_ARGS", "LaunchPlan", "cached_plan", "check_input", "clear_launch_plans", "coalesced_loads",
+           "counts_in_place",
            "kernel_constexprs", "kernel_num_warps", "pack_io_mode", "persistent_row_programs", "plan_key",
            "resident_programs"]
 
@@ -32,6 +33,13 @@ _BR = 128  # rows per tile (4 column blocks: one 1x128 group of the column orien
 # two CTAs fit on an SM.
 _TILE = {FoldGranularity.ROWWISE: (2, 8), FoldGranularity.EXACT: (2, 8), FoldGranularity.BLOCKWISE: (4, 16)}
 
+
+
+def counts_in_place(counter: torch.Tensor | None, device: torch.device) -> bool:
+    """Whether the kernels add their fold-window count straight into `counter`: one int64 element
+    on the packed tensor's device."""
+    return (counter is not None and counter.dtype == torch.int64 and counter.numel() == 1
+            and counter.device == device)
 
 
 def check_input(x: torch.Tensor, name: str, dtypes=(torch.bfloat16,)) -> None:
@@ -189,8 +197,7 @@ class LaunchPlan:
         dev = x.device
         # the kernels add into the caller's counter when it is one int64 element on x's device
         # (one launch less per call than adding this call's count afterwards)
-        self.direct_counter = (counter is not None and counter.dtype == torch.int64 and counter.numel() == 1
-                               and counter.device == dev)
+        self.direct_counter = counts_in_place(counter, dev)
         self.R, self.C, self.row, self.col, self.colsum, self.hw = R, C, row, col, colsum, hw
         self.Rp = Rp = padded_rows(R, granularity)  # whole blocks, and whole 1x128 groups for BLOCKWISE
         self.rowwise = rowwise = granularity is FoldGranularity.ROWWISE
