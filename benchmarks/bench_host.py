@@ -79,7 +79,7 @@ def _compiled_pack(custom_ops, x, outside, inline: bool, calls: int, sync, code_
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    custom_ops.INLINE_PACK = inline
+    default, custom_ops.INLINE_PACK = custom_ops.INLINE_PACK, inline
     custom_ops.static_kernel_launch()
     try:
         def pack(t, c):
@@ -101,7 +101,7 @@ def _compiled_pack(custom_ops, x, outside, inline: bool, calls: int, sync, code_
         result[f"{label}: launches per call"] = launches / 20
         return result
     finally:
-        custom_ops.INLINE_PACK = True
+        custom_ops.INLINE_PACK = default
 
 
 def measure(device: str, rows: int, cols: int, calls: int, code_dir=None) -> dict[str, float]:

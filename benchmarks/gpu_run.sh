@@ -22,8 +22,9 @@
 # deep         the flux-12b width at DEEP_BLOCKS (double,single; default 6,12) and micro-batch DEEP_MBS (8),
 #              DEEP_SETTINGS (bf16-graph,mxfp6-graph) alternated DEEP_ROUNDS (3) times: MXFP6 / bf16 within each
 #              round, mean and range (issue 13's deep-model check; ~5 min at 6+12); $OUT/deep_mbs$DEEP_MBS.json.
-#              DEEP_ARGS adds arguments. The inline-packer A/B without graphs, device idle time profiled:
-#              DEEP_SETTINGS=bf16,fp8-tensorwise,mxfp6,mxfp6-opaque-pack DEEP_ROUNDS=1 DEEP_ARGS="--profile-steps 1"
+#              DEEP_ARGS adds arguments. The step without graphs, device idle time profiled, the eager bare loop:
+#              DEEP_SETTINGS=bf16,fp8-tensorwise,mxfp6 DEEP_ROUNDS=1 DEEP_ARGS="--profile-steps 1 --bare-loop"
+#              (mxfp6-inline-pack: the opt-in inline packers, MXFLUX_INLINE_PACK=1)
 # fp8seq       benchmarks/probe_fp8_in_process.py: torchao tensorwise then rowwise in one process
 # host         benchmarks/bench_host.py: host time per MX op call (op dispatch, our Python, Triton launch), and
 #              benchmarks/bench_host_linear.py: per compiled linear fwd+bwd against nn.Linear and torchao FP8

@@ -34,6 +34,7 @@ def test_one_setting_in_process_with_bare_loop_breakdown_and_memory(tmp_path, ca
     assert rc == 0
     printed = capsys.readouterr().out
     assert "images/s/CPU" in printed and "trainer / bare loop" in printed and "saved for backward" in printed
+    assert "warm-up s (compiles)" in printed
     (r,) = json.loads(out.read_text())
 
     assert (r["model"], r["precision"], r["world_size"], r["steps"], r["warmup_steps"]) == ("flux-tiny", "bf16", 1, 2, 1)
@@ -48,6 +49,7 @@ def test_one_setting_in_process_with_bare_loop_breakdown_and_memory(tmp_path, ca
     assert 0 < r["mfu"] < 1
     assert r["memory"]["max_allocated_gib"] > 0 and r["memory"]["source"].startswith("cpu")
     assert 0 < r["loss"] < 10 and r["pid"] == os.getpid()
+    assert r["warmup_s"] > 0 and r["bare_loop"]["warmup_s"] > 0  # the warm-up step's wall time
 
     b = r["breakdown"]  # the CPU: host ops' self time, split into the same categories
     assert b["steps"] == 1 and set(b["categories"]) == set(CATEGORIES)
@@ -228,7 +230,7 @@ def test_a_failing_setting_is_reported_and_the_others_still_run(tmp_path):
 
 
 def test_a_settings_environment_reaches_its_process_only(monkeypatch):
-    """`mxfp6-opaque-pack` runs its process with MXFLUX_INLINE_PACK=0 (read at import); the next
+    """`mxfp6-inline-pack` runs its process with MXFLUX_INLINE_PACK=1 (read at import); the next
     setting's process does not inherit it."""
     from mxflux.bench import compare
 
@@ -244,11 +246,11 @@ def test_a_settings_environment_reaches_its_process_only(monkeypatch):
 
     monkeypatch.setattr(compare.subprocess, "Popen", _Exits)
     monkeypatch.delenv("MXFLUX_INLINE_PACK", raising=False)
-    results, _ = compare.run_in_subprocesses(["mxfp6-opaque-pack", "mxfp6"],
+    results, _ = compare.run_in_subprocesses(["mxfp6-inline-pack", "mxfp6"],
                                              lambda name, j, m: ["--settings", name, "--json", str(j)])
-    assert envs["mxfp6-opaque-pack"]["MXFLUX_INLINE_PACK"] == "0" and "MXFLUX_INLINE_PACK" not in envs["mxfp6"]
+    assert envs["mxfp6-inline-pack"]["MXFLUX_INLINE_PACK"] == "1" and "MXFLUX_INLINE_PACK" not in envs["mxfp6"]
     assert all("exit status 1" in r["failed"] for r in results)
-    assert compare.SETTINGS["mxfp6-opaque-pack"] == compare.SETTINGS["mxfp6"]
+    assert compare.SETTINGS["mxfp6-inline-pack"] == compare.SETTINGS["mxfp6"]
 
 
 def test_a_setting_that_needs_an_environment_says_so_when_run_alone(capsys, monkeypatch):
@@ -256,9 +258,9 @@ def test_a_setting_that_needs_an_environment_says_so_when_run_alone(capsys, monk
 
     monkeypatch.delenv("MXFLUX_INLINE_PACK", raising=False)
     with pytest.raises(SystemExit) as e:
-        main(["bench", "step", "--recipe", "tiny-mxfp6", "--settings", "mxfp6-opaque-pack"])
+        main(["bench", "step", "--recipe", "tiny-mxfp6", "--settings", "mxfp6-inline-pack"])
     assert e.value.code == 2
-    assert "--settings mxfp6-opaque-pack: needs MXFLUX_INLINE_PACK=0 in the environment" in capsys.readouterr().err
+    assert "--settings mxfp6-inline-pack: needs MXFLUX_INLINE_PACK=1 in the environment" in capsys.readouterr().err
 
 
 def test_release_frees_a_finished_runs_state_even_while_the_module_is_still_held():

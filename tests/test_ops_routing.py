@@ -1,6 +1,6 @@
-"""Which packer op a call becomes (`mxflux.ops.mx_operands`): inside compiled code on CUDA, a call
-without a prologue is the inline op that inductor launches from its own code; every other call is
-the opaque op. The routing is settings and flags only, so it is checked here with both ops
+"""Which packer op a call becomes (`mxflux.ops.mx_operands`): with the inline packers on
+(`MXFLUX_INLINE_PACK=1`, opt-in), inside compiled code on CUDA, a call without a prologue is the
+inline op that inductor launches from its own code; every other call is the opaque op. The routing is settings and flags only, so it is checked here with both ops
 replaced by recorders (the ops themselves: tests/gpu/test_operands_inline.py)."""
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def test_traced_routing_reads_the_launch_switch_as_a_constant(static, monkeypatc
     from torch._inductor import config
 
     seen = []
+    monkeypatch.setattr(custom_ops, "INLINE_PACK", True)
     monkeypatch.setattr(custom_ops, "mx_operands_inline", lambda *a: seen.append("inline") or a[0])
     monkeypatch.setattr(custom_ops, "mx_operands_op", lambda *a: seen.append("op") or a[0])
     monkeypatch.setattr(custom_ops, "use_kernels", lambda t: True)

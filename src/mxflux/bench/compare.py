@@ -83,13 +83,13 @@ SETTINGS.update({f"{name}-block-graphs": (*SETTINGS[name], "model.compile_mode=r
 SETTINGS.update({f"{name}-torch-adamw": (*SETTINGS[name], "optim.implementation=fused")
                  for name in ("bf16", "fp8-tensorwise", "mxfp6", "bf16-block-graphs", "fp8-tensorwise-block-graphs",
                               "mxfp6-block-graphs")})
-# A/B of the packers launched from inductor's code: mxfp6 with every packer call through the opaque op
-# (MXFLUX_INLINE_PACK=0 in the setting's process; bit-identical numerics), with and without block graphs.
-SETTINGS["mxfp6-opaque-pack"] = SETTINGS["mxfp6"]
-SETTINGS["mxfp6-opaque-pack-block-graphs"] = SETTINGS["mxfp6-block-graphs"]
+# A/B of the packers launched from inductor's code (opt-in): mxfp6 with every packer call it can inline
+# so (MXFLUX_INLINE_PACK=1 in the setting's process; bit-identical numerics), with and without block graphs.
+SETTINGS["mxfp6-inline-pack"] = SETTINGS["mxfp6"]
+SETTINGS["mxfp6-inline-pack-block-graphs"] = SETTINGS["mxfp6-block-graphs"]
 # Environment variables a setting's process runs with (the switches read at import, not recipe fields)
-SETTING_ENV = {"mxfp6-opaque-pack": {"MXFLUX_INLINE_PACK": "0"},
-               "mxfp6-opaque-pack-block-graphs": {"MXFLUX_INLINE_PACK": "0"}}
+SETTING_ENV = {"mxfp6-inline-pack": {"MXFLUX_INLINE_PACK": "1"},
+               "mxfp6-inline-pack-block-graphs": {"MXFLUX_INLINE_PACK": "1"}}
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 
 # The throughput proxy of flux-12b (`--proxy`): its width (3072) and attention heads, 2 double + 4

@@ -150,6 +150,8 @@ def print_table(results: list[dict], *, console=None) -> None:
         ("peak reserved GiB", lambda r: _fmt(r["memory"]["max_reserved_gib"], ".2f")),
         ("device used GiB", lambda r: _fmt(r["memory"]["device_used_gib"], ".2f")),
         ("last loss", lambda r: _fmt(r["loss"], ".4f")),
+        # the warm-up steps' wall time: compilation is in it
+        ("warm-up s (compiles)", lambda r: _fmt(r.get("warmup_s"), ".1f")),
     ]
     if any(r.get("weight_operands_kept") for r in ok):  # the optimizer step writes the MX weights' operands
         rows.append(("weight operands kept / fix-ups", lambda r: "–" if r.get("weight_operands_kept") is None

@@ -160,13 +160,16 @@ def _release(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         p.data = p.data.new_empty(0)
 
 
-def _timed(step, *, warmup: int, steps: int, device: torch.device, ctx) -> tuple[float, object]:
-    """(seconds for `steps` calls of `step` after `warmup` untimed ones, the last call's result);
+def _timed(step, *, warmup: int, steps: int, device: torch.device, ctx) -> tuple[float, object, float]:
+    """(seconds for `steps` calls of `step` after `warmup` untimed ones, the last call's result, seconds
+    of the warm-up calls: compilation included, what a user waits before the first logged step);
     one synchronisation after the timed steps, none between them."""
     out = None
+    w0 = time.perf_counter()
     for _ in range(warmup):
         out = step()
     _sync(device)
+    warmup_s = time.perf_counter() - w0
     _barrier(ctx)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -176,7 +179,7 @@ def _timed(step, *, warmup: int, steps: int, device: torch.device, ctx) -> tuple
     _sync(device)
     elapsed = time.perf_counter() - t0
     _barrier(ctx)
-    return elapsed, out
+    return elapsed, out, warmup_s
 
 
 def _memory(device: torch.device) -> dict:
@@ -238,9 +241,10 @@ def _bare_loop(cfg, ctx, device, latent_hw, text_tokens, g, flops, peak, *, warm
     from .bare_loop import BareLoop
 
     loop = BareLoop(cfg, ctx, device, latent_hw=latent_hw, text_tokens=text_tokens, cuda_graph=cuda_graph)
-    elapsed, last = _timed(loop.step, warmup=warmup, steps=steps, device=device, ctx=ctx)
+    elapsed, last, warmup_s = _timed(loop.step, warmup=warmup, steps=steps, device=device, ctx=ctx)
     memory, elapsed = _over_ranks(_memory(device), elapsed, device)
     out = {**_throughput(elapsed / steps, g, ctx.world_size, flops, peak), "memory": memory, "loss": float(last),
+           "warmup_s": warmup_s,
            "breakdown": _profiled(loop.step, profile_steps, device) if profile_steps else None}
     _release(loop.model, loop.optimizer)
     del loop, last
@@ -316,7 +320,7 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
         def trainer_step():
             return tr.train_step(pool[next(calls) % cycle])
 
-        elapsed, last = _timed(trainer_step, warmup=warmup, steps=steps, device=device, ctx=ctx)
+        elapsed, last, warmup_s = _timed(trainer_step, warmup=warmup, steps=steps, device=device, ctx=ctx)
         memory, elapsed = _over_ranks(_memory(device), elapsed, device)
         loss = last.read()["loss"]
         breakdown = _profiled(trainer_step, profile_steps, device) if profile_steps else None
@@ -365,6 +369,7 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
         "data": cfg.data.root,
         "steps": steps,
         "warmup_steps": warmup,
+        "warmup_s": warmup_s,
         "profile_steps": profile_steps,
         **_throughput(elapsed / steps, g, ctx.world_size, flops, peak),
         "flops_per_sample": flops,

@@ -24,11 +24,11 @@ checks). It is read once, when this module is imported, into `FORCE_REFERENCE`.
 
 Compiled, the row-granularity GEMM on CUDA is not this op but torch's `_scaled_mm` traced into the
 graph (`scaled_gemm`): inductor then launches it from its generated code, as it launches a bf16
-GEMM, instead of calling back into Python for each GEMM. The packer likewise: compiled on CUDA, a
-call without a prologue is the `torch.library.triton_op` `mxflux::mx_operands_inline`, whose body
-(`kernels.operands_inline`) inductor traces into a launch of the same Triton kernel from its own
-code while inductor launches user kernels statically (`mx_operands`, `static_kernel_launch`;
-`MXFLUX_INLINE_PACK=0` keeps the opaque op).
+GEMM, instead of calling back into Python for each GEMM. The packer can be inlined likewise
+(opt-in, `MXFLUX_INLINE_PACK=1`): compiled on CUDA, a call without a prologue is then the
+`torch.library.triton_op` `mxflux::mx_operands_inline`, whose body (`kernels.operands_inline`)
+inductor traces into a launch of the same Triton kernel from its own code while inductor launches
+user kernels statically (`mx_operands`, `static_kernel_launch`).
 """
 
 from __future__ import annotations
@@ -60,8 +60,12 @@ FORCE_REFERENCE = os.environ.get("MXFLUX_REFERENCE", "0") == "1"
 # MXFLUX_INLINE_GEMM=0 keeps compiled regions on the opaque GEMM op (A/B runs of host time; the
 # numerics are the same either way). Read once, at import.
 INLINE_GEMM = os.environ.get("MXFLUX_INLINE_GEMM", "1") != "0"
-# MXFLUX_INLINE_PACK=0 keeps compiled regions on the opaque packer op (the same bits either way).
-INLINE_PACK = os.environ.get("MXFLUX_INLINE_PACK", "1") != "0"
+# MXFLUX_INLINE_PACK=1 traces the packers into compiled regions as `mx_operands_inline` (the same
+# bits either way). Off by default: inductor re-runs its TTIR mutation analysis of the packer kernel
+# at every call site of every graph it compiles (0.4 s each on a 2-core CPU), and the 6+12-block
+# model did not finish compiling in the time the opaque op compiled and ran it, for a host-time gain
+# that a compiled step with 2-3 % device idle time cannot show.
+INLINE_PACK = os.environ.get("MXFLUX_INLINE_PACK", "0") == "1"
 
 _EMPTY_DTYPE = torch.float32
 
@@ -214,12 +218,12 @@ def static_launch_on() -> bool:
 
 def mx_operands(x, aux, blocks_outside_window, row: bool, col: bool, granularity: str, hadamard: bool,
                 prologue: str, colsum: bool, erefs=None, *, inline: bool = True):
-    """The MX packer (`_mx_operands`' contract). Being traced by torch.compile on CUDA, a call
-    without a prologue is `mx_operands_inline`, which inductor launches from its generated code,
-    while inductor launches such kernels statically (`static_kernel_launch`); everything else, every
-    eager call and any call with `inline` False (a packer call a selective-recompute policy must see
-    as this op: `nn.recompute`) is the opaque op `torch.ops.mxflux.mx_operands` (`INLINE_PACK` off:
-    always)."""
+    """The MX packer (`_mx_operands`' contract): the opaque op `torch.ops.mxflux.mx_operands`. With
+    `INLINE_PACK` on and being traced by torch.compile on CUDA, a call without a prologue is
+    `mx_operands_inline`, which inductor launches from its generated code, while inductor launches
+    such kernels statically (`static_kernel_launch`); every eager call and any call with `inline`
+    False (a packer call a selective-recompute policy must see as this op: `nn.recompute`) stays the
+    opaque op."""
     if (inline and INLINE_PACK and torch.compiler.is_compiling() and use_kernels(x)
             and inline_packable(x, blocks_outside_window, prologue) and static_launch_on()):
         return mx_operands_inline(x, blocks_outside_window, row, col, granularity, hadamard, colsum, erefs)

@@ -57,7 +57,7 @@ def step_path(trainer) -> dict:
     if not mx or not m.compile or not kernels:
         packers = gemm  # for the same reason
     elif not INLINE_PACK:
-        packers = "opaque op (MXFLUX_INLINE_PACK=0)"
+        packers = "opaque op (the default; MXFLUX_INLINE_PACK=1 launches them from inductor's code)"
     elif not static_launch_on():
         packers = ("opaque op (inductor's static launch of user kernels is off: mxflux.ops.static_kernel_launch() "
                    "turns it on)")
