@@ -16,7 +16,9 @@ autocast), and timed two ways:
 Layers: nn.Linear (bf16), torchao's Float8Linear (tensorwise, the FP8 users train with),
 MXFP6Linear with its GEMMs traced into the graph as `aten._scaled_mm` and its packers as inductor's
 own launches of the packer kernel (`mxflux::mx_operands_inline`, opt-in: `INLINE_PACK`), MXFP6Linear
-with the packers through the opaque `mxflux::mx_operands` op (the default), and with the GEMMs
+with the packers through the opaque `mxflux::mx_operands` op (the default), the same with its
+weight's operands kept by an `MXWeightState` (the trainer's path: its AdamW step writes them, so no
+forward packs a weight; here they are computed once, the weight never changing), and with the GEMMs
 through the opaque `mxflux::scaled_gemm` op as well (`INLINE_GEMM` off too). Inductor's
 static launch of user kernels is on, as the trainer sets it (`mxflux.ops.static_kernel_launch()`).
 The table prints microseconds per iteration and the ratio to nn.Linear's in the same mode. A GPU benchmark (the CPU has no FP8 GEMM path to
@@ -62,8 +64,12 @@ def build(kind: str, features: int) -> torch.nn.Module:
         convert_to_float8_training(wrapper, config=Float8LinearConfig.from_recipe_name("tensorwise"))
         return wrapper
     from mxflux.nn import MXFP6Linear
+    from mxflux.nn.weight_state import MXWeightState
 
-    return MXFP6Linear.from_linear(lin)
+    layer = MXFP6Linear.from_linear(lin)
+    if kind == "mxfp6-kept":  # the operands are attached to the layer, which the state writes them into
+        MXWeightState.of_model(layer, keep_operands=True)
+    return layer
 
 
 def measure(tokens: int, features: int, iters: int) -> dict:
@@ -78,6 +84,7 @@ def measure(tokens: int, features: int, iters: int) -> dict:
             ("nn.Linear bf16", "bf16", True, True), ("torchao fp8 tensorwise", "fp8-tensorwise", True, True),
             ("MXFP6Linear, packers inline", "mxfp6", True, True),
             ("MXFP6Linear, opaque packer op (default)", "mxfp6", False, True),
+            ("MXFP6Linear, packer op, weight's operands kept", "mxfp6-kept", False, True),
             ("MXFP6Linear, opaque packer and GEMM ops", "mxfp6", False, False)):
         for mode in ("default", "reduce-overhead"):
             torch._dynamo.reset()
