@@ -7,6 +7,7 @@ process loads; the Trainer's step-0 eval loss of them is printed for the 1-rank 
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -67,6 +68,10 @@ def main(data: str, weights: str) -> None:
     # other is still in its last collective aborted once ("terminate called without an active
     # exception", exit -6) after printing OK
     dist.barrier()
+    # and nothing holding the group (the sharded modules' meshes) outlives it into interpreter exit,
+    # where gloo's threads are torn down in no defined order: freed first, as `mxflux train` does
+    del trainer, model
+    gc.collect()
     cleanup()
 
 
