@@ -1,7 +1,8 @@
 """Which packer op a call becomes (`mxflux.ops.mx_operands`): with the inline packers on
 (`MXFLUX_INLINE_PACK=1`, opt-in), inside compiled code on CUDA, a call without a prologue is the
-inline op that inductor launches from its own code; every other call is the opaque op. The routing is settings and flags only, so it is checked here with both ops
-replaced by recorders (the ops themselves: tests/gpu/test_operands_inline.py)."""
+inline op that inductor launches from its own code; every other call is the opaque op. The routing
+is settings and flags only, so it is checked here with both ops replaced by recorders (the ops
+themselves: tests/gpu/test_operands_inline.py)."""
 
 from __future__ import annotations
 

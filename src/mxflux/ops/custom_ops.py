@@ -63,8 +63,7 @@ INLINE_GEMM = os.environ.get("MXFLUX_INLINE_GEMM", "1") != "0"
 # MXFLUX_INLINE_PACK=1 traces the packers into compiled regions as `mx_operands_inline` (the same
 # bits either way). Off by default: inductor re-runs its TTIR mutation analysis of the packer kernel
 # at every call site of every graph it compiles (0.4 s each on a 2-core CPU), and the 6+12-block
-# model did not finish compiling in the time the opaque op compiled and ran it, for a host-time gain
-# that a compiled step with 2-3 % device idle time cannot show.
+# model did not finish compiling in the time the opaque op compiled and ran it (benchmarks/NOTES.md).
 INLINE_PACK = os.environ.get("MXFLUX_INLINE_PACK", "0") == "1"
 
 _EMPTY_DTYPE = torch.float32
