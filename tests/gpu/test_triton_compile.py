@@ -12,6 +12,7 @@ import re
 import pytest
 
 triton = pytest.importorskip("triton")
+tl = triton.language
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     pytest.skip("under TRITON_INTERPRET=1 the kernels are interpreted functions, not compilable",
                 allow_module_level=True)
@@ -248,15 +249,27 @@ def _sass(asm) -> list[str]:
             if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
 
 
-@pytest.mark.parametrize("pass_, erefs", [(1, False), (2, False), (2, True)])
-def test_inductors_mutation_analysis_finds_exactly_what_the_packer_writes(pass_, erefs):
-    """Inductor works out which arguments of a user-defined kernel it writes from the kernel's TTIR;
-    were the analysis to fail, it would take every argument as written and copy x on every call.
-    It must find the packer's outputs, the e_ref maxima (pass 1) and the counter, and nothing it
-    only reads. (Run against an sm_90 target with no GPU.)"""
+def _pack_kwargs(pass_, **changes):
+    """A packer launch's arguments as inductor's analysis sees them (CPU tensors stand in for the
+    device's: only their dtypes count)."""
     import torch
 
-    from torch._higher_order_ops import triton_kernel_wrap as wrap
+    def t(dtype):
+        return torch.empty(64, dtype=dtype)
+
+    kw = dict(x_ptr=t(torch.bfloat16), aux_ptr=t(torch.bfloat16), stride_x=512, stride_aux=512, R=300, C=512,
+              Rp=320, row_data_ptr=t(torch.float8_e4m3fn), row_scale_ptr=t(torch.float32),
+              col_data_ptr=t(torch.float8_e4m3fn), col_scale_ptr=t(torch.float32), colsum_ptr=t(torch.float32),
+              outside_ptr=t(torch.int64), row_eref_ptr=t(torch.int32), col_eref_ptr=t(torch.int32), n_row_tiles=3,
+              n_prog_r=3, PASS=pass_, DO_ROW=True, DO_COL=True, DO_COLSUM=pass_ == 2, HADAMARD=True, HW=True,
+              **operands_plan.kernel_constexprs(G.ROWWISE, "none"))
+    return {**kw, **changes}
+
+
+@pytest.fixture
+def sm90_target():
+    """Triton's active driver answering for an sm_90 GPU (no GPU here), restored after."""
+    import torch
     from triton.backends.compiler import GPUTarget
 
     class _Sm90:
@@ -266,28 +279,87 @@ def test_inductors_mutation_analysis_finds_exactly_what_the_packer_writes(pass_,
         def get_active_torch_device(self):
             return torch.device("cpu")
 
-    def t(dtype):
-        return torch.empty(64, dtype=dtype)
-
-    kw = dict(x_ptr=t(torch.bfloat16), aux_ptr=t(torch.bfloat16), stride_x=512, stride_aux=512, R=300, C=512, Rp=320,
-              row_data_ptr=t(torch.float8_e4m3fn), row_scale_ptr=t(torch.float32), col_data_ptr=t(torch.float8_e4m3fn),
-              col_scale_ptr=t(torch.float32), colsum_ptr=t(torch.float32), outside_ptr=t(torch.int64),
-              row_eref_ptr=t(torch.int32), col_eref_ptr=t(torch.int32), n_row_tiles=3, n_prog_r=3, PASS=pass_,
-              DO_ROW=True, DO_COL=True, DO_COLSUM=pass_ == 2, HADAMARD=True, HW=True,
-              **operands_plan.kernel_constexprs(G.ROWWISE, "none"))
     config = triton.runtime.driver
     before = config._active
     config.set_active(_Sm90())
-    try:
-        if hasattr(wrap, "identify_accessed_tensors"):  # torch 2.13
-            written = {d.name for d in wrap.identify_accessed_tensors(operands_cuda._pack_kernel, kw, {})
-                       .read_writes.writes}
-        else:  # torch 2.11
-            written = set(wrap.identify_mutated_tensors(operands_cuda._pack_kernel, kw, {}))
-    finally:
-        config._active = before  # (reset_active would look for a GPU driver)
+    yield
+    config._active = before  # (reset_active would look for a GPU driver)
+
+
+def _written(kernel, kw) -> set[str]:
+    """The arguments inductor's analysis finds `kernel` writes (torch 2.11 and 2.13)."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+
+    if hasattr(wrap, "identify_accessed_tensors"):  # torch 2.13
+        return {d.name for d in wrap.identify_accessed_tensors(kernel, kw, {}).read_writes.writes}
+    return set(wrap.identify_mutated_tensors(kernel, kw, {}))  # torch 2.11
+
+
+@pytest.mark.parametrize("pass_, erefs", [(1, False), (2, False), (2, True)])
+def test_inductors_mutation_analysis_finds_exactly_what_the_packer_writes(pass_, erefs, sm90_target):
+    """Inductor works out which arguments of a user-defined kernel it writes from the kernel's TTIR;
+    were the analysis to fail, it would take every argument as written and copy x on every call.
+    It must find the packer's outputs, the e_ref maxima (pass 1) and the counter, and nothing it
+    only reads. (Run against an sm_90 target with no GPU.)"""
+    written = _written(operands_cuda._pack_kernel, _pack_kwargs(pass_))
     if pass_ == 1:
         assert written == {"row_eref_ptr", "col_eref_ptr"}
     else:
         assert written == {"row_data_ptr", "row_scale_ptr", "col_data_ptr", "col_scale_ptr", "colsum_ptr",
                            "outside_ptr"}
+
+
+def test_the_analysis_runs_once_per_packer_variant_and_answers_as_torchs_own(sm90_target, monkeypatch):
+    """`kernels.inductor_analysis`: once the inline packer has installed the memo, inductor's analysis
+    of a packer launch converts the kernel to TTIR once per variant (constexprs, dtypes, scalar
+    values), not once per call; the answers are those of torch's own analysis, each caller getting
+    its own copy; other kernels and calls with arguments the memo cannot key are analysed as before."""
+    import sympy
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+
+    from mxflux.kernels import inductor_analysis
+
+    pack = operands_cuda._pack_kernel
+    plain = {p: _written(pack, _pack_kwargs(p)) for p in (1, 2)}  # before the memo: torch's own
+    name = "identify_accessed_tensors" if hasattr(wrap, "identify_accessed_tensors") else "identify_mutated_tensors"
+    monkeypatch.setattr(wrap, name, getattr(wrap, name))  # the memo's wrapper removed again after the test
+    monkeypatch.setattr(inductor_analysis, "_memo", {})
+    monkeypatch.setattr(inductor_analysis, "_kernels", set())
+    conversions = []
+    generate = wrap.generate_ttir
+    monkeypatch.setattr(wrap, "generate_ttir", lambda k, *a: conversions.append(k.fn.__name__) or generate(k, *a))
+
+    assert inductor_analysis.memoize_access_analysis(pack) and inductor_analysis.memoize_access_analysis(pack)
+    assert getattr(wrap, name).memoizes is not None  # wrapped once, not twice
+    for _ in range(3):
+        assert _written(pack, _pack_kwargs(2)) == plain[2]
+    assert conversions == ["_pack_kernel"]
+    assert _written(pack, _pack_kwargs(1)) == plain[1]  # another variant: analysed
+    assert _written(pack, _pack_kwargs(2, R=301)) == plain[2]  # another size: analysed (Triton specialises ints)
+    assert conversions == ["_pack_kernel"] * 3
+    # symbolic sizes (torch converts each to 2): one key for all of them
+    assert _written(pack, _pack_kwargs(2, R=sympy.Symbol("s0"))) == plain[2]
+    assert _written(pack, _pack_kwargs(2, R=sympy.Symbol("s1") + 1)) == plain[2]
+    assert conversions == ["_pack_kernel"] * 4
+
+    # a caller changing its answer changes no other caller's
+    answer = getattr(wrap, name)(pack, _pack_kwargs(2), {})
+    (answer.read_writes.writes.clear() if hasattr(answer, "read_writes") else answer.clear())
+    assert _written(pack, _pack_kwargs(2)) == plain[2]
+
+    # an argument the key cannot describe, and TMA descriptors: torch's analysis, every time
+    assert inductor_analysis.analysis_key(pack, _pack_kwargs(2, R=object()), {}) is None
+    assert inductor_analysis.analysis_key(pack, _pack_kwargs(2), {"x_ptr": ("stable", (16, 16))}) is None
+    # another kernel: analysed by torch every time
+    import torch
+
+    copy_kw = dict(src=torch.empty(8), dst=torch.empty(8), n=8, BLOCK=8)
+    assert _written(_copy_kernel, copy_kw) == _written(_copy_kernel, copy_kw) == {"dst"}
+    assert conversions == ["_pack_kernel"] * 4 + ["_copy_kernel"] * 2
+    assert inductor_analysis.memoized_kernels() == {id(pack)}
+
+
+@triton.jit
+def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(dst + i, tl.load(src + i, mask=i < n), mask=i < n)

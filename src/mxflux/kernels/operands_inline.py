@@ -22,7 +22,8 @@ What it takes for the same bits as `mx_operands_cuda`:
   graph copy it).
 - Inductor's mutation analysis reads the kernel's TTIR and finds exactly the outputs, the e_ref
   maxima and the counter written (checked on the CPU); were it to fail, it would assume every
-  argument written and copy x each call.
+  argument written and copy x each call. It runs once per kernel variant (`inductor_analysis`),
+  not at every call site.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from torch.library import wrap_triton
 
 from ..mx.granularity import FoldGranularity
+from .inductor_analysis import memoize_access_analysis
 from .operands_cuda import _paired_stores_hold, _size_grids_per_pass, weight_erefs_or_none
 from .operands_plan import LaunchPlan, counts_in_place, pack_io_mode
 from .triton_common import HAS_TRITON, interpreting
@@ -95,6 +97,7 @@ def mx_operands_cuda_inline(
     fold-window count added into `blocks_outside_window` (int64, one element, on x's device)."""
     if not HAS_TRITON:
         raise RuntimeError("mx_operands_cuda_inline: Triton is not installed")
+    memoize_access_analysis(_pack_kernel)  # before inductor analyses the launches traced below
     g = FoldGranularity.from_mx_gemm(granularity)
     erefs = weight_erefs_or_none(x, g, erefs)
     hw = not interpreting()

@@ -61,9 +61,10 @@ FORCE_REFERENCE = os.environ.get("MXFLUX_REFERENCE", "0") == "1"
 # numerics are the same either way). Read once, at import.
 INLINE_GEMM = os.environ.get("MXFLUX_INLINE_GEMM", "1") != "0"
 # MXFLUX_INLINE_PACK=1 traces the packers into compiled regions as `mx_operands_inline` (the same
-# bits either way). Off by default: inductor re-runs its TTIR mutation analysis of the packer kernel
-# at every call site of every graph it compiles (0.4 s each on a 2-core CPU), and the 6+12-block
-# model did not finish compiling in the time the opaque op compiled and ran it (benchmarks/NOTES.md).
+# bits either way). Off by default: with it the 6+12-block model did not finish compiling in the time
+# the opaque op compiled and ran it, inductor converting the packer kernel to TTIR at every call site
+# (benchmarks/NOTES.md); that analysis is now done once per kernel variant
+# (`kernels.inductor_analysis`), which has not yet run on a GPU.
 INLINE_PACK = os.environ.get("MXFLUX_INLINE_PACK", "0") == "1"
 
 _EMPTY_DTYPE = torch.float32
