@@ -157,6 +157,33 @@ def test_settings_run_side_by_side_each_in_its_own_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_one_setting_under_torchrun_on_two_ranks_and_a_batch_the_world_cannot_split(tmp_path):
+    """`mxflux bench step` under torchrun (2 gloo ranks): the whole run, rank 0's JSON with the world
+    size, exit 0 (the group torn down before exit); and a global batch that 2 ranks cannot split is
+    one line naming the field on each rank, no traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+
+    def run(port, out, *extra):
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+             "-m", "mxflux.cli", "bench", "step", "--recipe", "tiny-mxfp6", "--settings", "mxfp6", "--steps", "1",
+             "--warmup", "1", *TINY, "--data-dir", str(tmp_path / "data"), "--json", str(out), *extra],
+            cwd=tmp_path, env=env, timeout=300, capture_output=True, text=True)
+
+    ok = run(29657, tmp_path / "two.json", "batch.global_batch_size=8", "batch.micro_batch_size=4")
+    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
+    (r,) = json.loads((tmp_path / "two.json").read_text())
+    assert (r["world_size"], r["global_batch_size"], r["accumulation_steps"]) == (2, 8, 1) and r["step_ms"] > 0
+
+    bad = run(29658, tmp_path / "bad.json", "batch.global_batch_size=4", "batch.micro_batch_size=4")
+    out = bad.stdout + bad.stderr
+    assert bad.returncode != 0 and not (tmp_path / "bad.json").exists()
+    assert out.count("mxflux bench step: error: batch.global_batch_size 4 is not divisible by micro_batch_size "
+                     "× world size = 4 × 2") == 2, out[-3000:]
+    assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out
+
+
+@pytest.mark.slow
 def test_rounds_alternate_the_settings_and_report_each_settings_median_round(tmp_path):
     """`--rounds 2`: every setting runs once per round, each time in a fresh process, and the JSON
     holds each setting's median round with every round's step time."""

@@ -78,7 +78,9 @@ def test_unknown_recipe_and_file(tmp_path):
 def test_world_size_divisibility():
     cfg = load_recipe("flux12b-mxfp6-mlperf")
     assert cfg.batch.accumulation_steps(8) == 1 and cfg.batch.accumulation_steps(2) == 4
-    with pytest.raises(ValueError, match="not divisible by micro_batch_size × world size = 64 × 3"):
+    # a RecipeError: every command reports it as one line naming the field, not a traceback
+    with pytest.raises(RecipeError, match="batch.global_batch_size 512 is not divisible by micro_batch_size × world "
+                                          "size = 64 × 3"):
         cfg.batch.accumulation_steps(3)
 
 

@@ -5,6 +5,7 @@ to import; the harness itself is `mxflux.bench.step`, the settings and their pro
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from pathlib import Path
 
@@ -154,6 +155,7 @@ def _device(name: str | None):
 def _one(args) -> int:
     """One setting, in this process (also under torchrun)."""
     from ..train.config import RecipeError
+    from ..train.distributed import cleanup
     from ..bench import step
     from ..bench.availability import setting_unavailability
     from ..bench.report import print_table, write_json
@@ -181,11 +183,18 @@ def _one(args) -> int:
                                            world_size=int(os.environ.get("WORLD_SIZE", "1")))
         if refused:
             args.parser.error(refused)
-    result = step.bench_step(cfg, steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
-                             bare_loop=args.bare_loop, cuda_graph=args.cuda_graph, memory_path=args.memory,
-                             synthetic=args.synthetic, image_size=args.image_size, text_len=args.text_len,
-                             data_dir=args.data_dir, peak_tflops=args.peak_tflops, device=args.device,
-                             recipe=args.recipe, label=setting if setting != "recipe" else None, distributed=True)
+    try:
+        result = step.bench_step(cfg, steps=args.steps, warmup=args.warmup, profile_steps=args.profile_steps,
+                                 bare_loop=args.bare_loop, cuda_graph=args.cuda_graph, memory_path=args.memory,
+                                 synthetic=args.synthetic, image_size=args.image_size, text_len=args.text_len,
+                                 data_dir=args.data_dir, peak_tflops=args.peak_tflops, device=args.device,
+                                 recipe=args.recipe, label=setting if setting != "recipe" else None, distributed=True)
+    finally:
+        # Under torchrun: the process group torn down here, the run's modules (which hold it) freed
+        # first, not left to interpreter exit, where gloo's threads end in no defined order (an
+        # abort after a finished run) and NCCL warns of a group never destroyed.
+        gc.collect()
+        cleanup()
     if result is not None:  # rank 0
         print_table([result])
         if args.json:

@@ -139,8 +139,8 @@ class BatchSection(_Section):
 
     def accumulation_steps(self, world_size: int = 1) -> int:
         per_step = self.micro_batch_size * world_size
-        if self.global_batch_size % per_step:
-            raise ValueError(
+        if self.global_batch_size % per_step:  # a recipe error: the command says so in one line
+            raise RecipeError(
                 f"batch.global_batch_size {self.global_batch_size} is not divisible by "
                 f"micro_batch_size × world size = {self.micro_batch_size} × {world_size}"
             )
