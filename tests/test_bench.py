@@ -290,6 +290,21 @@ def test_a_setting_that_needs_an_environment_says_so_when_run_alone(capsys, monk
     assert "--settings mxfp6-inline-pack: needs MXFLUX_INLINE_PACK=1 in the environment" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--synthetic", "--image-size", "60"], "--image-size 60: synthetic images need a multiple of 16 pixels"),
+    (["--device", "cuda:99"], "--device cuda:99: "),  # no CUDA here, or not 100 GPUs
+    (["--device", "gpu"], "--device: expected cpu, cuda or cuda:N, got 'gpu'"),
+])
+def test_bad_sizes_and_devices_are_one_line_before_any_setting_runs(argv, message, capsys):
+    from mxflux.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "step", "--recipe", "tiny-mxfp6", "--settings", "mxfp6,bf16", "--steps", "1", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"mxflux bench step: error: {message}" in err and "Traceback" not in err
+
+
 def test_release_frees_a_finished_runs_state_even_while_the_module_is_still_held():
     from mxflux.bench.step import _release
 

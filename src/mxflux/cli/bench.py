@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..argtypes import non_negative_int, positive_float, positive_int
 from ..bench.compare import DEFAULT_SETTINGS, PROXY_OVERRIDES, PROXY_RECIPE, SETTING_ENV, SETTINGS, parse_settings
+from .common import device_from_args
 
 __all__ = ["add_bench_parser"]
 
@@ -130,6 +131,10 @@ def _step(args) -> int:
     if not args.recipe:
         args.parser.error("name a recipe: `mxflux bench step RECIPE [KEY=VALUE ...]`, --recipe RECIPE, or --proxy "
                           "(`mxflux recipes` lists them)")
+    if args.synthetic and args.image_size % 16:
+        args.parser.error(f"--image-size {args.image_size}: synthetic images need a multiple of 16 pixels (the VAE's "
+                          f"/8, then 2x2 patches)")
+    device_from_args(args)  # a device this machine lacks: one line here, before any setting starts
     user = [*args.overrides, *args.set_overrides]
     if len(args.settings) > 1 and any(o.split("=", 1)[0].strip() == "precision" for o in user):
         args.parser.error("a whole 'precision=...' override would make every setting the same precision; "
