@@ -320,9 +320,10 @@ def test_the_analysis_runs_once_per_packer_variant_and_answers_as_torchs_own(sm9
     from mxflux.kernels import inductor_analysis
 
     pack = operands_cuda._pack_kernel
-    plain = {p: _written(pack, _pack_kwargs(p)) for p in (1, 2)}  # before the memo: torch's own
     name = "identify_accessed_tensors" if hasattr(wrap, "identify_accessed_tensors") else "identify_mutated_tensors"
-    monkeypatch.setattr(wrap, name, getattr(wrap, name))  # the memo's wrapper removed again after the test
+    installed = getattr(wrap, name)  # (the inline packer's tests may have installed the memo already)
+    monkeypatch.setattr(wrap, name, getattr(installed, "memoizes", installed))  # torch's own, restored after
+    plain = {p: _written(pack, _pack_kwargs(p)) for p in (1, 2)}
     monkeypatch.setattr(inductor_analysis, "_memo", {})
     monkeypatch.setattr(inductor_analysis, "_kernels", set())
     conversions = []
