@@ -58,3 +58,20 @@ def test_console_script_runs():
 
     (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "mxflux"]
     assert ep.value == "mxflux.cli:main"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["data", "synth", "--out", "{file}/sub", "--train", "2", "--eval", "1"],
+     "mxflux data synth: error: file exists: '{file}': it stands where this command writes"),
+    (["train", "tiny-mxfp6", "--max-steps", "1", "--no-progress", "--out", "{file}/run"],
+     "mxflux train: error: not a directory: '{file}/run': a file stands where a directory is needed"),
+])
+def test_an_output_path_through_a_file_is_one_line_naming_it(argv, message, tmp_path, capsys):
+    """An output directory asked for under an existing file: the path named in one line, exit 2,
+    nothing written."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("a file, not a directory")
+    assert main([a.format(file=a_file) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert message.format(file=a_file) in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

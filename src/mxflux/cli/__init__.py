@@ -146,9 +146,23 @@ def _interrupted() -> type[BaseException]:
     return Interrupted
 
 
+# errors of the file system a user's path runs into: one line naming the path, not a traceback
+_PATH_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ENOTDIR, errno.EEXIST,
+                errno.EISDIR, errno.ENAMETOOLONG)
+
+
 def _os_error_line(e: OSError) -> str:
-    """A permission problem, a full disk or a read-only file system, naming the path."""
+    """A permission problem, a full disk, a read-only file system or a path that cannot be made
+    (a file where a directory is needed on the way), naming the path."""
     path = f" {str(e.filename)!r}" if e.filename else ""
+    if e.errno == errno.ENOTDIR:
+        return f"not a directory:{path}: a file stands where a directory is needed on the way to it"
+    if e.errno == errno.EEXIST:
+        return f"file exists:{path}: it stands where this command writes (a directory on the way, or its output)"
+    if e.errno == errno.EISDIR:
+        return f"is a directory:{path}, where a file is needed"
+    if e.errno == errno.ENAMETOOLONG:
+        return f"file name too long:{path}"
     if e.errno in (errno.EACCES, errno.EPERM):
         return (f"permission denied:{path} cannot be read or written by this user "
                 f"(check its permissions and those of its directories)")
@@ -187,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         if debug:
             raise
-        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        if isinstance(e, OSError) and e.errno in _PATH_ERRNOS:
             print(f"{command}: error: {_os_error_line(e)}", file=sys.stderr)
             return 2
         from mxflux.train.stop import NonFiniteError
