@@ -394,7 +394,8 @@ def test_adamw_implementation_is_chosen_and_validated(demo_root, tmp_path):
 
 def test_blocks_compile_with_the_recipe_mode(demo_root, tmp_path, monkeypatch):
     """`model.compile_mode` reaches torch.compile for every block, and inductor's static launch of
-    user kernels is on (the compiled blocks then inline the MX packers); a bad mode names the field."""
+    user kernels is on (with MXFLUX_INLINE_PACK=1 the compiled blocks then inline the MX packers); a bad
+    mode names the field."""
     from torch._inductor import config
 
     from mxflux.ops.custom_ops import static_launch_on

@@ -7,7 +7,6 @@ process loads; the Trainer's step-0 eval loss of them is printed for the 1-rank 
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 
@@ -71,7 +70,6 @@ def main(data: str, weights: str) -> None:
     # and nothing holding the group (the sharded modules' meshes) outlives it into interpreter exit,
     # where gloo's threads are torn down in no defined order: freed first, as `mxflux train` does
     del trainer, model
-    gc.collect()
     cleanup()
 
 

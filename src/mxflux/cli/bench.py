@@ -5,7 +5,6 @@ to import; the harness itself is `mxflux.bench.step`, the settings and their pro
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 from pathlib import Path
 
@@ -195,11 +194,7 @@ def _one(args) -> int:
                                  data_dir=args.data_dir, peak_tflops=args.peak_tflops, device=args.device,
                                  recipe=args.recipe, label=setting if setting != "recipe" else None, distributed=True)
     finally:
-        # Under torchrun: the process group torn down here, the run's modules (which hold it) freed
-        # first, not left to interpreter exit, where gloo's threads end in no defined order (an
-        # abort after a finished run) and NCCL warns of a group never destroyed.
-        gc.collect()
-        cleanup()
+        cleanup()  # under torchrun: the group torn down here, not left to interpreter exit
     if result is not None:  # rank 0
         print_table([result])
         if args.json:

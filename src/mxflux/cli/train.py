@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
@@ -170,7 +169,6 @@ def _run_train(args, phase) -> int:
         # The model's DDP/FSDP2 state holds the process group: freed before the group is destroyed.
         phase.release_trainer()
         trainer = None
-        gc.collect()
         cleanup()
         if lock is not None:
             lock.release()

@@ -6,6 +6,7 @@ across the group is `mxflux.train.parallelize`.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -56,5 +57,10 @@ def init_distributed(device_type: str | None = None) -> DistContext:
 
 
 def cleanup() -> None:
+    """Destroy the process group, after collecting what only cycles still hold: modules sharded or
+    replicated over the group hold it, and one left to interpreter exit is torn down there in no
+    defined order (gloo's threads can abort a finished run; NCCL warns). Callers drop their own
+    references to the model first."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()

@@ -58,7 +58,7 @@ def parallelize(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> nn.Module
             for i, block in enumerate(blocks):
                 blocks[i] = checkpoint_block(block, m.activation_checkpointing)
     if m.compile:
-        static_kernel_launch()  # so that the compiled blocks launch the MX packers from inductor's code
+        static_kernel_launch()  # where the packers are inlined (MXFLUX_INLINE_PACK=1), inductor launches them
         for block in _blocks(model):
             block.compile(mode=m.compile_mode)
     if ctx.world_size == 1:
