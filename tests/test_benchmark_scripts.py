@@ -255,3 +255,42 @@ def test_cutlass_rowwise_op_library_compiles_against_the_installed_torch():
         cutlass_rowwise.compile_command()
     if not torch.cuda.is_available():
         assert cutlass_rowwise.load() == "needs a CUDA device of sm_90 or later"
+
+
+_SASS_LOOP = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                 /* 0x00000a0000017a02 */
+        /*0010*/              @P6 BRA 0x40 ;                              /* 0x0000000000346947 */
+        /*0020*/                   FADD R2, R3, R4 ;                      /* 0x0000000403027221 */
+        /*0030*/                   LDG.E.128 R4, desc[UR4][R6.64] ;       /* 0x0000000406047981 */
+        /*0040*/                   FADD R2, R3, -R4 ;                     /* 0x8000000403027221 */
+        /*0050*/                   PRMT R7, R2, 0x5410, R3 ;              /* 0x0000541002077816 */
+        /*0060*/                   F2FP.SATFINITE.E4M3.F32.PACK_AB R8, R2, R3 ; /* 0x0000000302087304 */
+        /*0070*/              @!P3 BRA 0x20 ;                             /* 0xffffffbc0074b947 */
+        /*0080*/              @P0 BRA `(.L_x_1) 0x10 ;                    /* 0xfffffffc00fc7947 */
+        /*0090*/                   EXIT ;                                 /* 0x000000000000794d */
+"""
+
+
+def test_sass_census_counts_the_longest_loop_by_opcode_and_kind(tmp_path, monkeypatch):
+    """The census reads cuobjdump's listing: the main loop is the longest backward branch's span
+    (0x20-0x70 here, not the forward branch nor the shorter one), opcodes lose predicates and
+    modifiers, and the kinds add up to the loop."""
+    census = _benchmark_module("sass_census")
+
+    class _Done:
+        stdout = _SASS_LOOP
+
+    monkeypatch.setattr(census, "_tool", lambda name: name)
+    monkeypatch.setattr(census.subprocess, "run", lambda *a, **k: _Done())
+    listing = census.sass(b"cubin")
+    assert [a for a, _ in listing] == list(range(0, 0xA0, 0x10))
+    assert census.opcode("@!P3 BRA 0x20") == "BRA" and census.opcode("LDG.E.128 R4, desc[UR4][R6.64]") == "LDG"
+    loop = census.main_loop(listing)
+    assert len(loop) == 8  # 0x10 .. 0x80: the `(.L_x_1)` branch back to 0x10
+    assert loop[0].startswith("@P6 BRA") and loop[-1].startswith("@P0 BRA")
+    counts = census.census(census.main_loop(listing[:8]))  # without it: 0x20 .. 0x70
+    assert counts["loop"] == 6
+    assert counts["opcodes"] == {"FADD": 2, "LDG": 1, "PRMT": 1, "F2FP": 1, "BRA": 1}
+    assert counts["kinds"] == {"arithmetic": 3, "memory": 1, "integer and layout": 1, "control": 1}
+    with pytest.raises(ValueError, match="no backward branch"):
+        census.main_loop(listing[:3])

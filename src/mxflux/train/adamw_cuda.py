@@ -6,6 +6,11 @@ kernel for the small rest, and for the MX weights whose state the step keeps
 The optimizer object stays torch's `AdamW` (fused): its parameter groups, state tensors (step as a
 float32 device scalar, exp_avg, exp_avg_sq) and state_dict are exactly torch's, so checkpoints and
 resumes do not depend on which kernel ran.
+
+Under FSDP2 the parameters, gradients and moments are DTensors sharded alike; AdamW is elementwise,
+so the kernels update each rank's local shards (the clipping factor comes from the norm of all
+shards, `train.clipping`). The MX weights' state is not kept there: a row's or column's e_ref would
+need a maximum across the shards (`nn.precision.mxfp6`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..kernels import adamw_cuda as kernels
 from ..kernels.triton_common import HAS_TRITON, interpreting
@@ -28,7 +34,8 @@ LARGE = kernels.LARGE  # elements: below this a parameter goes through torch's f
 
 def eligible(optimizer: torch.optim.Optimizer, params_with_grads: Sequence[torch.Tensor]) -> bool:
     """This kernel can take `optimizer`'s step: torch's AdamW (fused, no amsgrad, not maximising)
-    over fp32 parameters and gradients on one CUDA device, plain (not sharded) and contiguous."""
+    over fp32 parameters and gradients on one CUDA device, contiguous; plain tensors, or DTensors
+    whose gradients are sharded as they are (FSDP2), each rank's shards then updated on their own."""
     if not HAS_TRITON or not isinstance(optimizer, torch.optim.AdamW):
         return False
     if any(g.get("amsgrad") or g.get("maximize") or not g.get("fused") for g in optimizer.param_groups):
@@ -38,11 +45,27 @@ def eligible(optimizer: torch.optim.Optimizer, params_with_grads: Sequence[torch
         return False
     for p in params_with_grads:
         g = p.grad
-        if type(p.data) is not torch.Tensor or type(g) is not torch.Tensor or not p.is_cuda:
+        if isinstance(p, DTensor) and isinstance(g, DTensor):
+            if g.placements != p.placements or g.device_mesh != p.device_mesh:
+                return False
+            p, g = _local(p), _local(g)
+            if p.shape != g.shape:
+                return False
+        if type(p.data) is not torch.Tensor or type(g) is not torch.Tensor or not on_kernel_device(p):
             return False
         if p.dtype != torch.float32 or g.dtype != torch.float32 or not (p.is_contiguous() and g.is_contiguous()):
             return False
     return True
+
+
+def on_kernel_device(t: torch.Tensor) -> bool:
+    """Where the step's kernels run: CUDA. (Tests running Triton's interpreter on the CPU widen it.)"""
+    return t.is_cuda
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage: the kernels write into it), or t itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _state(optimizer: torch.optim.AdamW, p: torch.Tensor) -> dict:
@@ -90,6 +113,10 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
         states = [_state(optimizer, p) for p in params]
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)
+        # what the kernels read and write: the tensors themselves, or this rank's shards of them
+        params = [_local(p) for p in params]
+        states = [dict(s, exp_avg=_local(s["exp_avg"]), exp_avg_sq=_local(s["exp_avg_sq"])) for s in states]
+        grads = [_local(p.grad) for p in group["params"] if p.grad is not None]
         large = [i for i, p in enumerate(params) if p.numel() >= LARGE]
         small = [i for i, p in enumerate(params) if p.numel() < LARGE]
         if large:
@@ -97,7 +124,7 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
             step_size = (lr.double() / (1.0 - torch.pow(beta1, t))).float()
             bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, t)).float()
             for j, i in enumerate(large):
-                p, s = params[i], states[i]
+                p, g, s = params[i], grads[i], states[i]
                 n = p.numel()
                 if p in tracked:
                     hadamard, view = tracked[p]
@@ -108,13 +135,13 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
                     kept = state.kept.get(p)
                     if kept is None:
                         kernels.adamw_erefs_kernel[grid](
-                            p, p.grad, s["exp_avg"], s["exp_avg_sq"], R, C, factor, lr, step_size[j:], bc2_sqrt[j:],
+                            p, g, s["exp_avg"], s["exp_avg_sq"], R, C, factor, lr, step_size[j:], bc2_sqrt[j:],
                             *rows_and_columns(view, *p.shape), *hyper, HADAMARD=hadamard, HW=not interpreting(), BR=W.BR,
                             NB=W.NB, SLICES=W.SLICES, num_warps=W.NUM_WARPS)
                     else:
                         rd, rs, cd, cs = kept.operands
                         kernels.adamw_operands_kernel[grid](
-                            p, p.grad, s["exp_avg"], s["exp_avg_sq"], R, C, cd.shape[1], factor, lr, step_size[j:],
+                            p, g, s["exp_avg"], s["exp_avg_sq"], R, C, cd.shape[1], factor, lr, step_size[j:],
                             bc2_sqrt[j:], *rows_and_columns(kept.held, *p.shape), *rows_and_columns(view, *p.shape),
                             rd.view(torch.int32), rs, cd.view(torch.int32), cs, kept.unheld, *hyper,
                             HEADROOM=W.HEADROOM, HADAMARD=hadamard, HW=not interpreting(), BR=W.BR, NB=W.NB,
@@ -123,12 +150,12 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
                     state.mark_current(p)
                     continue
                 kernels.adamw_kernel[(triton.cdiv(n, kernels.BLOCK),)](
-                    p, p.grad, s["exp_avg"], s["exp_avg_sq"], n, factor, lr, step_size[j:], bc2_sqrt[j:],
+                    p, g, s["exp_avg"], s["exp_avg_sq"], n, factor, lr, step_size[j:], bc2_sqrt[j:],
                     float(group["weight_decay"]), float(beta1), float(beta2), float(group["eps"]),
                     BLOCK=kernels.BLOCK, num_warps=kernels.NUM_WARPS)
         if small:
-            grads = torch._foreach_mul([params[i].grad for i in small], factor)  # small copies
-            torch._fused_adamw_([params[i] for i in small], grads, [states[i]["exp_avg"] for i in small],
+            scaled = torch._foreach_mul([grads[i] for i in small], factor)  # small copies
+            torch._fused_adamw_([params[i] for i in small], scaled, [states[i]["exp_avg"] for i in small],
                                 [states[i]["exp_avg_sq"] for i in small], [], [steps[i] for i in small],
                                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                                 eps=group["eps"], amsgrad=False, maximize=False)

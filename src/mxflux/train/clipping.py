@@ -9,8 +9,9 @@ says which kernel does it).
 
 The norm, which the metrics log, is torch's computation. The update equals torch's clip-then-step
 up to fp32 rounding where a factor below 1 clips, and exactly where it does not (a factor of 1)
-when torch's fused kernel applies it. Sharded (FSDP2) gradients, other optimizers and
-`optim.clip_in_optimizer: false` take torch's separate pass.
+when torch's fused kernel applies it. Sharded (FSDP2) gradients fold into the step where the Triton
+kernels take it (they update each rank's shards; the norm is of all shards, as torch's); elsewhere
+they, other optimizers and `optim.clip_in_optimizer: false` take torch's separate pass.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from . import adamw_cuda
 from .optimizer import ClippingAdamW
 
 __all__ = ["clip_and_step"]
@@ -35,12 +37,19 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: Iterable[nn.Paramete
     synchronising. `in_optimizer=False` always uses torch's `clip_grad_norm_` pass."""
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    folds = in_optimizer and grads and isinstance(optimizer, ClippingAdamW) and \
-        all(type(g) is torch.Tensor for g in grads)
+    folds = in_optimizer and grads and isinstance(optimizer, ClippingAdamW)
+    if folds and not all(type(g) is torch.Tensor for g in grads):
+        # sharded gradients: only the Triton step takes the factor (torch's kernels would mix the
+        # plain factor with DTensors)
+        with_grads = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        folds = (optimizer.kernel == "triton" and all(isinstance(g, DTensor) for g in grads)
+                 and adamw_cuda.eligible(optimizer, with_grads))
     if not folds:
         norm = nn.utils.clip_grad_norm_(params, max_norm)
         optimizer.step()
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
     norm = nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
+    if isinstance(norm, DTensor):  # of every rank's shards: one all-reduce, no host synchronisation
+        norm = norm.full_tensor()
     optimizer.step(grad_factor=torch.clamp(max_norm / (norm + _EPS), max=1.0))  # torch's factor, as torch computes it
     return norm

@@ -99,8 +99,8 @@ class MXFP6Converter(PrecisionConverter):
         if not weights:
             return "no MXFP6 layer with the row granularity (precision.mx_gemm)"
         if any(type(w.data) is not torch.Tensor for w in weights):
-            return ("the weights are sharded (FSDP2 DTensors); the Triton step updates whole, plain tensors, "
-                    "so each forward packs the gathered weight")
+            return ("the weights are sharded (FSDP2 DTensors); a row's or column's e_ref would need a maximum "
+                    "across the shards, which the step does not take, so each forward packs the gathered weight")
         if not any(w.is_cuda for w in weights):
             return "the Triton step runs on CUDA only"
         return None
