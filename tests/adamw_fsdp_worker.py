@@ -93,6 +93,7 @@ def main(out: str) -> None:
                 small = max(small, err)
             report[phase].append({"norms": norms, "weights_equal": bool(large), "excess_over_1e-5_rel": small})
     report["sharded_triton_steps"] = sum(sharded_steps)
+    report["last_step"] = [opts.last_step, optp.last_step]
     report["large_shards"] = [p.to_local().numel() >= adamw_cuda.LARGE for p in sharded.parameters()]
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(report))
     del opts, optp, sharded

@@ -60,3 +60,37 @@ def test_the_packers_path_names_what_keeps_them_off_inductors_code(overrides, in
     path = sp.step_path(trainer)
     assert path["mx_packers"].startswith(want)
     assert f"MX packers {path['mx_packers']};" in step_path_line(path)
+
+
+@pytest.mark.parametrize("overrides, clip, want", [
+    ([], True, "torch's fused AdamW, the clipping factor as its grad_scale"),
+    (["optim.clip_in_optimizer=false"], False, "torch's AdamW (the gradients clipped before it"),
+    (["optim.implementation=foreach"], True, "torch's AdamW after a multiply of every gradient"),
+])
+def test_the_optimizer_path_says_which_kernel_took_the_step_and_what_keeps_ours_off(overrides, clip, want):
+    """`step_path`'s `optimizer`: the kernel that took the last step, read from the optimizer itself
+    (a real step on the CPU), with the field or fact that keeps our Triton kernel off; before any step,
+    that none was taken."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mxflux.train import step_path as sp
+    from mxflux.train.build import build_optimizer
+    from mxflux.train.clipping import clip_and_step
+
+    cfg = load_recipe("tiny-bf16", overrides)
+    model, _ = build_model(cfg, "cpu")
+    optimizer = build_optimizer(cfg, model)
+    trainer = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), model=model, optimizer=optimizer,
+                              block_graphs=SimpleNamespace(on=False), accum=1, world=1)
+    assert sp.step_path(trainer)["optimizer"] == "not stepped yet"
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    clip_and_step(optimizer, model.parameters(), 0.1, in_optimizer=clip)
+    path = sp.step_path(trainer)
+    assert path["optimizer"].startswith(want)
+    reason = {"optim.clip_in_optimizer=false": "(optim.clip_in_optimizer: false)",
+              "optim.implementation=foreach": "(optim.implementation: foreach;"}
+    assert reason.get(overrides[0] if overrides else "", "needs fp32 parameters on one CUDA device") in path["optimizer"]
+    assert f"optimizer {path['optimizer']};" in step_path_line(path)

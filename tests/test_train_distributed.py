@@ -157,6 +157,11 @@ def test_fsdp2_takes_the_compiled_path_of_one_process_without_graph_breaks(data,
     assert p2["mx_packers"] == p1["mx_packers"] == "opaque op (cpu kernels)"
     assert p2["world_size"] == 2 and p2["cuda_graphs"] == "none"
     assert "sharded (FSDP2 DTensors)" in p2["mx_weights"] and "CUDA only" in p1["mx_weights"]
+    # on the CPU neither takes our Triton step: one process folds the clipping into torch's fused kernel,
+    # the sharded one (whose DTensor gradients torch's kernels cannot take with the factor) clips first
+    assert p1["optimizer"].startswith("torch's fused AdamW, the clipping factor as its grad_scale")
+    assert p2["optimizer"].startswith("torch's AdamW (the gradients clipped before it")
+    assert "needs fp32 parameters on one CUDA device" in p1["optimizer"] and "CUDA device" in p2["optimizer"]
 
 
 def test_interrupted_sharded_write_on_two_ranks_keeps_the_previous_checkpoint(data, tmp_path):

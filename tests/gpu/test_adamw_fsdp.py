@@ -34,6 +34,7 @@ def test_the_triton_step_updates_fsdp2_shards_as_it_updates_the_whole_tensors(tm
         assert r["shards"]["0.weight"] == [257 if r["rank"] == 0 else 256, 513]
         assert r["large_shards"] == [True, False, True, False]  # the weights' shards take the Triton kernel
         assert r["sharded_triton_steps"] == 6
+        assert r["last_step"] == ["triton_shards", "triton"]  # what the run's step_path reports
         for phase, max_norm in (("unclipped", 1e9), ("clipped", 0.05)):
             for s in r[phase]:
                 sharded, plain = s["norms"]

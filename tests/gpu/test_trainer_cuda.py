@@ -32,5 +32,6 @@ def test_compiled_training_on_gpu_lowers_the_loss(tmp_path, recipe):
 
     path = step_path(tr)
     assert path["graph_breaks"] == [0] and path["graphs"][0] >= 1
+    assert path["optimizer"] == "our Triton AdamW, the clipping factor applied in its pass"
     if recipe == "tiny-mxfp6":
         assert path["mx_gemm"].startswith("inline") and path["mx_weights"].startswith("kept by the optimizer step")

@@ -21,11 +21,22 @@ record the kernel.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..nn.weight_state import MXWeightState
 from . import adamw_cuda
 
-__all__ = ["ClippingAdamW"]
+__all__ = ["STEP_KERNELS", "ClippingAdamW"]
+
+
+# What `ClippingAdamW.last_step` says, by the path the step took.
+STEP_KERNELS = {
+    "triton": "our Triton AdamW, the clipping factor applied in its pass",
+    "triton_shards": "our Triton AdamW on each rank's shards, the clipping factor applied in its pass",
+    "fused_grad_scale": "torch's fused AdamW, the clipping factor as its grad_scale (the gradients written back)",
+    "foreach_mul": "torch's AdamW after a multiply of every gradient by the clipping factor",
+    "plain": "torch's AdamW (the gradients clipped before it, if at all, by clip_grad_norm_'s own pass)",
+}
 
 
 class ClippingAdamW(torch.optim.AdamW):
@@ -39,6 +50,8 @@ class ClippingAdamW(torch.optim.AdamW):
         self.lr_scalars: dict[int, torch.Tensor] = {}  # the Triton step's learning rates on the device
         # The MX weights' state the Triton step writes as it updates them (`build_optimizer` attaches it).
         self.weight_state: MXWeightState | None = None
+        # Which kernel took the last step (`STEP_KERNELS`), for the run's report of its step path.
+        self.last_step: str | None = None
 
     def refresh_weight_state(self) -> None:
         """Bring the attached MX weights' state up to date (a captured step before each replay: the
@@ -51,19 +64,23 @@ class ClippingAdamW(torch.optim.AdamW):
         """torch's AdamW step; with `grad_factor` (a device scalar) every gradient is first
         multiplied by it, by the kernel the module docstring names."""
         if grad_factor is None:
+            self.last_step = "plain"
             return super().step(closure)
         if closure is not None:
             raise ValueError("step: a closure re-evaluates the gradients, which grad_factor would then miss")
         with_grads = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         if self.kernel == "triton" and adamw_cuda.eligible(self, with_grads):
             adamw_cuda.adamw_clipped_step(self, grad_factor, self.lr_scalars, self.weight_state)
+            self.last_step = "triton_shards" if any(isinstance(p, DTensor) for p in with_grads) else "triton"
         elif all(g.get("fused") for g in self.param_groups):
             self.grad_scale = grad_factor.reciprocal()
             try:
                 super().step()
             finally:
                 del self.grad_scale
+            self.last_step = "fused_grad_scale"
         else:
             torch._foreach_mul_([p.grad for p in with_grads], grad_factor)
             super().step()
+            self.last_step = "foreach_mul"
         return None

@@ -3,7 +3,8 @@
 What makes a step fast differs by setting, and most of it is chosen silently by the code: whether
 the blocks compiled without graph breaks, whether the MX GEMMs and packers are launched from
 inductor's code or through the opaque ops, whether the optimizer step keeps the MX weights' e_ref
-and operands (else each forward packs its weights with both passes), and which CUDA graphs replay. A user who turns
+and operands (else each forward packs its weights with both passes), which kernel takes the optimizer
+step (and whether the gradient clipping costs a pass of its own), and which CUDA graphs replay. A user who turns
 on FSDP2, accumulation or another optimizer should see which of these still hold and, where one is
 off, the field or fact that turns it off, instead of inferring it from a slower step.
 """
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from ..ops.custom_ops import FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK, static_launch_on
 from .build import weight_state_off
+from .optimizer import STEP_KERNELS
 
 __all__ = ["compile_counts", "step_path", "step_path_line"]
 
@@ -76,6 +78,16 @@ def step_path(trainer) -> dict:
     else:
         why = weight_state_off(cfg, trainer.model) or "no weight qualifies (Triton missing or the reference forced)"
         weights = f"packed each forward: {why}"
+    last = getattr(trainer.optimizer, "last_step", None)
+    optimizer = STEP_KERNELS.get(last, "not stepped yet")
+    if last is not None and last not in ("triton", "triton_shards"):
+        o = cfg.optim
+        if o.implementation != "auto":
+            optimizer += f" (optim.implementation: {o.implementation}; auto takes our Triton kernel on CUDA)"
+        elif not o.clip_in_optimizer:
+            optimizer += " (optim.clip_in_optimizer: false)"
+        else:
+            optimizer += " (our Triton kernel needs fp32 parameters on one CUDA device, plain or FSDP2 shards)"
     if cfg.train.cuda_graph:
         graphs = "the whole step captured (train.cuda_graph)"
     elif trainer.block_graphs.on:
@@ -89,6 +101,7 @@ def step_path(trainer) -> dict:
         "mx_gemm": gemm,
         "mx_packers": packers,
         "mx_weights": weights,
+        "optimizer": optimizer,
         "cuda_graphs": graphs,
         "accumulation": trainer.accum,
         "world_size": trainer.world,
@@ -102,4 +115,5 @@ def step_path_line(path: dict) -> str:
         breaks = max(path["graph_breaks"])
         compiled += f", {breaks} graph break(s) on some rank" if breaks else ", 0 graph breaks"
     return (f"step: compiled {compiled}; MX GEMMs {path['mx_gemm']}; MX packers {path['mx_packers']}; "
-            f"MX weights {path['mx_weights']}; CUDA graphs {path['cuda_graphs']}")
+            f"MX weights {path['mx_weights']}; optimizer {path.get('optimizer', 'not reported')}; "
+            f"CUDA graphs {path['cuda_graphs']}")
