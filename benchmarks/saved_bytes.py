@@ -63,7 +63,7 @@ def _checkpointed(block, checkpointing: str | None):
 
         from mxflux.nn.recompute import mark_recomputed, mx_packer_checkpoint_context
 
-        mark_recomputed(block)
+        mark_recomputed(block, selective=True)
         return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context())
     return checkpoint_block(block, checkpointing)
 

@@ -15,6 +15,7 @@ import copy
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import CheckpointPolicy
@@ -24,7 +25,8 @@ from mxflux.bench.memory import record_saved_tensors
 from mxflux.model import Flux, flux_config, image_ids, text_ids
 from mxflux.nn import MXFP6Linear, apply_precision
 from mxflux.nn.recompute import MXPackerRecompute, mx_packer_checkpoint_context
-from mxflux.ops.custom_ops import mx_operands_op
+from mxflux.ops import eref_buffer_words
+from mxflux.ops.custom_ops import mx_erefs_op, mx_operands_op
 from mxflux.train.config import RecipeError, load_recipe
 from mxflux.train.parallelize import checkpoint_block
 
@@ -147,7 +149,10 @@ def test_a_compiled_single_block_rebuilds_linear2s_input_and_keeps_no_activation
     assert ref_saved.by_dtype["float8_e4m3fn"] == weights + activations
     assert saved.by_dtype["float8_e4m3fn"] == weights
     assert saved.by_dtype["bfloat16"] <= ref_saved.by_dtype["bfloat16"], (dict(saved.by_dtype), dict(ref_saved.by_dtype))
-    assert sum(saved.by_dtype.values()) <= sum(ref_saved.by_dtype.values()) - activations
+    # in their place only the inputs' e_ref (`MXConfig.pack_apart`): int32 words per token and feature
+    erefs = 4 * sum(eref_buffer_words(tokens, m.in_features) for m in (linear1, linear2))
+    assert saved.by_dtype["int32"] <= erefs
+    assert sum(saved.by_dtype.values()) <= sum(ref_saved.by_dtype.values()) - activations + erefs
 
 
 @pytest.mark.slow
@@ -215,3 +220,70 @@ def test_mx_packers_config_takes_the_old_booleans_and_needs_compile():
                                                         if name.endswith("-elementwise") else "none"), name
         assert proxy.precision.repack_weights == ("repack" in name), name
         assert (proxy.precision.saved_operands == "e2m3") == ("6bit" in name), name
+
+
+class _MXCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the mxflux packer ops dispatched while active: ("erefs", None, None) or ("pack", row,
+    col, erefs given); compiled code calls them through the dispatcher too."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is mx_operands_op.default:
+            self.calls.append(("pack", args[3], args[4], (args[9] if len(args) > 9 else kwargs.get("erefs")) is not None))
+        elif func is mx_erefs_op.default:
+            self.calls.append(("erefs", None, None, None))
+        return func(*args, **kwargs)
+
+
+def test_a_linear_that_packs_apart_gives_the_same_bits_and_counts(gen):
+    """`MXConfig.pack_apart` (set on the MX linears of a block under a selective-recompute policy):
+    forward finds its input's e_ref once, then packs each orientation by its own call with them; the
+    output, every gradient and the fold-window count are those of the one call for both (inputs with
+    blocks outside the window), eager on the CPU."""
+    from mxflux.nn.functional import MXConfig, mx_linear
+
+    x = torch.randn(70, 96, generator=gen).bfloat16()
+    x[:35] *= 2.0**14  # half the tokens far above the rest: the col operand has blocks outside the window
+    w = torch.randn(64, 96, generator=gen, requires_grad=True)
+    b = torch.randn(64, generator=gen, requires_grad=True)
+    dy = torch.randn(70, 64, generator=gen).bfloat16()
+    results = []
+    for apart in (False, True):
+        xg = x.clone().requires_grad_()
+        w.grad = b.grad = None
+        counter = torch.zeros(1, dtype=torch.int64)
+        with _MXCalls() as seen:
+            y = mx_linear(xg, w, b, counter, MXConfig(recomputed=True, pack_apart=apart))
+        forward = seen.calls
+        y.backward(dy)
+        results.append((y, xg.grad, w.grad.clone(), b.grad.clone(), counter.clone()))
+        if apart:  # its e_ref, then the row operand alone and the col operand alone, both from them
+            assert forward[:3] == [("erefs", None, None, None), ("pack", True, False, True), ("pack", False, True, True)]
+        else:
+            assert forward[0] == ("pack", True, True, False)
+    for a, b_ in zip(*results):
+        assert torch.equal(a, b_)
+    assert int(results[0][-1]) > 0
+
+
+@pytest.mark.slow
+def test_backward_recomputes_only_the_col_operand_of_each_activation(gen):
+    """Compiled under `mx_packers`: in backward the partitioner re-runs, of each activation's packing,
+    only the col operand's call (one orientation, from the e_ref forward kept: no `mx_erefs` in
+    backward, no row operand packed from kept e_ref); everything else backward packs is dY's (both
+    orientations, its own first pass). Bit-identical to the plain block (`_both_steps`)."""
+    plain, wrapped, xs, vec, pe = _blocks("double", gen, repack_weights=True)
+    _both_steps(plain, wrapped, xs, vec, pe, gen)  # compiles `wrapped`; outputs and counts as the plain block's
+    xs = [x.clone().requires_grad_() for x in xs]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = wrapped(*xs, vec, pe)
+    with _MXCalls() as seen:
+        torch.autograd.backward(out, [torch.ones_like(o) for o in out])
+    recomputed = [c for c in seen.calls if c[0] == "pack" and c[3]]
+    assert recomputed and all(c == ("pack", False, True, True) for c in recomputed), seen.calls
+    assert ("erefs", None, None, None) not in seen.calls
+    assert [c for c in seen.calls if c[0] == "pack" and not c[3]], seen.calls  # the dY packs

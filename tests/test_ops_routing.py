@@ -84,3 +84,38 @@ def test_traced_routing_reads_the_launch_switch_as_a_constant(static, monkeypatc
         out = torch.compile(pack, backend="eager", fullgraph=True)(x, torch.zeros(1, dtype=torch.int64))
         torch._dynamo.reset()
     assert torch.equal(out, x * 2) and seen == ["inline" if static else "op"]
+
+
+def test_mx_erefs_finds_the_e_ref_the_packer_encodes_against(gen):
+    """`mxflux::mx_erefs` (the row granularity's first pass alone) on the CPU: per row and per column
+    (R zero-padded) e_ref + 128 where the line has a live block, 0 where it has none, in the buffer
+    layout `erefs` takes: for every live line the reference packer's scale is 2^(e_ref - 5) (E2M3's
+    fold shift); a row and a column of zeros, NaN blocks and a column scaled far up included; fp32 as its bf16
+    rounding; the fake has the real shape and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mxflux.kernels.weight_erefs import buffer_words, rows_and_columns
+    from mxflux.mx import mx_operands_reference
+
+    x = torch.randn(70, 96, generator=gen).bfloat16()
+    x[3] = 0
+    x[:, 40] = 0
+    x[:, 37] *= 2.0**20
+    x[9, 64] = float("nan")  # a NaN block: never sets its line's e_ref
+    x[9, 65:96] = 0
+    buf = custom_ops.mx_erefs(x, True)
+    assert buf.dtype == torch.int32 and buf.shape == (buffer_words(70, 96),)
+    rows, cols = rows_and_columns(buf, 70, 96)
+    ref = mx_operands_reference(x)
+    for got, scale in ((rows[:70], ref.row_scale.flatten()), (cols, ref.col_scale.flatten())):
+        live = got > 0
+        assert live.any() and (~live).any()
+        assert torch.equal(scale[live], torch.exp2((got[live] - 128 - 5).float()))
+    assert not rows[3] and not rows[70:].any() and not cols[40]  # the zero row and column, the padding
+    assert cols[37] - 128 > cols[36] - 128 + 15  # the scaled column's e_ref
+    assert torch.equal(custom_ops.mx_erefs(x.float(), True), buf)
+    with FakeTensorMode() as mode:
+        fake = custom_ops.mx_erefs(mode.from_tensor(x), True)
+    assert fake.shape == buf.shape and fake.dtype == torch.int32
+    with pytest.raises(ValueError, match="x: expected a 2-D"):
+        custom_ops.mx_erefs(x[0], True)

@@ -63,6 +63,41 @@ def test_pass_2_on_the_standalone_erefs_is_the_reference(gen, shape, hadamard):
     assert not torch.equal(other.row_scale, want.row_scale)
 
 
+@pytest.mark.parametrize("dist", ["adversarial", "student_t"])
+def test_an_activations_first_pass_alone_lets_each_orientation_be_packed_apart(gen, dist):
+    """A bf16 activation's e_ref from the first pass run on its own (`mx_erefs_cuda`, `mxflux::mx_erefs`
+    on the GPU: a cached plan, the same as the weights' uncached entry) are
+    the reference's (`rowwise_erefs_reference`), and packing each orientation by its own call with
+    them (`MXConfig.pack_apart`, through the op's kernel entry) gives the reference's bytes and the one
+    call's counts; the erefs are used (shifted ones give other operands)."""
+    from mxflux.kernels import mx_operands_cuda_counted
+    from mxflux.mx import rowwise_erefs_reference
+
+    from mxflux.kernels.operands_cuda import mx_erefs_cuda
+
+    x = DISTS[dist](200, 96, gen, DEVICE)
+    erefs = mx_erefs_cuda(x, True)
+    for _ in range(2):  # its cached plan again (on a GPU: the compiled launch), and the weights' entry
+        assert torch.equal(mx_erefs_cuda(x, True), erefs)
+    assert torch.equal(weight_exponents_cuda(x, True, _buffer(x).fill_(-1)), erefs)
+    rows, cols = weight_erefs.rows_and_columns(erefs, 200, 96)
+    want_rows, want_cols = rowwise_erefs_reference(x.cpu())
+    assert torch.equal(rows[:200].cpu(), want_rows) and torch.equal(cols.cpu(), want_cols)
+    want = mx_operands_reference(x, granularity=G.ROWWISE)
+    whole = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    mx_operands_cuda_counted(x, None, whole, True, True, G.ROWWISE, True, "none", False)
+    apart = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    rd, rs, _, _, _, _ = mx_operands_cuda_counted(x, None, apart, True, False, G.ROWWISE, True, "none", False, erefs)
+    _, _, cd, cs, _, _ = mx_operands_cuda_counted(x, None, apart, False, True, G.ROWWISE, True, "none", False, erefs)
+    for name, got in (("row_data", rd), ("row_scale", rs), ("col_data", cd), ("col_scale", cs)):
+        assert_bits_equal(name, got, getattr(want, name))
+    assert int(apart) == int(whole) == int(want.blocks_outside_window)
+    shifted = torch.where(erefs > 0, erefs + 1, erefs)
+    other = mx_operands_cuda_counted(x, None, torch.zeros_like(apart), True, False, G.ROWWISE, True, "none", False,
+                                     shifted)
+    assert not torch.equal(other[1], want.row_scale)
+
+
 def test_bad_erefs_are_refused_by_name(gen):
     x = _fp32_weight(64, 64, gen)
     with pytest.raises(ValueError, match="erefs: expected int32"):

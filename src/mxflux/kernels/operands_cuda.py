@@ -89,8 +89,8 @@ if HAS_TRITON:
         zip_tuple,
     )
 
-__all__ = ["clear_launch_plans", "cuda_kernel_available", "mx_operands_cuda", "mx_operands_cuda_counted", "prologue_cuda",
-           "weight_exponents_cuda"]
+__all__ = ["clear_launch_plans", "cuda_kernel_available", "mx_erefs_cuda", "mx_operands_cuda", "mx_operands_cuda_counted",
+           "prologue_cuda", "weight_exponents_cuda"]
 
 def cuda_kernel_available() -> bool:
     """True when mx_operands_cuda can run here: Triton importable and a CUDA device (or the interpreter)."""
@@ -368,16 +368,18 @@ def mx_operands_cuda(
 def mx_operands_cuda_counted(x, aux, counter, row, col, granularity, hadamard, prologue, colsum, erefs=None) -> tuple:
     """`mx_operands_cuda` as the custom op calls it: positional arguments, the count added into
     `counter`, and a plain tuple (row_data, row_scale, col_data, col_scale, colsum, counter) with
-    None for what was not asked (host time per call is what a small micro-batch is bound by). An
-    fp32 x (a master weight) with its current e_ref given (`erefs`, from the optimizer step) is
-    packed by pass 2 alone; `erefs` is ignored for any other x or granularity."""
+    None for what was not asked (host time per call is what a small micro-batch is bound by). An x
+    without a prologue whose current e_ref are given (`erefs`: a weight's from the optimizer step, an
+    activation's from the first pass run on its own) is packed by pass 2 alone; `erefs` is ignored at
+    another granularity or with a prologue."""
     return _pack(x, aux, counter, row, col, granularity, hadamard, "e2m3", prologue, colsum, None, False,
-                 weight_erefs_or_none(x, granularity, erefs))
+                 usable_erefs(x, granularity, erefs, prologue))
 
 
-def weight_erefs_or_none(x: torch.Tensor, granularity: FoldGranularity, erefs):
-    """`erefs` where the packer can use them (an fp32 weight at the row granularity), else None."""
-    if erefs is not None and (x.dtype is not torch.float32 or granularity is not FoldGranularity.ROWWISE):
+def usable_erefs(x: torch.Tensor, granularity: FoldGranularity, erefs, prologue: str = "none"):
+    """`erefs` where the packer can use them (the row granularity, no prologue: the e_ref are those of
+    x itself), else None."""
+    if erefs is not None and (granularity is not FoldGranularity.ROWWISE or prologue != "none"):
         return None
     return erefs
 
@@ -405,6 +407,42 @@ def weight_exponents_cuda(x: torch.Tensor, hadamard: bool, out: torch.Tensor) ->
     _pack_kernel[grid](xw, xw, xw.stride(0), xw.stride(0), plan.R, plan.C, plan.Rp, out, out, out, out, out, out,
                        rows, cols, plan.n_rt, grid[1], PASS=1, **plan.meta, **plan.options)
     return out
+
+
+_NO_COUNT: dict[torch.device, torch.Tensor] = {}  # per device: the counter pass 1 is handed and never writes
+
+
+def mx_erefs_cuda(x: torch.Tensor, hadamard: bool) -> torch.Tensor:
+    """The row granularity's pass 1 alone, as a call on an activation (`mxflux::mx_erefs`): x's rows'
+    and columns' e_ref in a fresh int32 buffer of `weight_erefs`' layout, which `mx_operands_cuda`
+    takes as `erefs` to pack either orientation with pass 2 alone. The same kernel and grid as the
+    packer's own pass 1, through a launch plan cached per call signature, with the compiled launch
+    after its first call (host time per call is the packer's). The plan is a packer plan whose
+    workspace is exactly that buffer: a counter the pass never writes (no count words), no column
+    sums, so the rows' part (R padded to 4 words) and the columns' follow each other."""
+    hw = not interpreting()
+    io_mode = pack_io_mode()
+    check_input(x, "x", (torch.bfloat16, torch.float32))
+    no_count = _NO_COUNT.get(x.device)
+    if no_count is None:
+        no_count = _NO_COUNT[x.device] = torch.zeros(1, dtype=torch.int64, device=x.device)
+    g = FoldGranularity.ROWWISE
+    key = plan_key(x, None, no_count, True, True, g, hadamard, "e2m3", "none", False, hw, io_mode)
+    plan = cached_plan(key, x, None, no_count, True, True, g, hadamard, "e2m3", "none", False, hw, io_mode,
+                       first_pass_only=True)
+    buf = torch.zeros(buffer_words(plan.R, plan.C), dtype=torch.int32, device=x.device)
+    if plan.R == 0:
+        return buf
+    xw = x.clone(memory_format=torch.contiguous_format) if plan.copy_x or not key[0][4] else x
+    fast = plan.fast
+    if fast and fast[0].usable():
+        xp, bp = xw.data_ptr(), buf.data_ptr()
+        grid = plan.grids[1]
+        fast[0](grid, (xp, xp, xw.stride(0), xw.stride(0), plan.R, plan.C, plan.Rp, bp, bp, bp, bp, bp,
+                       no_count.data_ptr(), bp, bp + 4 * plan.off_col_eref, plan.n_rt, grid[1]))
+    else:
+        _launch_normally(plan, xw, xw, buf, buf, buf, buf, buf, no_count)
+    return buf
 
 
 def _pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, _hw, _poison, erefs=None) -> tuple:
@@ -504,7 +542,8 @@ def _launch_normally(plan, xw, aw, ws, row_data, row_scale, col_data, col_scale,
     )
     if not plan.pairs_checked:  # before the plan's first launch: compiles only, under the default grid
         compile_args = args + (plan.grid[1],)
-        plan.meta["PAIRS"] = _paired_stores_hold(plan, compile_args)
+        if 2 in plan.passes:
+            plan.meta["PAIRS"] = _paired_stores_hold(plan, compile_args)
         _size_grids_per_pass(plan, compile_args)
         plan.pairs_checked = True
     device = _compiled_launch_device(plan) if plan.fast is None else None
@@ -550,7 +589,8 @@ def _size_grids_per_pass(plan, args) -> None:
     """Before a plan's first launch on a GPU: compile each pass (no launch), read its registers and
     shared memory, and size that pass's grid for the programs an SM really holds
     (`resident_programs`): the default grid assumes two, where pass 1 fits three."""
-    if not plan.hw or interpreting() or plan.device.type != "cuda" or len(plan.passes) < 2:
+    # (pass 2 alone keeps the default grid, sized for the two programs an SM holds of it)
+    if not plan.hw or interpreting() or plan.device.type != "cuda" or plan.passes == (2,):
         return
     sms = num_sms(plan.device.index if plan.device.index is not None else torch.cuda.current_device())
     warps = plan.options["num_warps"]

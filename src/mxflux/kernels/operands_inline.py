@@ -33,7 +33,7 @@ from torch.library import wrap_triton
 
 from ..mx.granularity import FoldGranularity
 from .inductor_analysis import memoize_access_analysis
-from .operands_cuda import _paired_stores_hold, _size_grids_per_pass, weight_erefs_or_none
+from .operands_cuda import _paired_stores_hold, _size_grids_per_pass, usable_erefs
 from .operands_plan import LaunchPlan, counts_in_place, pack_io_mode
 from .triton_common import HAS_TRITON, interpreting
 from .weight_erefs import rows_and_columns
@@ -99,7 +99,7 @@ def mx_operands_cuda_inline(
         raise RuntimeError("mx_operands_cuda_inline: Triton is not installed")
     memoize_access_analysis(_pack_kernel)  # before inductor analyses the launches traced below
     g = FoldGranularity.from_mx_gemm(granularity)
-    erefs = weight_erefs_or_none(x, g, erefs)
+    erefs = usable_erefs(x, g, erefs)
     hw = not interpreting()
     plan = _plan(x, blocks_outside_window, row, col, g, hadamard, colsum, erefs, hw)
     if plan.copy_x or (x.storage_offset() * x.element_size()) % 16:  # (a view not starting 16-byte aligned)

@@ -267,10 +267,16 @@ def plan_key(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, co
             granularity, type(granularity), fmt, prologue, hw, io_mode, _tensor_key(erefs))
 
 
-def cached_plan(key: tuple, *args) -> LaunchPlan:
+def cached_plan(key: tuple, *args, first_pass_only: bool = False) -> LaunchPlan:
+    """The plan for `key`, built from `args` (LaunchPlan's) the first time. `first_pass_only`: a plan
+    that launches the row granularity's pass 1 alone (`operands_cuda.mx_erefs_cuda`), cached apart."""
+    if first_pass_only:
+        key = ("first pass only", *key)
     plan = _PLANS.get(key)
     if plan is None:
         plan = LaunchPlan(*args)
+        if first_pass_only:
+            plan.passes, plan.grids, plan.launches = (1,), {1: plan.grid}, {1: None}
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan

@@ -14,7 +14,7 @@ from .granularity import FoldGranularity
 from .hadamard import hadamard32
 from .matmul import mx_matmul, true_fp32
 from .metrics import snr_db
-from .operands import PROLOGUES, MXOperands, apply_prologue, mx_operands_reference, padded_rows
+from .operands import PROLOGUES, MXOperands, apply_prologue, mx_operands_reference, padded_rows, rowwise_erefs_reference
 from .quantize import MXTensor, dequantize, quantize
 from .scaled_gemm import dequantize_operand, scaled_gemm_reference
 
@@ -43,6 +43,7 @@ __all__ = [
     "hadamard32",
     "mx_matmul",
     "mx_operands_reference",
+    "rowwise_erefs_reference",
     "pack_bits6",
     "padded_rows",
     "quantize",

@@ -18,7 +18,7 @@ from .formats import code_table
 from .granularity import FoldGranularity
 from .quantize import MXTensor, pow2
 
-__all__ = ["fold_to_e4m3", "pow2_any"]
+__all__ = ["fold_to_e4m3", "pow2_any", "rowwise_erefs"]
 
 _NO_BLOCK = -(2**20)  # sentinel exponent for zero and NaN blocks: they never set e_ref
 
@@ -63,12 +63,8 @@ def fold_to_e4m3(
     bpg = g // block  # blocks per group
 
     blk_codes = codes.reshape(*lead, nb, block)
-    nonzero = (blk_codes & (f.sign_mask - 1)).amax(dim=-1) > 0
-    is_nan = scales == E8M0_NAN
-    e_block = scales - E8M0_BIAS
-    live = nonzero & ~is_nan
-    e_live = torch.where(live, e_block, torch.full_like(e_block, _NO_BLOCK))
-    e_ref = e_live.reshape(*lead, nb // bpg, bpg).amax(dim=-1)
+    e_block, live, is_nan = _live_blocks(blk_codes, scales, f)
+    e_ref = _group_maxima(e_block, live, bpg)
     e_ref = torch.where(e_ref == _NO_BLOCK, torch.zeros_like(e_ref), e_ref)  # empty group: any scale
     d = e_block - e_ref.repeat_interleave(bpg, dim=-1)
 
@@ -81,3 +77,31 @@ def fold_to_e4m3(
     blocks_outside_window = (live & (d < -window)).sum()
 
     return data.movedim(-1, mx.axis), scale.movedim(-1, mx.axis), blocks_outside_window
+
+
+def _live_blocks(blk_codes: torch.Tensor, scales: torch.Tensor, f) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block (codes [..., blocks, block], int32 E8M0 scales [..., blocks]): its exponent, whether it
+    is live (a non-zero code and not NaN: only live blocks set a group's e_ref) and whether it is NaN."""
+    nonzero = (blk_codes & (f.sign_mask - 1)).amax(dim=-1) > 0
+    is_nan = scales == E8M0_NAN
+    return scales - E8M0_BIAS, nonzero & ~is_nan, is_nan
+
+
+def _group_maxima(e_block: torch.Tensor, live: torch.Tensor, blocks_per_group: int) -> torch.Tensor:
+    """The largest live block exponent of each group of `blocks_per_group` blocks; _NO_BLOCK for a group
+    without a live block."""
+    e_live = torch.where(live, e_block, torch.full_like(e_block, _NO_BLOCK))
+    return e_live.reshape(*e_block.shape[:-1], -1, blocks_per_group).amax(dim=-1)
+
+
+def rowwise_erefs(mx: MXTensor) -> torch.Tensor:
+    """The row granularity's e_ref of every group (a whole line along `mx`'s axis) as the CUDA packer's
+    first pass records it: int32 e_ref + 128 where the group has a live block, 0 where it has none
+    (`fold_to_e4m3` encodes against the same e_ref)."""
+    f = mx.format
+    codes = mx.codes.movedim(mx.axis, -1)
+    scales = mx.scales.movedim(mx.axis, -1).to(torch.int32)
+    blk_codes = codes.reshape(*codes.shape[:-1], codes.shape[-1] // mx.block, mx.block)
+    e_block, live, _ = _live_blocks(blk_codes, scales, f)
+    e_ref = _group_maxima(e_block, live, e_block.shape[-1])[..., 0]
+    return torch.where(e_ref == _NO_BLOCK, torch.zeros_like(e_ref), e_ref + 128).to(torch.int32)

@@ -25,11 +25,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .fold import fold_to_e4m3
+from .fold import fold_to_e4m3, rowwise_erefs
 from .granularity import FoldGranularity
 from .quantize import quantize
 
-__all__ = ["MXOperands", "PROLOGUES", "apply_prologue", "mx_operands_reference", "padded_rows"]
+__all__ = ["MXOperands", "PROLOGUES", "apply_prologue", "mx_operands_reference", "padded_rows", "rowwise_erefs_reference"]
 
 PROLOGUES = ("none", "gelu_tanh", "gelu_tanh_grad")
 
@@ -92,3 +92,15 @@ def mx_operands_reference(
     if colsum:
         sums = v.float().sum(dim=0)
     return MXOperands(row_data, row_scale, col_data, col_scale, sums, outside)
+
+
+def rowwise_erefs_reference(x: torch.Tensor, *, hadamard: bool = True, fmt: str = "e2m3") -> tuple[torch.Tensor, torch.Tensor]:
+    """The row granularity's e_ref of each row of x and of each column (its col orientation's rows,
+    R zero-padded), as `fold_to_e4m3` encodes against them: int32 [R] and [C], e_ref + 128 where the
+    line has a live block, 0 where it has none. What the CUDA packer's first pass finds, and what
+    its second pass (or each orientation's on its own) can be handed."""
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D [rows, cols] tensor, got shape {tuple(x.shape)}")
+    rows = rowwise_erefs(quantize(x, fmt, axis=1, hadamard=hadamard))
+    vt = F.pad(x, (0, 0, 0, padded_rows(x.shape[0]) - x.shape[0])).t()
+    return rows, rowwise_erefs(quantize(vt, fmt, axis=1, hadamard=hadamard))

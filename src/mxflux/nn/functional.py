@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from ..mx.granularity import FoldGranularity
-from ..ops.custom_ops import compact_operand, expand_operand, mx_operands, scaled_gemm
+from ..ops.custom_ops import compact_operand, expand_operand, mx_erefs, mx_operands, scaled_gemm
 
 __all__ = ["SAVED_OPERANDS", "MXConfig", "fused_mx_mlp", "mx_linear"]
 
@@ -57,6 +57,9 @@ class MXConfig(NamedTuple):
     `recomputed`: forward's packer calls may run again in backward (the module is inside a block
     under any `activation_checkpointing` but none), so they count into a fresh counter that is
     added to the module's once (`_forward_counter`).
+    `pack_apart`: forward packs its input's two orientations by separate calls after a call that
+    finds its e_ref alone (`_pack_apart`), so that a selective-recompute policy re-runs only the
+    col operand's (one orientation, the packer's second pass) in backward (`mxflux.nn.recompute`).
     """
 
     mx_gemm: str = "rowwise"
@@ -64,6 +67,7 @@ class MXConfig(NamedTuple):
     saved_operands: str = "e4m3"
     repack_weights: bool = False
     recomputed: bool = False
+    pack_apart: bool = False
 
     @property
     def granularity(self) -> FoldGranularity:
@@ -82,6 +86,23 @@ def _pack(x, cfg: MXConfig, blocks_outside_window, *, row=True, col=True, prolog
     rd, rs, cd, cs, sums = mx_operands(x, aux, blocks_outside_window, row, col, cfg.granularity.value,
                                        cfg.hadamard, prologue, colsum, erefs, inline=not cfg.recomputed)
     return Operand(rd, rs), Operand(cd, cs), sums
+
+
+def _pack_apart(x, cfg: MXConfig, counter) -> tuple[Operand, Operand]:
+    """x's row and col operands by three calls instead of one: its e_ref (the row granularity's first
+    pass alone, a few words per row and column), then each orientation's second pass. The same bytes
+    and the same count as one call. Backward needs only the col operand; a selective-recompute policy
+    marks the packer calls on activations for recompute, and the partitioner then re-runs just that
+    call in backward (one orientation, one pass, from the kept e_ref) where a single call would run
+    both passes for both orientations again."""
+    erefs = mx_erefs(x, cfg.hadamard)
+    x_row = _pack(x, cfg, counter, col=False, erefs=erefs)[0]
+    # The col call counts into a counter of its own: a recomputed call is re-run from its inputs, and
+    # had it taken the counter the row call had just added into, the row call would be re-run too.
+    col_count = torch.zeros_like(counter)
+    x_col = _pack(x, cfg, col_count, row=False, erefs=erefs)[1]
+    counter.add_(col_count)
+    return x_row, x_col
 
 
 def _forward_counter(blocks_outside_window, cfg: MXConfig):
@@ -165,7 +186,10 @@ class _MXLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig, w_erefs, w_row_data, w_row_scale,
                 w_col_data, w_col_scale):
         counter = _forward_counter(blocks_outside_window, cfg)
-        x_row, x_col, _ = _pack(x, cfg, counter, col=weight.requires_grad)
+        if cfg.pack_apart and weight.requires_grad and cfg.granularity is FoldGranularity.ROWWISE:
+            x_row, x_col = _pack_apart(x, cfg, counter)
+        else:
+            x_row, x_col, _ = _pack(x, cfg, counter, col=weight.requires_grad)
         ctx.w_kept = w_row_data is not None
         if ctx.w_kept:  # the weight's operands as the optimizer step left them: nothing to pack
             w_row, w_saved = Operand(w_row_data, w_row_scale), (w_col_data, None, w_col_scale)
@@ -219,7 +243,10 @@ class _FusedMXMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig, erefs1, erefs2):
         counter = _forward_counter(blocks_outside_window, cfg)
-        x_row, x_col, _ = _pack(x, cfg, counter)
+        if cfg.pack_apart and cfg.granularity is FoldGranularity.ROWWISE:
+            x_row, x_col = _pack_apart(x, cfg, counter)
+        else:
+            x_row, x_col, _ = _pack(x, cfg, counter)
         w1_row, w1_saved = _pack_weight(w1, cfg, counter, col=True, erefs=erefs1)
         w2_row, w2_saved = _pack_weight(w2, cfg, counter, col=True, erefs=erefs2)
         h = _gemm(x_row, w1_row, cfg, _compute(b1, x.dtype), x.dtype)

@@ -11,8 +11,11 @@ which the partitioner never recomputes by itself. Marking its calls on activatio
 MUST_RECOMPUTE under a selective-checkpointing policy makes the partitioner run them again in
 backward, from what it keeps anyway, and keep no Xᵀ: measured on the CPU's inductor, a compiled
 Flux double block then keeps exactly FP8's bytes (benchmarks/RESULTS.md, "What a compiled block
-keeps"). The price: those packer calls run twice (forward and backward), packing both
-orientations each time.
+keeps"). The price is the packer work run again. So that it is only the col operand's, the MX
+linears of such a block pack their input apart (`MXConfig.pack_apart`): its e_ref alone first
+(`mxflux::mx_erefs`, whose few words per row and column the partitioner keeps), then each
+orientation by its own call with them; backward re-runs the col call alone, the packer's second
+pass for one orientation, where one call for both would run both passes for both again.
 
 Where it pays is a property of the model, not of the op: recomputing a packer only helps when
 its bf16 input is kept anyway or can be rebuilt cheaply from what is. When the input is built for
@@ -60,7 +63,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..ops.custom_ops import mx_operands_op, scaled_gemm_op
+from ..ops.custom_ops import mx_erefs_op, mx_operands_op, scaled_gemm_op
 
 __all__ = ["MXPackerRecompute", "mark_recomputed", "mx_packer_checkpoint_context"]
 
@@ -105,6 +108,8 @@ class MXPackerRecompute:
                     "model.compile=true")
             if args[0].dtype == torch.bfloat16:
                 return CheckpointPolicy.MUST_RECOMPUTE
+        elif op is mx_erefs_op.default:
+            pass  # a few words per row and column, from a pass over the input: kept, in every mode
         elif op in self.rebuilt or (self.elementwise and op not in _GEMM_AND_ATTENTION and not op._schema.is_mutable
                                     and torch.Tag.nondeterministic_seeded not in op.tags):
             return CheckpointPolicy.MUST_RECOMPUTE
@@ -119,12 +124,14 @@ def mx_packer_checkpoint_context(rebuilt: Collection[torch._ops.OpOverload] = ()
                              MXPackerRecompute(rebuilt, elementwise=elementwise))
 
 
-def mark_recomputed(module: nn.Module) -> None:
+def mark_recomputed(module: nn.Module, *, selective: bool = False) -> None:
     """Tell every MX linear in `module` that its forward packer calls may run again in backward,
     so that they count fold-window blocks into a fresh counter added to the module's once
-    (`MXConfig.recomputed`): without it a recomputed call counts its blocks twice."""
+    (`MXConfig.recomputed`): without it a recomputed call counts its blocks twice. `selective`
+    (a policy picks what is recomputed, not the whole forward): they also pack their input apart
+    (`MXConfig.pack_apart`), so that only the col operand's call is recomputed."""
     from .linear import MXFP6Linear
 
     for m in module.modules():
         if isinstance(m, MXFP6Linear):
-            m.cfg = m.cfg._replace(recomputed=True)
+            m.cfg = m.cfg._replace(recomputed=True, pack_apart=selective)

@@ -41,19 +41,20 @@ import torch
 
 from ..kernels import (HAS_TRITON, compact_operand_cuda, cpu_kernel_available, expand_operand_cuda, mx_operands_cpu,
                        mx_operands_cuda_counted, scaled_gemm_cpu, scaled_gemm_cuda, scaled_gemm_cuda_traceable)
-from ..kernels.operands_cuda import weight_exponents_cuda
+from ..kernels.operands_cuda import mx_erefs_cuda, weight_exponents_cuda
 from ..kernels.operands_inline import inline_packable, mx_operands_cuda_inline
 from ..kernels.triton_common import interpreting
 from ..kernels.weight_erefs import buffer_words as eref_buffer_words
+from ..kernels.weight_erefs import rows_and_columns
 from ..mx.compact import compact_operand as compact_operand_reference
 from ..mx.compact import compacted_shapes
 from ..mx.compact import expand_operand as expand_operand_reference
 from ..mx.granularity import FoldGranularity
-from ..mx.operands import mx_operands_reference, padded_rows
+from ..mx.operands import mx_operands_reference, padded_rows, rowwise_erefs_reference
 from ..mx.scaled_gemm import scaled_gemm_reference
 
 __all__ = ["FORCE_REFERENCE", "INLINE_GEMM", "INLINE_PACK", "compact_operand", "eref_buffer_words", "expand_operand",
-           "mx_operands", "mx_operands_inline", "mx_operands_op", "scaled_gemm", "scaled_gemm_op", "static_kernel_launch",
+           "mx_erefs", "mx_erefs_op", "mx_operands", "mx_operands_inline", "mx_operands_op", "scaled_gemm", "scaled_gemm_op", "static_kernel_launch",
            "static_launch_on", "use_kernels", "weight_exponents", "weight_exponents_available"]
 
 FORCE_REFERENCE = os.environ.get("MXFLUX_REFERENCE", "0") == "1"
@@ -105,6 +106,7 @@ _LIB.define("mx_operands(Tensor x, Tensor? aux, Tensor(a!) blocks_outside_window
             "-> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 _LIB.define("scaled_gemm(Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, str granularity, "
             "Tensor? bias, ScalarType out_dtype) -> Tensor")
+_LIB.define("mx_erefs(Tensor x, bool hadamard) -> Tensor")
 _LIB.define("compact_operand(Tensor data) -> (Tensor, Tensor)")
 _LIB.define("expand_operand(Tensor packed, Tensor shifts) -> Tensor")
 
@@ -133,9 +135,10 @@ def _mx_operands(
     rounding, x.to(torch.bfloat16), without that cast as a separate pass. `granularity` is a
     `FoldGranularity` value ("rowwise", "blockwise", "exact"). Blocks outside the fold window are
     added to `blocks_outside_window` (int64, one element) on the device: no host sync. Unrequested
-    outputs are empty. `erefs`: an fp32 weight's current row-granularity e_ref (`weight_exponents`'
-    layout, vouched for by the caller: `mxflux.nn.weight_state`), with which the kernels skip their
-    first pass; the other backends compute their own (the same values).
+    outputs are empty. `erefs`: x's current row-granularity e_ref (`mx_erefs`' layout; a weight's from
+    the optimizer step, `mxflux.nn.weight_state`, or an activation's from `mx_erefs`), vouched for by
+    the caller, with which the kernels skip their first pass; the other backends compute their own
+    (the same values).
     """
     g = FoldGranularity.from_mx_gemm(granularity)
     if use_kernels(x):  # the kernels add into the counter themselves (no launch for the add)
@@ -173,6 +176,36 @@ def _mx_operands_fake(x, aux, blocks_outside_window, row, col, granularity, hada
 
 
 mx_operands_op = _register("mx_operands", _mx_operands, _mx_operands_fake)
+
+
+def _mx_erefs(x: torch.Tensor, hadamard: bool) -> torch.Tensor:
+    """The row granularity's first pass alone: the e_ref of x's rows and of its columns (int32
+    [eref_buffer_words(R, C)], `kernels.weight_erefs`' layout: e + 128 where a line has a live block, 0
+    where it has none), which `mx_operands` takes as `erefs` to pack either orientation with its
+    second pass only. x as `mx_operands` takes it (bf16, or fp32 packed as its bf16 rounding)."""
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D [rows, cols] tensor, got shape {tuple(x.shape)}")
+    if use_kernels(x):
+        return mx_erefs_cuda(x, hadamard)
+    r, c = x.shape
+    out = torch.empty(eref_buffer_words(r, c), dtype=torch.int32, device=x.device)
+    rows, cols = rowwise_erefs_reference(x.to(torch.bfloat16) if x.dtype == torch.float32 else x, hadamard=hadamard)
+    row_part, col_part = rows_and_columns(out, r, c)
+    row_part.zero_()[:r].copy_(rows)
+    col_part.copy_(cols)
+    return out
+
+
+def _mx_erefs_fake(x, hadamard):
+    return x.new_empty(eref_buffer_words(*x.shape), dtype=torch.int32)
+
+
+mx_erefs_op = _register("mx_erefs", _mx_erefs, _mx_erefs_fake)
+
+
+def mx_erefs(x: torch.Tensor, hadamard: bool) -> torch.Tensor:
+    """The opaque op `torch.ops.mxflux.mx_erefs` (`_mx_erefs`' contract)."""
+    return mx_erefs_op(x, hadamard)
 
 
 # `mxflux::mx_operands` without a prologue, for compiled regions on CUDA: traced, its body

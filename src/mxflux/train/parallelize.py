@@ -107,7 +107,7 @@ def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"activation_checkpointing: expected 'full', 'mx_packers' or 'elementwise', got {mode!r}")
     # In every mode forward's packer calls run again in backward; marked, they count their
     # fold-window blocks once (`mxflux.nn.functional._forward_counter`).
-    mark_recomputed(block)
+    mark_recomputed(block, selective=mode != "full")
     if mode == "full":
         return checkpoint_wrapper(block)
     return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context(
