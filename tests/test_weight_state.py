@@ -61,3 +61,14 @@ def test_the_state_takes_row_granularity_layers_only_and_none_without_kernels():
     state = MXWeightState([m], [m])
     if not weight_exponents_available(m.weight):  # CPU tensors without Triton's interpreter
         assert state.of == {} and state.kept == {} and m.kept_weight_state() == (None, None)
+
+
+@pytest.mark.parametrize("repack, operands", [(False, True), (True, True), (False, False), (True, False)])
+def test_the_step_keeps_operands_only_where_nothing_asks_for_none(repack, operands):
+    """`precision.repack_weights` (no weight operand kept through the step) overrides the default
+    `weight_operands_in_optimizer`: the step then keeps only the weights' e_ref."""
+    from mxflux.train import load_recipe
+
+    cfg = load_recipe("tiny-mxfp6", [f"precision.repack_weights={str(repack).lower()}",
+                                     f"precision.weight_operands_in_optimizer={str(operands).lower()}"])
+    assert cfg.precision.converter().keeps_operands() == (operands and not repack)

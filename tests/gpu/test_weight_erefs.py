@@ -308,6 +308,38 @@ def test_a_write_through_torch_is_not_used_stale_and_is_repacked_by_refresh(gen,
     assert torch.equal(y, m(x))
 
 
+@pytest.mark.parametrize("repack, operands, kept", [(False, True, 2), (True, True, 0), (False, False, 0)])
+def test_repack_weights_keeps_the_e_ref_but_no_operands_between_steps(repack, operands, kept):
+    """`precision.repack_weights` asks for no weight operand kept through the step, so the precision's
+    optimizer state then keeps the weights' e_ref only (as weight_operands_in_optimizer: false does),
+    and the run's step path says so, naming the field."""
+    from types import SimpleNamespace
+
+    from mxflux.train import load_recipe
+    from mxflux.train.step_path import step_path
+
+    cfg = load_recipe("tiny-mxfp6", [f"precision.repack_weights={str(repack).lower()}",
+                                     f"precision.weight_operands_in_optimizer={str(operands).lower()}",
+                                     'precision.fused_mlp="off"'])
+    model = torch.nn.Sequential(MXFP6Linear(512, 1024, repack_weights=repack),
+                                MXFP6Linear(1024, 512, repack_weights=repack)).to(DEVICE)
+    converter = cfg.precision.converter()
+    assert converter.keeps_operands() == (operands and not repack)
+    # (what `optimizer_state` builds on a GPU; on the CPU it says the Triton step runs on CUDA only)
+    state = MXWeightState.of_model(model, keep_operands=converter.keeps_operands(), min_elements=adamw_cuda.LARGE)
+    assert len(state.of) == 2 and len(state.kept) == kept
+    trainer = SimpleNamespace(cfg=cfg, device=torch.device(DEVICE), model=model,
+                              optimizer=SimpleNamespace(weight_state=state, last_step=None),
+                              block_graphs=SimpleNamespace(on=False), accum=1, world=1)
+    weights = step_path(trainer)["mx_weights"]
+    assert weights.startswith("kept by the optimizer step (2 weights")
+    if kept == 0:
+        assert ("precision.repack_weights: true" if repack else "weight_operands_in_optimizer: false") in weights
+        assert "their e_ref only" in weights
+    else:
+        assert "e_ref only" not in weights
+
+
 def test_only_row_granularity_layers_keep_state():
     m = MXFP6Linear(128, 128, mx_gemm="blockwise")
     with pytest.raises(ValueError, match="layers: the e_ref and operands kept are the row granularity's.*'blockwise'"):

@@ -74,7 +74,12 @@ def step_path(trainer) -> dict:
     if not mx:
         weights = f"none ({cfg.precision.name})"
     elif state is not None:
-        weights = f"kept by the optimizer step ({len(state.of)} weights)"
+        weights = f"kept by the optimizer step ({len(state.of)} weights"
+        if not state.kept:
+            why = ("precision.repack_weights: true" if cfg.precision.repack_weights
+                   else "precision.weight_operands_in_optimizer: false")
+            weights += f": their e_ref only, each forward packs them with pass 2 ({why})"
+        weights += ")"
     else:
         why = weight_state_off(cfg, trainer.model) or "no weight qualifies (Triton missing or the reference forced)"
         weights = f"packed each forward: {why}"

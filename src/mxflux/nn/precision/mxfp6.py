@@ -37,7 +37,7 @@ class MXFP6Options(BaseModel):
     weight_exponents_in_optimizer: bool = True
     # ... and, with it, the packed MX operands of the MXFP6Linear weights, which their forward then
     # uses instead of packing the weight (the same values; 2 bytes per weight element kept between
-    # steps).
+    # steps; none with repack_weights, which asks for no weight operand kept through the step).
     weight_operands_in_optimizer: bool = True
 
 
@@ -105,11 +105,16 @@ class MXFP6Converter(PrecisionConverter):
             return "the Triton step runs on CUDA only"
         return None
 
+    def keeps_operands(self) -> bool:
+        """Whether the optimizer step keeps the weights' operands (2 bytes per weight element between
+        steps), not only their e_ref. `repack_weights` asks for no weight operand kept through the
+        step, so it turns them off: forward and backward then pack each weight with pass 2 alone."""
+        return self.cfg.weight_operands_in_optimizer and not self.cfg.repack_weights
+
     def optimizer_state(self, model: nn.Module, *, min_elements: int = 1) -> MXWeightState | None:
         """The row-granularity MX weights' e_ref (and, with weight_operands_in_optimizer, the
         MXFP6Linear weights' operands), written by the Triton AdamW step (`nn.weight_state`)."""
         if self.optimizer_state_off(model) is not None:
             return None
-        state = MXWeightState.of_model(model, keep_operands=self.cfg.weight_operands_in_optimizer,
-                                       min_elements=min_elements)
+        state = MXWeightState.of_model(model, keep_operands=self.keeps_operands(), min_elements=min_elements)
         return state if state.of else None
