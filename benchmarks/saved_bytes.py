@@ -116,6 +116,11 @@ def main() -> None:
     bad = [p for p in precisions if p not in PRECISIONS] + [b for b in blocks if b not in ("double", "single")]
     if bad:
         ap.error(f"unknown precision or block: {', '.join(bad)}")
+    # What the GPU keeps: its packers run the row granularity in two passes, so under a selective
+    # policy the MX linears pack their inputs apart (keeping their e_ref words); the CPU packers would not.
+    from mxflux.nn import functional
+
+    functional._two_pass_packer = lambda x: True
     res = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "width": args.width,
            "tokens": args.tokens, "blocks": []}
     for kind in blocks:

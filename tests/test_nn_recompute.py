@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from mxflux.bench.compare import PROXY_OVERRIDES, PROXY_RECIPE, SETTINGS
 from mxflux.bench.memory import record_saved_tensors
 from mxflux.model import Flux, flux_config, image_ids, text_ids
-from mxflux.nn import MXFP6Linear, apply_precision
+from mxflux.nn import MXFP6Linear, apply_precision, functional
 from mxflux.nn.recompute import MXPackerRecompute, mx_packer_checkpoint_context
 from mxflux.ops import eref_buffer_words
 from mxflux.ops.custom_ops import mx_erefs_op, mx_operands_op
@@ -118,8 +118,17 @@ def _col_operand_bytes(linear: MXFP6Linear, rows: int) -> int:
     return linear.in_features * -(-rows // 32) * 32
 
 
+@pytest.fixture(params=[False, True], ids=["one-call", "apart"])
+def two_pass(request, monkeypatch):
+    """The packers as the CPU has them (one pass per call: forward packs its inputs in one call) and as
+    the GPU's two-pass kernels have them (the inputs packed apart under a selective policy)."""
+    if request.param:
+        monkeypatch.setattr(functional, "_two_pass_packer", lambda x: True)
+    return request.param
+
+
 @pytest.mark.slow
-def test_a_compiled_double_block_recomputing_its_packers_is_bit_identical_and_keeps_no_activation_operand(gen):
+def test_a_compiled_double_block_recomputing_its_packers_is_bit_identical_and_keeps_no_activation_operand(gen, two_pass):
     """With the fused MLP (whose GELU-prologue packer call on fc1's output is recomputed too) and
     repack_weights (no Wᵀ kept): the policy leaves no E4M3 operand at all."""
     plain, wrapped, xs, vec, pe = _blocks("double", gen, repack_weights=True, fused_mlp="on")
@@ -135,7 +144,7 @@ def test_a_compiled_double_block_recomputing_its_packers_is_bit_identical_and_ke
 
 
 @pytest.mark.slow
-def test_a_compiled_single_block_rebuilds_linear2s_input_and_keeps_no_activation_operand(gen):
+def test_a_compiled_single_block_rebuilds_linear2s_input_and_keeps_no_activation_operand(gen, two_pass):
     """Unfused, Wᵀ kept (repack_weights off): what stays in E4M3 is exactly the two weights' Wᵀ;
     both Xᵀ are gone, linear2's because its input (attention output and GELU concatenated) is
     rebuilt in backward (`mxflux.train.parallelize.mx_packer_rebuilt_ops`), and no bf16 copy of
@@ -150,8 +159,8 @@ def test_a_compiled_single_block_rebuilds_linear2s_input_and_keeps_no_activation
     assert saved.by_dtype["float8_e4m3fn"] == weights
     assert saved.by_dtype["bfloat16"] <= ref_saved.by_dtype["bfloat16"], (dict(saved.by_dtype), dict(ref_saved.by_dtype))
     # in their place only the inputs' e_ref (`MXConfig.pack_apart`): int32 words per token and feature
-    erefs = 4 * sum(eref_buffer_words(tokens, m.in_features) for m in (linear1, linear2))
-    assert saved.by_dtype["int32"] <= erefs
+    erefs = 4 * sum(eref_buffer_words(tokens, m.in_features) for m in (linear1, linear2)) if two_pass else 0
+    assert saved.by_dtype.get("int32", 0) <= erefs
     assert sum(saved.by_dtype.values()) <= sum(ref_saved.by_dtype.values()) - activations + erefs
 
 
@@ -239,13 +248,16 @@ class _MXCalls(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def test_a_linear_that_packs_apart_gives_the_same_bits_and_counts(gen):
+def test_a_linear_that_packs_apart_gives_the_same_bits_and_counts(gen, monkeypatch):
     """`MXConfig.pack_apart` (set on the MX linears of a block under a selective-recompute policy):
     forward finds its input's e_ref once, then packs each orientation by its own call with them; the
     output, every gradient and the fold-window count are those of the one call for both (inputs with
-    blocks outside the window), eager on the CPU."""
+    blocks outside the window), eager on the CPU (the split as the GPU's two-pass packers take it; the
+    CPU packers, one pass per call, are not split in training)."""
+    from mxflux.nn import functional
     from mxflux.nn.functional import MXConfig, mx_linear
 
+    monkeypatch.setattr(functional, "_two_pass_packer", lambda x: True)  # as on a GPU
     x = torch.randn(70, 96, generator=gen).bfloat16()
     x[:35] *= 2.0**14  # half the tokens far above the rest: the col operand has blocks outside the window
     w = torch.randn(64, 96, generator=gen, requires_grad=True)
@@ -271,11 +283,12 @@ def test_a_linear_that_packs_apart_gives_the_same_bits_and_counts(gen):
 
 
 @pytest.mark.slow
-def test_backward_recomputes_only_the_col_operand_of_each_activation(gen):
+def test_backward_recomputes_only_the_col_operand_of_each_activation(gen, monkeypatch):
     """Compiled under `mx_packers`: in backward the partitioner re-runs, of each activation's packing,
     only the col operand's call (one orientation, from the e_ref forward kept: no `mx_erefs` in
     backward, no row operand packed from kept e_ref); everything else backward packs is dY's (both
     orientations, its own first pass). Bit-identical to the plain block (`_both_steps`)."""
+    monkeypatch.setattr(functional, "_two_pass_packer", lambda x: True)  # as on a GPU
     plain, wrapped, xs, vec, pe = _blocks("double", gen, repack_weights=True)
     _both_steps(plain, wrapped, xs, vec, pe, gen)  # compiles `wrapped`; outputs and counts as the plain block's
     xs = [x.clone().requires_grad_() for x in xs]

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from ..mx.granularity import FoldGranularity
-from ..ops.custom_ops import compact_operand, expand_operand, mx_erefs, mx_operands, scaled_gemm
+from ..ops.custom_ops import compact_operand, expand_operand, mx_erefs, mx_operands, scaled_gemm, use_kernels
 
 __all__ = ["SAVED_OPERANDS", "MXConfig", "fused_mx_mlp", "mx_linear"]
 
@@ -58,8 +58,9 @@ class MXConfig(NamedTuple):
     under any `activation_checkpointing` but none), so they count into a fresh counter that is
     added to the module's once (`_forward_counter`).
     `pack_apart`: forward packs its input's two orientations by separate calls after a call that
-    finds its e_ref alone (`_pack_apart`), so that a selective-recompute policy re-runs only the
-    col operand's (one orientation, the packer's second pass) in backward (`mxflux.nn.recompute`).
+    finds its e_ref alone (`_pack_apart`; where the packer has two passes), so that a
+    selective-recompute policy re-runs only the col operand's (one orientation, the packer's second
+    pass) in backward (`mxflux.nn.recompute`).
     """
 
     mx_gemm: str = "rowwise"
@@ -103,6 +104,20 @@ def _pack_apart(x, cfg: MXConfig, counter) -> tuple[Operand, Operand]:
     x_col = _pack(x, cfg, col_count, row=False, erefs=erefs)[1]
     counter.add_(col_count)
     return x_row, x_col
+
+
+def _packs_apart(x, cfg: MXConfig, col: bool) -> bool:
+    """Whether forward packs x apart (`_pack_apart`): asked for (`cfg.pack_apart`), the col operand
+    needed, the row granularity, and a packer that finds the e_ref in a pass of its own, which the
+    split then runs once (the CUDA kernels; the CPU packers do everything in one pass per call, so
+    there the split would only add work)."""
+    return cfg.pack_apart and col and cfg.granularity is FoldGranularity.ROWWISE and _two_pass_packer(x)
+
+
+def _two_pass_packer(x) -> bool:
+    """x's packer runs the row granularity in two passes (the CUDA kernels). Tests of what the split
+    does to the compiled graph replace this, to run it on the CPU."""
+    return use_kernels(x)
 
 
 def _forward_counter(blocks_outside_window, cfg: MXConfig):
@@ -186,7 +201,7 @@ class _MXLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig, w_erefs, w_row_data, w_row_scale,
                 w_col_data, w_col_scale):
         counter = _forward_counter(blocks_outside_window, cfg)
-        if cfg.pack_apart and weight.requires_grad and cfg.granularity is FoldGranularity.ROWWISE:
+        if _packs_apart(x, cfg, weight.requires_grad):
             x_row, x_col = _pack_apart(x, cfg, counter)
         else:
             x_row, x_col, _ = _pack(x, cfg, counter, col=weight.requires_grad)
@@ -243,7 +258,7 @@ class _FusedMXMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig, erefs1, erefs2):
         counter = _forward_counter(blocks_outside_window, cfg)
-        if cfg.pack_apart and cfg.granularity is FoldGranularity.ROWWISE:
+        if _packs_apart(x, cfg, True):
             x_row, x_col = _pack_apart(x, cfg, counter)
         else:
             x_row, x_col, _ = _pack(x, cfg, counter)
