@@ -94,3 +94,70 @@ def test_compile_clean_on_gpu():
     assert sum(counters["graph_break"].values()) == 0
     got = [y.detach(), x.grad] + [p.grad for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(eager, got))
+
+
+def test_a_compiled_block_under_mx_packers_packs_apart_and_matches_the_plain_block(gen):
+    """A Flux double block on CUDA, compiled, under `activation_checkpointing: mx_packers` with
+    `repack_weights`: its MX linears pack their inputs apart (the e_ref by `mxflux::mx_erefs`, each
+    orientation by its own pass-2 call), so backward re-runs only the col operands' calls (pass 2 from
+    kept e_ref, col only; no first pass), and outputs, gradients and fold-window counts equal the plain
+    compiled block's bit for bit."""
+    import copy
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mxflux.model import Flux, flux_config, image_ids, text_ids
+    from mxflux.nn import apply_precision
+    from mxflux.ops.custom_ops import mx_erefs_op, mx_operands_op
+    from mxflux.train.config import load_recipe
+    from mxflux.train.parallelize import checkpoint_block
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is mx_operands_op.default:
+                self.calls.append(("pack", args[3], args[4], len(args) > 9 and args[9] is not None))
+            elif func is mx_erefs_op.default:
+                self.calls.append(("erefs",))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    cfg = flux_config("flux-tiny", depth=1, depth_single_blocks=1, hidden_size=256, num_heads=4)
+    model = Flux(cfg)
+    apply_precision(model, load_recipe("tiny-mxfp6").precision.model_copy(update={"repack_weights": True,
+                                                                                  "fused_mlp": "off"}))
+    plain = model.double_blocks[0].cuda()
+    wrapped = checkpoint_block(copy.deepcopy(plain), "mx_packers")
+    b, n_txt, side, d = 2, 32, 8, cfg.hidden_size
+    vec = torch.randn(b, d, generator=gen).cuda()
+    pe = model.pe_embedder(torch.cat([text_ids(b, n_txt), image_ids(b, side, side)], 1)).cuda()
+    xs = [torch.randn(b, side * side, d, generator=gen).cuda(), torch.randn(b, n_txt, d, generator=gen).cuda()]
+    grads_out = None
+    results = []
+    for block in (plain, wrapped):
+        block.compile()
+        for _ in range(2):  # the first call compiles
+            inputs = [x.clone().requires_grad_() for x in xs]
+            block.zero_grad()
+            for m in block.modules():
+                if isinstance(m, MXFP6Linear):
+                    m.blocks_outside_window.zero_()
+            with torch.autocast("cuda", dtype=torch.bfloat16):  # (a dispatch mode here would make it eager)
+                out = block(*inputs, vec, pe)
+            if grads_out is None:
+                grads_out = [torch.randn(o.shape, generator=gen).to(o) for o in out]
+            with Calls() as bwd:
+                torch.autograd.backward(out, grads_out)
+        counts = [int(m.blocks_outside_window) for m in block.modules() if isinstance(m, MXFP6Linear)]
+        results.append(([*out, *(x.grad for x in inputs), *(p.grad for p in block.parameters())], counts,
+                        bwd.calls))
+    (ref, ref_counts, _), (got, counts, bwd) = results
+    for i, (a, b_) in enumerate(zip(ref, got)):
+        assert torch.equal(a, b_), i
+    assert counts == ref_counts
+    recomputed = [c for c in bwd if c[0] == "pack" and c[3]]
+    assert recomputed and all(c == ("pack", False, True, True) for c in recomputed), bwd
+    assert ("erefs",) not in bwd
