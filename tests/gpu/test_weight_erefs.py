@@ -96,6 +96,10 @@ def test_an_activations_first_pass_alone_lets_each_orientation_be_packed_apart(g
     other = mx_operands_cuda_counted(x, None, torch.zeros_like(apart), True, False, G.ROWWISE, True, "none", False,
                                      shifted)
     assert not torch.equal(other[1], want.row_scale)
+    with pytest.raises(ValueError, match="x: mx_operands_cuda reads"):
+        mx_erefs_cuda(x.half(), True)
+    with pytest.raises(ValueError, match="x: expected a 2-D"):
+        mx_erefs_cuda(x[0], True)
 
 
 def test_bad_erefs_are_refused_by_name(gen):
