@@ -1,6 +1,7 @@
 """The clipped Triton AdamW step on FSDP2 shards (`train.adamw_cuda`, `train.clipping`): two CPU ranks
-under torchrun (gloo), the kernels run by Triton's interpreter (tests/adamw_fsdp_worker.py). Skipped
-without Triton; it needs no GPU."""
+under torchrun (gloo), the kernels run by Triton's interpreter (tests/adamw_fsdp_worker.py, and a whole
+`mxflux train` run: tests/adamw_train_worker.py). Skipped without Triton; it needs no GPU (`make
+test-kernels` runs it)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,31 @@ def test_the_triton_step_updates_fsdp2_shards_as_it_updates_the_whole_tensors(tm
                 assert s["weights_equal"] == (phase == "unclipped")
                 assert s["excess_over_1e-5_rel"] <= (0.0 if phase == "unclipped" else 1e-7)
         assert all(s["norms"][1] > 0.05 for s in r["clipped"])  # so the factor was below 1
+
+
+def test_a_sharded_training_run_takes_the_triton_step_and_the_losses_of_one_process(tmp_path):
+    """`mxflux train` on the tiny MXFP6 recipe, the Triton step on the CPU (tests/adamw_train_worker.py): under
+    FSDP2 on two gloo ranks the run reports the Triton step on each rank's shards and its losses are one
+    process's (which reports the Triton step on whole tensors) to the world-size tolerance."""
+    from test_train_distributed import COMMON, FP32, WORLD_RTOL
+
+    from mxflux.data import build_demo_dataset
+
+    data = build_demo_dataset(tmp_path / "demo", n_train=64, n_eval=16)
+    worker = Path(__file__).resolve().parents[1] / "adamw_train_worker.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    runs = {}
+    for ranks in (1, 2):
+        launch = [] if ranks == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29654"]
+        out = tmp_path / f"run{ranks}"
+        cmd = [sys.executable, *launch, str(worker), "tiny-mxfp6", "--out", str(out), "--device", "cpu",
+               "--set", f"data.root={data}", "--max-steps", "2", *COMMON, *FP32]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        rows = [r.split(",") for r in (out / "metrics.csv").read_text().splitlines()[1:]]
+        runs[ranks] = ([float(r[3]) for r in rows if r[2] == "train"],
+                       json.loads(proc.stdout.strip().splitlines()[-1])["step_path"])
+    (one, one_path), (two, two_path) = runs[1], runs[2]
+    assert len(one) == 2 and two == pytest.approx(one, rel=WORLD_RTOL)
+    assert one_path["optimizer"] == "our Triton AdamW, the clipping factor applied in its pass"
+    assert two_path["optimizer"] == "our Triton AdamW on each rank's shards, the clipping factor applied in its pass"
