@@ -50,6 +50,9 @@ def test_one_setting_in_process_with_bare_loop_breakdown_and_memory(tmp_path, ca
     assert r["memory"]["max_allocated_gib"] > 0 and r["memory"]["source"].startswith("cpu")
     assert 0 < r["loss"] < 10 and r["pid"] == os.getpid()
     assert r["warmup_s"] > 0 and r["bare_loop"]["warmup_s"] > 0  # the warm-up step's wall time
+    # how the timed steps ran, as `mxflux train` reports it
+    assert r["step_path"]["world_size"] == 1 and r["step_path"]["accumulation"] == 2
+    assert r["step_path"]["mx_gemm"] == "none (bf16)" and r["step_path"]["optimizer"].startswith("torch's fused AdamW")
 
     b = r["breakdown"]  # the CPU: host ops' self time, split into the same categories
     assert b["steps"] == 1 and set(b["categories"]) == set(CATEGORIES)
@@ -174,6 +177,7 @@ def test_one_setting_under_torchrun_on_two_ranks_and_a_batch_the_world_cannot_sp
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
     (r,) = json.loads((tmp_path / "two.json").read_text())
     assert (r["world_size"], r["global_batch_size"], r["accumulation_steps"]) == (2, 8, 1) and r["step_ms"] > 0
+    assert r["step_path"]["world_size"] == 2 and len(r["step_path"]["graph_breaks"]) == 2  # every rank's
 
     bad = run(29658, tmp_path / "bad.json", "batch.global_batch_size=4", "batch.micro_batch_size=4")
     out = bad.stdout + bad.stderr

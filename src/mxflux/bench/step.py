@@ -285,6 +285,7 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
     model is then wrapped as `mxflux train` wraps it). See the module docstring for the fields.
     """
     from ..train.distributed import alone, init_distributed
+    from ..train.step_path import step_path
     from ..train.trainer import Trainer
 
     if steps <= 0 or warmup < 0 or profile_steps < 0:
@@ -331,6 +332,7 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
             mem_report = memory_breakdown(trainer_step, model=tr.model, optimizer=tr.optimizer, device=device)
         precision = cfg.precision.name
         kept = _kept_weight_operands(tr.optimizer)
+        path = step_path(tr)  # how the timed steps ran (every rank: a collective under torchrun)
         _release(tr.model, tr.optimizer)
         del tr, pool, last
     gc.collect()
@@ -378,6 +380,7 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
         "loss": loss,
         "breakdown": breakdown,
         **kept,
+        "step_path": path,
         "bare_loop": bare,
         "trainer_over_bare_loop": (elapsed / steps * 1e3) / bare["step_ms"] if bare else None,
         "bare_loop_graph": bare_graph,
