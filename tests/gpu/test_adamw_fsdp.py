@@ -71,3 +71,21 @@ def test_a_sharded_training_run_takes_the_triton_step_and_the_losses_of_one_proc
     assert len(one) == 2 and two == pytest.approx(one, rel=WORLD_RTOL)
     assert one_path["optimizer"] == "our Triton AdamW, the clipping factor applied in its pass"
     assert two_path["optimizer"] == "our Triton AdamW on each rank's shards, the clipping factor applied in its pass"
+
+
+def test_the_step_keeps_the_whole_weights_e_ref_on_fsdp2_shards(tmp_path):
+    """Two gloo ranks (tests/weight_state_fsdp_worker.py): the MX weights' state over FSDP2 shards keeps their
+    e_ref (not their operands); after each Triton step, every rank holds the whole weights' e_ref (each rank's
+    rows, the columns reduced over the ranks; a weight with far-apart columns and rows), eager forward hands
+    each layer those e_ref while current (the shard's version, not the gathered weight's), and after a write
+    through torch the next forward's refresh recomputes them."""
+    worker = Path(__file__).resolve().parents[1] / "weight_state_fsdp_worker.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29656", str(worker),
+           str(tmp_path)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)):
+        assert (r["tracked"], r["kept"]) == (2, 0)
+        assert r["after_steps"] == [[True, True], [True, True]] and r["after_refresh"] == [True, True]
+        assert r["used"] == [True] * 6 and r["current_after_write"] is False

@@ -99,18 +99,21 @@ class MXFP6Linear(nn.Linear):
         self.weight_erefs: torch.Tensor | None = None
         self.weight_operands: tuple[torch.Tensor, ...] | None = None
         self.weight_state_version: int | None = None
+        object.__setattr__(self, "weight_state_param", None)  # the parameter that version is of (the owner's)
 
     def kept_weight_state(self) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
         """(e_ref, operands) of the weight to use in this forward, or None each.
 
-        Eagerly, only while the weight's version is the one they were computed from: after any
+        Eagerly, only while the weight's version (the owner's parameter: under FSDP2 the shard, not the
+        gathered weight forward sees) is the one they were computed from: after any
         write through torch (`copy_`, `load_state_dict`, an EMA swap) forward packs the weight itself
         (the same bits) until the owner computes them again. Compiled, the version cannot be read,
         so they are used as attached: the owner brings them up to date before each forward of the
         model (its forward pre-hook) and before each replay of a captured step."""
         if self.weight_state_version is None:
             return None, None
-        if not torch.compiler.is_compiling() and self.weight._version != self.weight_state_version:
+        source = self.weight if self.weight_state_param is None else self.weight_state_param
+        if not torch.compiler.is_compiling() and source._version != self.weight_state_version:
             return None, None
         return self.weight_erefs, self.weight_operands
 

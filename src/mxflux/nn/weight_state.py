@@ -18,6 +18,12 @@ it leaves (`mark_current`). An eager forward uses them only while the version ma
 pre-hook on the model that calls `refresh` (a captured step calls it before each replay). Writes
 through `.data` are the one kind torch does not count: they are not seen
 (`precision.weight_exponents_in_optimizer: false` turns the whole mechanism off).
+
+FSDP2 weights (DTensors sharded by rows) keep their e_ref only: each rank finds its rows' and its
+share of every column's, and the ranks' maxima are reduced (`reduce_sharded` after a step, per weight
+in a refresh), so every rank holds the whole weight's, which the gathered weight's forward packs
+with. The version that counts is the shard's (the parameter the owner holds), not the gathered
+weight's that forward sees.
 """
 
 from __future__ import annotations
@@ -26,14 +32,21 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from ..mx.granularity import FoldGranularity
 from ..mx.operands import padded_rows
-from ..ops import eref_buffer_words, mx_operands, weight_exponents, weight_exponents_available
+from ..ops import eref_buffer_words, eref_rows_and_columns, mx_operands, weight_exponents, weight_exponents_available
 from .linear import MXFP6Linear, rowwise_mx_linears
 from .mlp import linears_with_own_forward
 
-__all__ = ["MXWeightState"]
+__all__ = ["MXWeightState", "row_shard_start"]
+
+
+def row_shard_start(p: DTensor) -> int:
+    """The first row of this rank's shard of an FSDP2 weight sharded by rows (torch.chunk's split, FSDP2's)."""
+    return p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size())
 
 
 class Kept(NamedTuple):
@@ -74,7 +87,12 @@ class MXWeightState:
             self.of[p] = (hadamard, view)
             for m in self.layers[p]:
                 m.weight_erefs, m.weight_state_version = view, None
-        kept_layers = [m for m in keep if m.weight in self.of]
+                # the tensor whose version the state belongs to (under FSDP2 the sharded parameter, not
+                # the gathered one forward sees); set past nn.Module's attribute hook, which would
+                # register a Parameter as one of the module's own
+                object.__setattr__(m, "weight_state_param", p)
+        # (sharded weights keep their e_ref only: their operands would have to be gathered in place of them)
+        kept_layers = [m for m in keep if m.weight in self.of and not isinstance(m.weight, DTensor)]
         self.kept: dict[torch.Tensor, Kept] = {}
         self.held = torch.empty_like(self.buffer) if kept_layers else None
         self.unheld = torch.zeros(len(kept_layers), dtype=torch.int32, device=device) if kept_layers else None
@@ -102,8 +120,19 @@ class MXWeightState:
                    min_elements=min_elements)
 
     def qualifies(self, p: torch.Tensor) -> bool:
-        return (weight_exponents_available(p) and type(p.data) is torch.Tensor and p.dtype == torch.float32
-                and p.dim() == 2 and p.is_contiguous() and p.numel() >= self.min_elements and p.shape[1] % 32 == 0)
+        """A 2-D fp32 weight, contiguous, whose rows hold whole blocks, on a device where the kernels run, of
+        at least `min_elements` elements: a plain tensor, or an FSDP2 shard by rows (its local rows then,
+        the step updating each rank's shard)."""
+        if isinstance(p, DTensor):
+            if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+                return False
+            local = p.to_local()
+        elif type(p.data) is torch.Tensor:
+            local = p
+        else:
+            return False
+        return (weight_exponents_available(local) and local.dtype == torch.float32 and p.dim() == 2
+                and local.is_contiguous() and local.numel() >= self.min_elements and p.shape[1] % 32 == 0)
 
     def install(self, model: torch.nn.Module) -> None:
         """Bring everything up to date before each forward of `model` (compiled layers use what is
@@ -132,6 +161,10 @@ class MXWeightState:
             return
         hadamard, view = self.of[p]
         x = p.detach()
+        if isinstance(x, DTensor):
+            self._sharded_exponents(x, hadamard, view)
+            self.mark_current(p)
+            return
         weight_exponents(x, hadamard, view)
         kept = self.kept.get(p)
         if kept is not None:
@@ -141,6 +174,31 @@ class MXWeightState:
                 dst.copy_(src)
             kept.held.copy_(view)
         self.mark_current(p)
+
+    @staticmethod
+    def _sharded_exponents(x: DTensor, hadamard: bool, view: torch.Tensor) -> None:
+        """The e_ref of an FSDP2 weight sharded by rows: each rank finds its rows' (whole rows: complete)
+        and its rows' share of every column's, the ranks' maxima are reduced (a collective: every rank
+        refreshes the same weights, their versions moving alike)."""
+        local = x.to_local()
+        n, c = local.shape
+        first = row_shard_start(x)
+        rows, cols = eref_rows_and_columns(view, *x.shape)
+        view.zero_()
+        if n:
+            mine = weight_exponents(local, hadamard, torch.empty(eref_buffer_words(n, c), dtype=torch.int32,
+                                                                 device=local.device))
+            mine_rows, mine_cols = eref_rows_and_columns(mine, n, c)
+            rows[first:first + n].copy_(mine_rows[:n])
+            cols.copy_(mine_cols)
+        dist.all_reduce(view, op=dist.ReduceOp.MAX, group=x.device_mesh.get_group())
+
+    def reduce_sharded(self) -> None:
+        """After a step that updated sharded weights (each rank its rows' e_ref and its share of the
+        columns'): every rank's maxima, for every weight at once (one collective)."""
+        meshes = {p.device_mesh for p in self.of if isinstance(p, DTensor)}
+        for mesh in meshes:
+            dist.all_reduce(self.buffer, op=dist.ReduceOp.MAX, group=mesh.get_group())
 
     def zero(self, updated: set) -> None:
         """Zero the buffers of the weights this step updates (atomic maxima start from 0): one fill

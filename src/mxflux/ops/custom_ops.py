@@ -45,7 +45,7 @@ from ..kernels.operands_cuda import mx_erefs_cuda, weight_exponents_cuda
 from ..kernels.operands_inline import inline_packable, mx_operands_cuda_inline
 from ..kernels.triton_common import interpreting
 from ..kernels.weight_erefs import buffer_words as eref_buffer_words
-from ..kernels.weight_erefs import rows_and_columns
+from ..kernels.weight_erefs import rows_and_columns as eref_rows_and_columns
 from ..mx.compact import compact_operand as compact_operand_reference
 from ..mx.compact import compacted_shapes
 from ..mx.compact import expand_operand as expand_operand_reference
@@ -53,9 +53,10 @@ from ..mx.granularity import FoldGranularity
 from ..mx.operands import mx_operands_reference, padded_rows, rowwise_erefs_reference
 from ..mx.scaled_gemm import scaled_gemm_reference
 
-__all__ = ["FORCE_REFERENCE", "INLINE_GEMM", "INLINE_PACK", "compact_operand", "eref_buffer_words", "expand_operand",
-           "mx_erefs", "mx_erefs_op", "mx_operands", "mx_operands_inline", "mx_operands_op", "scaled_gemm", "scaled_gemm_op", "static_kernel_launch",
-           "static_launch_on", "use_kernels", "weight_exponents", "weight_exponents_available"]
+__all__ = ["FORCE_REFERENCE", "INLINE_GEMM", "INLINE_PACK", "compact_operand", "eref_buffer_words", "eref_rows_and_columns",
+           "expand_operand", "mx_erefs", "mx_erefs_op", "mx_operands", "mx_operands_inline", "mx_operands_op", "scaled_gemm",
+           "scaled_gemm_op", "static_kernel_launch", "static_launch_on", "use_kernels", "weight_exponents",
+           "weight_exponents_available"]
 
 FORCE_REFERENCE = os.environ.get("MXFLUX_REFERENCE", "0") == "1"
 # MXFLUX_INLINE_GEMM=0 keeps compiled regions on the opaque GEMM op (A/B runs of host time; the
@@ -190,7 +191,7 @@ def _mx_erefs(x: torch.Tensor, hadamard: bool) -> torch.Tensor:
     r, c = x.shape
     out = torch.empty(eref_buffer_words(r, c), dtype=torch.int32, device=x.device)
     rows, cols = rowwise_erefs_reference(x.to(torch.bfloat16) if x.dtype == torch.float32 else x, hadamard=hadamard)
-    row_part, col_part = rows_and_columns(out, r, c)
+    row_part, col_part = eref_rows_and_columns(out, r, c)
     row_part.zero_()[:r].copy_(rows)
     col_part.copy_(cols)
     return out

@@ -9,8 +9,9 @@ resumes do not depend on which kernel ran.
 
 Under FSDP2 the parameters, gradients and moments are DTensors sharded alike; AdamW is elementwise,
 so the kernels update each rank's local shards (the clipping factor comes from the norm of all
-shards, `train.clipping`). The MX weights' state is not kept there: a row's or column's e_ref would
-need a maximum across the shards (`nn.precision.mxfp6`).
+shards, `train.clipping`). Of a weight sharded by rows the step keeps the e_ref: each rank writes its
+rows' (whole rows) and its rows' share of each column's maximum, and one all-reduce of the maxima
+after the step gives every rank the whole weight's; the operands are not kept there.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from ..kernels import adamw_cuda as kernels
 from ..kernels.triton_common import HAS_TRITON, interpreting
 from ..kernels.weight_erefs import rows_and_columns
-from ..nn.weight_state import MXWeightState
+from ..nn.weight_state import MXWeightState, row_shard_start
 
 if HAS_TRITON:
     import triton
@@ -101,6 +102,7 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
     lr_scalars = {} if lr_scalars is None else lr_scalars
     tracked = state.of if state is not None else {}
     fixups = []  # the weights whose operands the step wrote: each gets its (usually empty) fix-up pass
+    sharded = False  # some sharded weight's e_ref were updated: the ranks' maxima are reduced after the step
     if tracked:
         state.zero({p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p in tracked})
     for index, group in enumerate(optimizer.param_groups):
@@ -114,6 +116,7 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1.0)
         # what the kernels read and write: the tensors themselves, or this rank's shards of them
+        originals = params  # (the state is kept per parameter)
         params = [_local(p) for p in params]
         states = [dict(s, exp_avg=_local(s["exp_avg"]), exp_avg_sq=_local(s["exp_avg_sq"])) for s in states]
         grads = [_local(p.grad) for p in group["params"] if p.grad is not None]
@@ -124,19 +127,22 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
             step_size = (lr.double() / (1.0 - torch.pow(beta1, t))).float()
             bc2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, t)).float()
             for j, i in enumerate(large):
-                p, g, s = params[i], grads[i], states[i]
+                p, g, s, orig = params[i], grads[i], states[i], originals[i]
                 n = p.numel()
-                if p in tracked:
-                    hadamard, view = tracked[p]
+                if orig in tracked:
+                    hadamard, view = tracked[orig]
                     R, C = p.shape
                     W = kernels.OperandTile
                     grid = (triton.cdiv(C, W.NB * 32), triton.cdiv(R, W.BR))
                     hyper = (float(group["weight_decay"]), float(beta1), float(beta2), float(group["eps"]))
-                    kept = state.kept.get(p)
+                    kept = state.kept.get(orig)
                     if kept is None:
+                        rows, cols = rows_and_columns(view, *orig.shape)
+                        if isinstance(orig, DTensor):  # this rank's rows; its share of the columns' maxima
+                            rows, sharded = rows[row_shard_start(orig):], True
                         kernels.adamw_erefs_kernel[grid](
                             p, g, s["exp_avg"], s["exp_avg_sq"], R, C, factor, lr, step_size[j:], bc2_sqrt[j:],
-                            *rows_and_columns(view, *p.shape), *hyper, HADAMARD=hadamard, HW=not interpreting(), BR=W.BR,
+                            rows, cols, *hyper, HADAMARD=hadamard, HW=not interpreting(), BR=W.BR,
                             NB=W.NB, SLICES=W.SLICES, num_warps=W.NUM_WARPS)
                     else:
                         rd, rs, cd, cs = kept.operands
@@ -146,8 +152,8 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
                             rd.view(torch.int32), rs, cd.view(torch.int32), cs, kept.unheld, *hyper,
                             HEADROOM=W.HEADROOM, HADAMARD=hadamard, HW=not interpreting(), BR=W.BR, NB=W.NB,
                             SLICES=W.SLICES, num_warps=W.NUM_WARPS)
-                        fixups.append(p)
-                    state.mark_current(p)
+                        fixups.append(orig)
+                    state.mark_current(orig)
                     continue
                 kernels.adamw_kernel[(triton.cdiv(n, kernels.BLOCK),)](
                     p, g, s["exp_avg"], s["exp_avg_sq"], n, factor, lr, step_size[j:], bc2_sqrt[j:],
@@ -159,6 +165,8 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
                                 [states[i]["exp_avg_sq"] for i in small], [], [steps[i] for i in small],
                                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
                                 eps=group["eps"], amsgrad=False, maximize=False)
+    if sharded:
+        state.reduce_sharded()
     if fixups:
         _fix_up_operands(state, fixups)
 

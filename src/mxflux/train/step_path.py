@@ -76,8 +76,12 @@ def step_path(trainer) -> dict:
     elif state is not None:
         weights = f"kept by the optimizer step ({len(state.of)} weights"
         if not state.kept:
-            why = ("precision.repack_weights: true" if cfg.precision.repack_weights
-                   else "precision.weight_operands_in_optimizer: false")
+            if cfg.precision.repack_weights:
+                why = "precision.repack_weights: true"
+            elif not cfg.precision.weight_operands_in_optimizer:
+                why = "precision.weight_operands_in_optimizer: false"
+            else:
+                why = "the weights are FSDP2 shards: their operands would have to be gathered in their place"
             weights += f": their e_ref only, each forward packs them with pass 2 ({why})"
         weights += ")"
     else:

@@ -7,6 +7,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from ..linear import MXFP6Linear, mx_ineligibility, rowwise_mx_linears
 from ..mlp import FusedMXFP6MLP, activation_name
@@ -98,9 +99,11 @@ class MXFP6Converter(PrecisionConverter):
         weights = [m.weight for m in rowwise_mx_linears(model)]
         if not weights:
             return "no MXFP6 layer with the row granularity (precision.mx_gemm)"
-        if any(type(w.data) is not torch.Tensor for w in weights):
-            return ("the weights are sharded (FSDP2 DTensors); a row's or column's e_ref would need a maximum "
-                    "across the shards, which the step does not take, so each forward packs the gathered weight")
+        sharded = [w for w in weights if isinstance(w, DTensor)]
+        if any(w.device_mesh.ndim != 1 or tuple(w.placements) != (Shard(0),) for w in sharded):
+            return "the weights are sharded otherwise than by rows over one mesh dimension (FSDP2's)"
+        if any(type(w.data) is not torch.Tensor for w in weights if not isinstance(w, DTensor)):
+            return "the weights are tensor subclasses the Triton step does not update"
         if not any(w.is_cuda for w in weights):
             return "the Triton step runs on CUDA only"
         return None
