@@ -124,15 +124,19 @@ class MXWeightState:
         at least `min_elements` elements: a plain tensor, or an FSDP2 shard by rows (its local rows then,
         the step updating each rank's shard)."""
         if isinstance(p, DTensor):
-            if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or p.dim() != 2:
                 return False
             local = p.to_local()
+            # Decided alike on every rank (their states must hold the same weights: the maxima are reduced
+            # over one buffer), on the smallest shard, so that every rank's goes through the step's kernel.
+            ranks = p.device_mesh.size()
+            size = max(0, p.shape[0] - (ranks - 1) * -(-p.shape[0] // ranks)) * p.shape[1]
         elif type(p.data) is torch.Tensor:
-            local = p
+            local, size = p, p.numel()
         else:
             return False
         return (weight_exponents_available(local) and local.dtype == torch.float32 and p.dim() == 2
-                and local.is_contiguous() and local.numel() >= self.min_elements and p.shape[1] % 32 == 0)
+                and local.is_contiguous() and size >= self.min_elements and p.shape[1] % 32 == 0)
 
     def install(self, model: torch.nn.Module) -> None:
         """Bring everything up to date before each forward of `model` (compiled layers use what is
