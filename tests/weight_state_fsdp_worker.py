@@ -68,6 +68,11 @@ def main(out: str) -> None:
     report["current_after_write"] = state.is_current(model[0].weight)
     model(torch.randn(64, 256, generator=gen))
     report["after_refresh"] = whole_weights_erefs(state)
+    with torch.no_grad():  # a write into the shard's local tensor (as the weight EMA swaps its averages in)
+        model[2].weight.to_local().mul_(2.0**-7)
+    report["current_after_local_write"] = state.is_current(model[2].weight)
+    model(torch.randn(64, 256, generator=gen))
+    report["after_local_refresh"] = whole_weights_erefs(state)
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(report))
     del opt, model, state
     cleanup()

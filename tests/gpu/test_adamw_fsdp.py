@@ -78,7 +78,8 @@ def test_the_step_keeps_the_whole_weights_e_ref_on_fsdp2_shards(tmp_path):
     e_ref (not their operands); after each Triton step, every rank holds the whole weights' e_ref (each rank's
     rows, the columns reduced over the ranks; a weight with far-apart columns and rows), eager forward hands
     each layer those e_ref while current (the shard's version, not the gathered weight's), and after a write
-    through torch the next forward's refresh recomputes them."""
+    through torch, to the DTensor or into its local tensor (as the weight EMA's swap writes), the next
+    forward's refresh recomputes them."""
     worker = Path(__file__).resolve().parents[1] / "weight_state_fsdp_worker.py"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29656", str(worker),
@@ -88,4 +89,5 @@ def test_the_step_keeps_the_whole_weights_e_ref_on_fsdp2_shards(tmp_path):
     for r in (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)):
         assert (r["tracked"], r["kept"]) == (2, 0)
         assert r["after_steps"] == [[True, True], [True, True]] and r["after_refresh"] == [True, True]
-        assert r["used"] == [True] * 6 and r["current_after_write"] is False
+        assert r["used"] == [True] * 8 and r["current_after_write"] is False  # (4 forwards x 2 layers)
+        assert r["current_after_local_write"] is False and r["after_local_refresh"] == [True, True]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..mx import FoldGranularity
 from .functional import SAVED_OPERANDS, MXConfig, mx_linear
@@ -98,7 +99,7 @@ class MXFP6Linear(nn.Linear):
         # version they were computed from. Plain tensors; None: forward packs the weight itself.
         self.weight_erefs: torch.Tensor | None = None
         self.weight_operands: tuple[torch.Tensor, ...] | None = None
-        self.weight_state_version: int | None = None
+        self.weight_state_version: int | tuple[int, int] | None = None  # `weight_version` of the weight
         object.__setattr__(self, "weight_state_param", None)  # the parameter that version is of (the owner's)
 
     def kept_weight_state(self) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...] | None]:
@@ -113,7 +114,7 @@ class MXFP6Linear(nn.Linear):
         if self.weight_state_version is None:
             return None, None
         source = self.weight if self.weight_state_param is None else self.weight_state_param
-        if not torch.compiler.is_compiling() and source._version != self.weight_state_version:
+        if not torch.compiler.is_compiling() and weight_version(source) != self.weight_state_version:
             return None, None
         return self.weight_erefs, self.weight_operands
 
@@ -137,6 +138,15 @@ class MXFP6Linear(nn.Linear):
         recomputed = ", recomputed=True" if self.cfg.recomputed else ""
         return (f"{super().extra_repr()}, mx_gemm={self.cfg.mx_gemm}, hadamard={self.cfg.hadamard}{saved}{repack}"
                 f"{recomputed}")
+
+
+def weight_version(p: torch.Tensor) -> int | tuple[int, int]:
+    """What changes with every write to a weight's values through torch: its version counter; for a
+    DTensor (an FSDP2 shard) its own and its local tensor's, since a write through `to_local()` (the
+    weight EMA's swap, a checkpoint load into the shard) bumps only the local one."""
+    if isinstance(p, DTensor):
+        return p._version, p.to_local()._version
+    return p._version
 
 
 def rowwise_mx_linears(model: nn.Module) -> list[MXFP6Linear]:

@@ -23,7 +23,7 @@ FSDP2 weights (DTensors sharded by rows) keep their e_ref only: each rank finds 
 share of every column's, and the ranks' maxima are reduced (`reduce_sharded` after a step, per weight
 in a refresh), so every rank holds the whole weight's, which the gathered weight's forward packs
 with. The version that counts is the shard's (the parameter the owner holds), not the gathered
-weight's that forward sees.
+weight's that forward sees, and of the shard both its own and its local tensor's (`weight_version`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..mx.granularity import FoldGranularity
 from ..mx.operands import padded_rows
 from ..ops import eref_buffer_words, eref_rows_and_columns, mx_operands, weight_exponents, weight_exponents_available
-from .linear import MXFP6Linear, rowwise_mx_linears
+from .linear import MXFP6Linear, rowwise_mx_linears, weight_version
 from .mlp import linears_with_own_forward
 
 __all__ = ["MXWeightState", "row_shard_start"]
@@ -145,13 +145,13 @@ class MXWeightState:
             model.register_forward_pre_hook(lambda module, args: self.refresh())
 
     def is_current(self, p: torch.Tensor) -> bool:
-        return all(m.weight_state_version == p._version for m in self.layers[p])
+        return all(m.weight_state_version == weight_version(p) for m in self.layers[p])
 
     def mark_current(self, p: torch.Tensor) -> None:
         """What is kept for `p` now belongs to its current values (queued on the device before any
         later use): record the version the parameter has."""
         for m in self.layers[p]:
-            m.weight_state_version = p._version
+            m.weight_state_version = weight_version(p)
 
     def refresh(self) -> None:
         """Recompute what the step computes (e_ref, and the operands it keeps) for every weight written
