@@ -15,6 +15,17 @@ import pytest
 
 pytest.importorskip("triton")
 
+TESTS = Path(__file__).resolve().parents[1]
+# the workers run the Triton kernels under the interpreter, on the CPU
+ENV = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+
+
+def _two_ranks(worker: str, port: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """tests/`worker` under torchrun on two ranks (gloo), stdout and stderr captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(TESTS / worker), *args]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
 
 def test_the_triton_step_updates_fsdp2_shards_as_it_updates_the_whole_tensors(tmp_path):
     """Sharded over two ranks (uneven shards), the clipping folds into the Triton step (six sharded
@@ -22,12 +33,7 @@ def test_the_triton_step_updates_fsdp2_shards_as_it_updates_the_whole_tensors(tm
     when nothing clips (the kernel is elementwise; the biases' torch kernel within one ulp), and
     within fp32 rounding of the factor when it clips (the norm of all shards is reduced in another
     order); the norms agree to that rounding."""
-    worker = Path(__file__).resolve().parents[1] / "adamw_fsdp_worker.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29653", str(worker),
-           str(tmp_path)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = _two_ranks("adamw_fsdp_worker.py", 29653, str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert sorted(r["rank"] for r in reports) == [0, 1]
@@ -54,15 +60,16 @@ def test_a_sharded_training_run_takes_the_triton_step_and_the_losses_of_one_proc
     from mxflux.data import build_demo_dataset
 
     data = build_demo_dataset(tmp_path / "demo", n_train=64, n_eval=16)
-    worker = Path(__file__).resolve().parents[1] / "adamw_train_worker.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     runs = {}
     for ranks in (1, 2):
-        launch = [] if ranks == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29654"]
         out = tmp_path / f"run{ranks}"
-        cmd = [sys.executable, *launch, str(worker), "tiny-mxfp6", "--out", str(out), "--device", "cpu",
-               "--set", f"data.root={data}", "--max-steps", "2", *COMMON, *FP32]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        args = ("tiny-mxfp6", "--out", str(out), "--device", "cpu", "--set", f"data.root={data}", "--max-steps", "2",
+                *COMMON, *FP32)
+        if ranks == 1:
+            proc = subprocess.run([sys.executable, str(TESTS / "adamw_train_worker.py"), *args], env=ENV,
+                                  capture_output=True, text=True, timeout=900)
+        else:
+            proc = _two_ranks("adamw_train_worker.py", 29654, *args, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         rows = [r.split(",") for r in (out / "metrics.csv").read_text().splitlines()[1:]]
         runs[ranks] = ([float(r[3]) for r in rows if r[2] == "train"],
@@ -80,11 +87,7 @@ def test_the_step_keeps_the_whole_weights_e_ref_on_fsdp2_shards(tmp_path):
     each layer those e_ref while current (the shard's version, not the gathered weight's), and after a write
     through torch, to the DTensor or into its local tensor (as the weight EMA's swap writes), the next
     forward's refresh recomputes them."""
-    worker = Path(__file__).resolve().parents[1] / "weight_state_fsdp_worker.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29656", str(worker),
-           str(tmp_path)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = _two_ranks("weight_state_fsdp_worker.py", 29656, str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     for r in (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)):
         assert (r["tracked"], r["kept"]) == (2, 0)

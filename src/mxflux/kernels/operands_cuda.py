@@ -384,31 +384,6 @@ def usable_erefs(x: torch.Tensor, granularity: FoldGranularity, erefs, prologue:
     return erefs
 
 
-def weight_exponents_cuda(x: torch.Tensor, hadamard: bool, out: torch.Tensor) -> torch.Tensor:
-    """The row granularity's pass 1 alone: x's per-row and per-column e_ref into `out` (int32
-    [weight_erefs.buffer_words(R, C)], overwritten), as the packer's pass 1 computes them; what
-    `erefs` takes. For weights written by anything but the optimizer's step, whose kernel computes
-    them on its own (`mxflux.nn.weight_state`)."""
-    g = FoldGranularity.ROWWISE
-    hw = not interpreting()
-    plan = LaunchPlan(x, None, None, True, True, g, hadamard, "e2m3", "none", False, hw, pack_io_mode())
-    want = buffer_words(plan.R, plan.C)
-    if not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or out.shape != (want,) \
-            or out.device != x.device:
-        raise ValueError(f"out: expected int32 [{want}] on {x.device}, got "
-                         f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
-    out.zero_()
-    if plan.R == 0:
-        return out
-    xw = x if not plan.copy_x and x.data_ptr() % 16 == 0 else x.clone(memory_format=torch.contiguous_format)
-    rows, cols = rows_and_columns(out, plan.R, plan.C)
-    grid = plan.grid
-    # the outputs pass 1 does not write: any device tensor stands in for them
-    _pack_kernel[grid](xw, xw, xw.stride(0), xw.stride(0), plan.R, plan.C, plan.Rp, out, out, out, out, out, out,
-                       rows, cols, plan.n_rt, grid[1], PASS=1, **plan.meta, **plan.options)
-    return out
-
-
 _NO_COUNT: dict[torch.device, torch.Tensor] = {}  # per device: the counter pass 1 is handed and never writes
 
 
@@ -443,6 +418,19 @@ def mx_erefs_cuda(x: torch.Tensor, hadamard: bool) -> torch.Tensor:
     else:
         _launch_normally(plan, xw, xw, buf, buf, buf, buf, buf, no_count)
     return buf
+
+
+def weight_exponents_cuda(x: torch.Tensor, hadamard: bool, out: torch.Tensor) -> torch.Tensor:
+    """`mx_erefs_cuda` into `out` (int32 [weight_erefs.buffer_words(R, C)], overwritten): the e_ref of a
+    weight written by anything but the optimizer's step, whose kernel computes them on its own
+    (`mxflux.nn.weight_state`)."""
+    check_input(x, "x", (torch.bfloat16, torch.float32))
+    want = buffer_words(*x.shape)
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.int32 or out.shape != (want,) \
+            or out.device != x.device:
+        raise ValueError(f"out: expected int32 [{want}] on {x.device}, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+    return out.copy_(mx_erefs_cuda(x, hadamard))
 
 
 def _pack(x, aux, counter, row, col, granularity, hadamard, fmt, prologue, colsum, _hw, _poison, erefs=None) -> tuple:

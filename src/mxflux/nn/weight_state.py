@@ -44,9 +44,14 @@ from .mlp import linears_with_own_forward
 __all__ = ["MXWeightState", "row_shard_start"]
 
 
+def _rows_per_shard(p: DTensor) -> int:
+    """Rows of each shard of an FSDP2 weight sharded by rows but the last (torch.chunk's split, FSDP2's)."""
+    return -(-p.shape[0] // p.device_mesh.size())
+
+
 def row_shard_start(p: DTensor) -> int:
-    """The first row of this rank's shard of an FSDP2 weight sharded by rows (torch.chunk's split, FSDP2's)."""
-    return p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size())
+    """The first row of this rank's shard of an FSDP2 weight sharded by rows."""
+    return p.device_mesh.get_local_rank() * _rows_per_shard(p)
 
 
 class Kept(NamedTuple):
@@ -129,8 +134,7 @@ class MXWeightState:
             local = p.to_local()
             # Decided alike on every rank (their states must hold the same weights: the maxima are reduced
             # over one buffer), on the smallest shard, so that every rank's goes through the step's kernel.
-            ranks = p.device_mesh.size()
-            size = max(0, p.shape[0] - (ranks - 1) * -(-p.shape[0] // ranks)) * p.shape[1]
+            size = max(0, p.shape[0] - (p.device_mesh.size() - 1) * _rows_per_shard(p)) * p.shape[1]
         elif type(p.data) is torch.Tensor:
             local, size = p, p.numel()
         else:

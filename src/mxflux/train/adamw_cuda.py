@@ -119,7 +119,7 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
         originals = params  # (the state is kept per parameter)
         params = [_local(p) for p in params]
         states = [dict(s, exp_avg=_local(s["exp_avg"]), exp_avg_sq=_local(s["exp_avg_sq"])) for s in states]
-        grads = [_local(p.grad) for p in group["params"] if p.grad is not None]
+        grads = [_local(p.grad) for p in originals]
         large = [i for i, p in enumerate(params) if p.numel() >= LARGE]
         small = [i for i, p in enumerate(params) if p.numel() < LARGE]
         if large:
