@@ -15,7 +15,7 @@
 #              the last with activation_checkpointing: mx_packers; all in src/mxflux/bench/compare.py
 #              SETTINGS; the trainer's step captured as one CUDA graph: BENCH_SETTINGS=bf16,bf16-graph,
 #              fp8-tensorwise,fp8-tensorwise-graph,mxfp6,mxfp6-graph); JSON $OUT/bench_step_mbs16.json
-# bench64      the same at micro-batch 64 ($OUT/bench_step_mbs64.json)
+# bench32, bench64  the same at micro-batch 32, 64 ($OUT/bench_step_mbs32.json, ...)
 # memory       `--memory` breakdown of one step at micro-batch 16 for bf16, fp8-tensorwise, mxfp6
 #              ($OUT/memory_mbs16.json, tables in $OUT/memory_mbs16.log; MEMORY_MBS, MEMORY_SETTINGS to change)
 # fsdp12b      flux-12b with FSDP2 over every visible GPU (`mxflux bench step` under torchrun)
@@ -44,6 +44,8 @@
 #   export OUT; CUDA_VISIBLE_DEVICES=1 bash benchmarks/gpu_run.sh convergence >$OUT/conv.log 2>&1 &
 #   CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_run.sh bench16 >$OUT/bench16.log 2>&1; wait
 #   bash benchmarks/gpu_run.sh fsdp12b >$OUT/fsdp12b.log 2>&1
+# The results record the commit they measured (mxflux.bench.provenance); the device's copy of the tree has
+# no .git, so pass it: MXFLUX_GIT_COMMIT=$(git rev-parse HEAD) MXFLUX_GIT_DIRTY=$(git diff --quiet HEAD && echo 0 || echo 1)
 # Wheels in .whl/ (pydantic for torch 2.11's Python 3.12, torchao) are installed to /tmp/site.
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
@@ -53,6 +55,7 @@ if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/pydantic ]; then
 fi
 [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site  # every invocation, not only the installing one
 python3 -c "import pydantic, yaml, rich, safetensors" || { echo "missing Python packages (carry .whl/)"; exit 3; }
+[ -n "${MXFLUX_GIT_COMMIT:-}" ] || [ -d .git ] || echo "warning: no .git and no MXFLUX_GIT_COMMIT: results will not name their commit"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for stage in "$@"; do
@@ -81,7 +84,7 @@ for stage in "$@"; do
       python3 benchmarks/bench_layers.py --json "$OUT/bench_layers.json" ${LAYERS_ARGS:-} 2>&1 | grep -v "^W11" | tail -40 ;;
     convergence)
       python3 benchmarks/convergence.py --out "$OUT" ${CONVERGENCE_ARGS:-} 2>&1 | grep -v "^W11" | tail -8 ;;
-    bench16|bench64)
+    bench16|bench32|bench64)
       # Budget: a setting compiles the proxy in ~1-2 min (the bare loop reuses the trainer's
       # compiled code), so 4 settings fit the 10-minute call only with the per-setting timeout.
       mbs=${stage#bench}

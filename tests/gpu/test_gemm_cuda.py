@@ -162,3 +162,19 @@ def test_exact_mode_accumulates_in_fp32_under_autocast(mm_out_dtype, gen, monkey
         got = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, G.EXACT, bias, torch.bfloat16)
     st = ulp_stats(got, want, torch.zeros_like(got, dtype=torch.float32))
     assert st["equal"] > 0.99 and st["far_unexplained"] == 0, st  # double rounding: ~1/3 differ
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_deferred_scales_equal_the_row_scaled_gemm_bit_for_bit(shape, out_dtype, gen):
+    """cuBLAS's unit-scaled (tensor-wise) FP8 GEMM with the power-of-two scales applied afterwards
+    gives the row-scaled GEMM's bits (`kernels.gemm.deferred_scale_gemm`)."""
+    from mxflux.kernels.gemm import deferred_scale_gemm
+
+    a, b, _ = operands(*shape, G.ROWWISE, gen)
+    want = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, G.ROWWISE, None, out_dtype)
+    got = deferred_scale_gemm(a.row_data, a.row_scale, b.row_data, b.row_scale, out_dtype)
+    assert torch.equal(got, want)

@@ -87,9 +87,13 @@ SETTINGS.update({f"{name}-torch-adamw": (*SETTINGS[name], "optim.implementation=
 # so (MXFLUX_INLINE_PACK=1 in the setting's process; bit-identical numerics), with and without block graphs.
 SETTINGS["mxfp6-inline-pack"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-inline-pack-block-graphs"] = SETTINGS["mxfp6-block-graphs"]
+# A/B of the deferred scales: mxfp6 with every compiled MX GEMM on cuBLAS's row-scaled kernels
+# (MXFLUX_DEFER_SCALES=none; bit-identical numerics, `kernels.gemm.deferred_scale_gemm`)
+SETTINGS["mxfp6-rowscaled"] = SETTINGS["mxfp6"]
 # Environment variables a setting's process runs with (the switches read at import, not recipe fields)
 SETTING_ENV = {"mxfp6-inline-pack": {"MXFLUX_INLINE_PACK": "1"},
-               "mxfp6-inline-pack-block-graphs": {"MXFLUX_INLINE_PACK": "1"}}
+               "mxfp6-inline-pack-block-graphs": {"MXFLUX_INLINE_PACK": "1"},
+               "mxfp6-rowscaled": {"MXFLUX_DEFER_SCALES": "none"}}
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 
 # The throughput proxy of flux-12b (`--proxy`): its width (3072) and attention heads, 2 double + 4

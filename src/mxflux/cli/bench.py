@@ -198,7 +198,9 @@ def _one(args) -> int:
     if result is not None:  # rank 0
         print_table([result])
         if args.json:
-            write_json(args.json, [result])
+            from ..bench.provenance import provenance
+
+            write_json(args.json, [{**result, "provenance": provenance()}])
     return 0
 
 
@@ -234,7 +236,10 @@ def _compare(args) -> int:
         args.parser.error("no setting can run here: " + skipped_line(results))
     print_table(results)
     if args.json:
-        write_json(args.json, results)
+        from ..bench.provenance import provenance
+
+        stamp = provenance()  # this command's, the one a reader reruns; each child's own stays as child_provenance
+        write_json(args.json, [{**r, "child_provenance": r.get("provenance"), "provenance": stamp} for r in results])
     if args.memory:
         write_json(args.memory, memory)
     return 0 if all(not r.get("failed") for r in results) else 1

@@ -20,6 +20,7 @@ device and cached (`_capabilities`). Shape rules measured on the H200: GEMM_SHAP
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -34,7 +35,8 @@ if HAS_TRITON:
 
     _BLOCK = tl.constexpr(MX_BLOCK)
 
-__all__ = ["GEMM_SHAPE_RULES", "scaled_gemm_cuda", "scaled_gemm_cuda_traceable"]
+__all__ = ["DEFER_SCALES", "DEFER_SCALES_MODES", "GEMM_SHAPE_RULES", "defers_scales", "deferred_scale_gemm",
+           "scaled_gemm_cuda", "scaled_gemm_cuda_traceable"]
 
 # What cuBLAS (through torch 2.11 + CUDA 13 on an H200) needs; see benchmarks/RESULTS.md.
 GEMM_SHAPE_RULES = {
@@ -280,6 +282,52 @@ def _contiguous(copies, *operands):
     return operands if copies is None else tuple(t.contiguous() if c else t for t, c in zip(operands, copies))
 
 
+# Where compiled code runs a row-granularity GEMM as the unit-scaled (tensor-wise) FP8 GEMM with its
+# row and column scales applied by the code that reads the output (`deferred_scale_gemm`): "auto" (the
+# default) by `defers_scales`' shape rule, "all" every bias-free GEMM, "none" never (cuBLAS's row-scaled
+# GEMM, as before; A/B runs). Read once, at import: MXFLUX_DEFER_SCALES.
+DEFER_SCALES_MODES = ("auto", "all", "none")
+DEFER_SCALES = os.environ.get("MXFLUX_DEFER_SCALES", "auto")
+if DEFER_SCALES not in DEFER_SCALES_MODES:
+    raise ValueError(f"MXFLUX_DEFER_SCALES: expected one of {', '.join(DEFER_SCALES_MODES)}, got {DEFER_SCALES!r}")
+
+# The smallest N or K at which cuBLAS's row-scaled FP8 kernels fall behind its tensor-wise ones by more
+# than a separate scaling pass would cost (H100, torch 2.11, M = 32768; benchmarks/RESULTS.md,
+# "The MX GEMM at tensor-wise speed"): row-scaled runs 128x128 tiles where tensor-wise runs 192x192 or
+# 128x160 at N or K >= 9216, and both tie at 3072 x 3072.
+DEFER_MIN_DIM = 8192
+
+
+def defers_scales(n: int, k: int, has_bias: bool, mode: str | None = None) -> bool:
+    """Whether a compiled row-granularity GEMM with N output columns and contraction K runs as
+    `deferred_scale_gemm`. Never with a bias: the bias belongs before the one rounding, inside the
+    epilogue that only the row-scaled kernel offers (adding it to the unit-scaled result would round
+    twice). `mode` defaults to `DEFER_SCALES`."""
+    mode = DEFER_SCALES if mode is None else mode
+    if has_bias or mode == "none":
+        return False
+    return mode == "all" or max(n, k) >= DEFER_MIN_DIM
+
+
+def deferred_scale_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """(A ⊙ a_scale)(B ⊙ b_scale)ᵀ for row-granularity operands (a_scale [M, 1], b_scale [N, 1], powers
+    of two), as the unit-scaled FP8 GEMM, rounded to `out_dtype`, times a_scale · b_scaleᵀ.
+
+    Bit-identical to the row-scaled GEMM wherever the output is a normal number of `out_dtype`:
+    rounding commutes with multiplication by a power of two, so round(acc) · 2^e = round(acc · 2^e).
+    The unit-scaled sums themselves are always normal: every E4M3 product is a multiple of 2^-18 and
+    at most 448², so |acc| < K · 2^18 (< 2^32 at K = 15360), far inside bf16's range. Only an output
+    that is itself subnormal (below 2^-126) can differ in its last bits.
+    Traced by torch.compile, the multiplication is an elementwise op on the GEMM's output, which
+    inductor fuses into whatever reads the output next (the bias-gradient-free dgrad result's
+    consumer, the weight gradient's cast): the GEMM runs cuBLAS's tensor-wise kernels, which pick
+    larger tiles than its row-scaled ones."""
+    one = torch.ones((), dtype=torch.float32, device=a_data.device)
+    acc = torch._scaled_mm(a_data, b_data.t(), one, one, out_dtype=out_dtype, use_fast_accum=False)
+    return (acc.float() * (a_scale * b_scale.t())).to(out_dtype)
+
+
 def scaled_gemm_cuda_traceable(
     a_data: torch.Tensor,
     a_scale: torch.Tensor,
@@ -294,15 +342,18 @@ def scaled_gemm_cuda_traceable(
 
     Traced, the GEMM is `aten._scaled_mm` in the graph, which inductor launches from its generated
     code like any other GEMM: no custom-op dispatch and none of our Python per call (about a third
-    of an MX GEMM's host time). The same cuBLAS call with the same arguments as `_rowwise`, so the
-    same bits. Validation runs once, while tracing; there is no plan cache and no capability
+    of an MX GEMM's host time). With a bias, or where `defers_scales` says no, the same cuBLAS call
+    with the same arguments as `_rowwise`, so the same bits. Validation runs once, while tracing; there is no plan cache and no capability
     probe (a probe would run GEMMs inside the trace): the fp32-output form that `_rowwise` probes
     for is taken as present, as it is on every CUDA build of the torch versions this package
-    supports (>= 2.11)."""
+    supports (>= 2.11). A bias-free GEMM that `defers_scales` names runs as `deferred_scale_gemm`: the
+    same bits (its docstring says where and why), from cuBLAS's faster tensor-wise kernels."""
     fn, copies = _gemm_plan(a_data, a_scale, b_data, b_scale, granularity, bias, out_dtype)
     if fn is not _rowwise:
         return None
     a_data, a_scale, b_data, b_scale = _contiguous(copies, a_data, a_scale, b_data, b_scale)
+    if defers_scales(b_data.shape[0], a_data.shape[1], bias is not None):
+        return deferred_scale_gemm(a_data, a_scale, b_data, b_scale, out_dtype)
     sb = b_scale.t()
     if out_dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
         return torch._scaled_mm(a_data, b_data.t(), a_scale, sb, bias=bias, out_dtype=out_dtype,

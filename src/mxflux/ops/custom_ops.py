@@ -41,6 +41,7 @@ import torch
 
 from ..kernels import (HAS_TRITON, compact_operand_cuda, cpu_kernel_available, expand_operand_cuda, mx_operands_cpu,
                        mx_operands_cuda_counted, scaled_gemm_cpu, scaled_gemm_cuda, scaled_gemm_cuda_traceable)
+from ..kernels.gemm import DEFER_MIN_DIM, DEFER_SCALES
 from ..kernels.operands_cuda import mx_erefs_cuda, weight_exponents_cuda
 from ..kernels.operands_inline import inline_packable, mx_operands_cuda_inline
 from ..kernels.triton_common import interpreting
@@ -53,7 +54,7 @@ from ..mx.granularity import FoldGranularity
 from ..mx.operands import mx_operands_reference, padded_rows, rowwise_erefs_reference
 from ..mx.scaled_gemm import scaled_gemm_reference
 
-__all__ = ["FORCE_REFERENCE", "INLINE_GEMM", "INLINE_PACK", "compact_operand", "eref_buffer_words", "eref_rows_and_columns",
+__all__ = ["DEFER_MIN_DIM", "DEFER_SCALES", "FORCE_REFERENCE", "INLINE_GEMM", "INLINE_PACK", "compact_operand", "eref_buffer_words", "eref_rows_and_columns",
            "expand_operand", "mx_erefs", "mx_erefs_op", "mx_operands", "mx_operands_inline", "mx_operands_op", "scaled_gemm",
            "scaled_gemm_op", "static_kernel_launch", "static_launch_on", "use_kernels", "weight_exponents",
            "weight_exponents_available"]
@@ -294,7 +295,9 @@ def scaled_gemm(a_data, a_scale, b_data, b_scale, granularity: str, bias, out_dt
     """The MX GEMM (`_scaled_gemm`'s contract). Being traced by torch.compile on CUDA, the row
     granularity's GEMM goes into the graph as torch's own row-scaled FP8 GEMM
     (`scaled_gemm_cuda_traceable`: the same cuBLAS call, so the same bits), which inductor
-    launches from its generated code at a plain GEMM's host cost; everything else, and every
+    launches from its generated code at a plain GEMM's host cost (a large bias-free GEMM as the
+    unit-scaled one with its scales applied by the next op: `kernels.gemm.deferred_scale_gemm`, the same
+    bits); everything else, and every
     eager call, is the opaque op `torch.ops.mxflux.scaled_gemm` (`INLINE_GEMM` off: always)."""
     if INLINE_GEMM and torch.compiler.is_compiling() and use_kernels(a_data):
         out = scaled_gemm_cuda_traceable(a_data, a_scale, b_data, b_scale, FoldGranularity.from_mx_gemm(granularity),

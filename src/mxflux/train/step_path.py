@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..ops.custom_ops import FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK, static_launch_on
+from ..ops.custom_ops import DEFER_MIN_DIM, DEFER_SCALES, FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK, static_launch_on
 from .build import weight_state_off
 from .optimizer import STEP_KERNELS
 
@@ -55,7 +55,10 @@ def step_path(trainer) -> dict:
     elif cfg.precision.mx_gemm != "rowwise":
         gemm = f"opaque op (precision.mx_gemm: {cfg.precision.mx_gemm}; only rowwise GEMMs are traced)"
     else:
-        gemm = "inline: torch._scaled_mm in inductor's code"
+        gemm = "inline: torch._scaled_mm in inductor's code" + {
+            "auto": f"; bias-free GEMMs with N or K >= {DEFER_MIN_DIM} tensor-wise, their scales applied by the next op",
+            "all": "; bias-free GEMMs tensor-wise, their scales applied by the next op (MXFLUX_DEFER_SCALES=all)",
+            "none": "; row-scaled (MXFLUX_DEFER_SCALES=none)"}[DEFER_SCALES]
     if not mx or not m.compile or not kernels:
         packers = gemm  # for the same reason
     elif not INLINE_PACK:
