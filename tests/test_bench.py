@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from mxflux.bench.provenance import check_provenance
 import torch
 from torch import nn
 
@@ -52,6 +54,11 @@ def test_one_setting_in_process_with_bare_loop_breakdown_and_memory(tmp_path, ca
     assert r["warmup_s"] > 0 and r["bare_loop"]["warmup_s"] > 0  # the warm-up step's wall time
     # how the timed steps ran, as `mxflux train` reports it
     assert r["step_path"]["world_size"] == 1 and r["step_path"]["accumulation"] == 2
+    # where the number came from (mxflux.bench.provenance), and how the step ran besides its precision
+    assert check_provenance(r) == [] and r["provenance"]["card"].startswith("cpu")
+    assert "bench step --recipe tiny-bf16" in r["provenance"]["command"]
+    assert r["run_mode"] == {"compile": False, "compile_mode": "default", "cuda_graph": False, "optimizer": "auto",
+                             "activation_checkpointing": "none"}
     assert r["step_path"]["mx_gemm"] == "none (bf16)" and r["step_path"]["optimizer"].startswith("torch's fused AdamW")
 
     b = r["breakdown"]  # the CPU: host ops' self time, split into the same categories

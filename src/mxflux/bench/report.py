@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+from .fairness import comparison_warnings
+
 __all__ = ["print_table", "write_json", "skipped_line", "per_device_unit", "CATEGORY_ORDER", "is_bf16",
            "is_fp8_tensorwise"]
 
@@ -187,6 +189,11 @@ def print_table(results: list[dict], *, console=None) -> None:
     for r in results:
         if r.get("failed"):
             console.print(f"{r['label']} failed: {r['failed']}", style="red")
+    if len(ok) > 1:
+        for warning in comparison_warnings(ok):
+            console.print(f"warning: {warning}", style="bold yellow")
+        if not rounds:
+            console.print("one round: no spread measured (--rounds 3 measures it)", style="dim")
 
 
 def write_json(path: str | os.PathLike, result) -> Path:

@@ -359,6 +359,10 @@ def bench_step(cfg: RunConfig, *, steps: int = 8, warmup: int = 3, profile_steps
         "precision": precision,
         "precision_config": cfg.precision.model_dump(mode="json"),
         "compile": cfg.model.compile,
+        # how the step ran besides its precision (mxflux.bench.fairness: settings compared must agree)
+        "run_mode": {"compile": cfg.model.compile, "compile_mode": cfg.model.compile_mode,
+                     "cuda_graph": bool(cuda_graph or cfg.train.cuda_graph), "optimizer": cfg.optim.implementation,
+                     "activation_checkpointing": cfg.model.activation_checkpointing},
         "device": _device_name(device),
         "world_size": ctx.world_size,
         "distributed": cfg.distributed.model_dump() if ctx.world_size > 1 else None,

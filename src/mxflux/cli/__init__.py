@@ -178,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]  # accepted anywhere, not only before the command
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command_line = ["mxflux", *argv]  # as a reader would rerun it (results record it: mxflux.bench.provenance)
     if getattr(args, "handler", None) is None:
         parser.print_help(sys.stderr)
         return 2

@@ -200,7 +200,7 @@ def _one(args) -> int:
         if args.json:
             from ..bench.provenance import provenance
 
-            write_json(args.json, [{**result, "provenance": provenance()}])
+            write_json(args.json, [{**result, "provenance": provenance(args.command_line)}])
     return 0
 
 
@@ -238,8 +238,12 @@ def _compare(args) -> int:
     if args.json:
         from ..bench.provenance import provenance
 
-        stamp = provenance()  # this command's, the one a reader reruns; each child's own stays as child_provenance
-        write_json(args.json, [{**r, "child_provenance": r.get("provenance"), "provenance": stamp} for r in results])
+        from ..bench.fairness import comparison_warnings
+
+        stamp = provenance(args.command_line)  # this command's, the one a reader reruns; each child's own stays as child_provenance
+        stamped = [{**r, "child_provenance": r.get("provenance"), "provenance": stamp} for r in results]
+        warnings = comparison_warnings(stamped)
+        write_json(args.json, [{**r, "comparison_warnings": warnings} for r in stamped])
     if args.memory:
         write_json(args.memory, memory)
     return 0 if all(not r.get("failed") for r in results) else 1
