@@ -29,6 +29,8 @@ import time
 
 import torch
 
+from mxflux.bench.provenance import provenance
+
 
 def per_call_us(fn, calls: int, sync) -> float:
     """Median over 5 rounds of the wall time per call (the device synchronised per round)."""
@@ -208,7 +210,7 @@ def main(argv=None):
         print(f"  {name:50s} {us:8.1f} us")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": args.device, "rows": args.rows, "cols": args.cols, "us_per_call": res}, f, indent=1)
+            json.dump({"provenance": provenance(), "device": args.device, "rows": args.rows, "cols": args.cols, "us_per_call": res}, f, indent=1)
 
 
 if __name__ == "__main__":

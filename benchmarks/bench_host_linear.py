@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from mxflux.bench.provenance import provenance
+
 
 def per_iteration_us(step, iters: int, graphs: bool) -> float:
     """Median over 5 rounds of the wall time per iteration (synchronised per round)."""
@@ -126,7 +128,7 @@ def main(argv=None):
         print(f"{label:42s} {d:11.1f} {d / base['default']:7.2f}x {r:10.1f} {r / base['reduce-overhead']:7.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "tokens": args.tokens, "features": args.features,
+            json.dump({"provenance": provenance(), "device": torch.cuda.get_device_name(), "tokens": args.tokens, "features": args.features,
                        "us_per_fwd_bwd": res}, f, indent=1)
 
 

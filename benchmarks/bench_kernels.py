@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from mxflux.bench.provenance import provenance
 from mxflux.mx import FoldGranularity, padded_rows
 
 LINEARS = [  # (name, K, N) of Flux-12B's MX linears
@@ -359,7 +360,7 @@ def _write(res: dict, out: str | None, name: str) -> None:
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, name), "w") as f:
-            json.dump(res, f, indent=1, default=str)
+            json.dump({"provenance": provenance(), **res}, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import sys
 import torch
 from torch import nn
 
+from mxflux.bench.provenance import provenance
 from mxflux.mx import MX_BLOCK, FoldGranularity, fold_to_e4m3, quantize
 from mxflux.nn import FusedMXFP6MLP, MXFP6Linear
 from mxflux.nn.precision.fp8 import float8_linear_config
@@ -278,7 +279,7 @@ def main(argv=None):
     path = args.json or (os.path.join(os.environ["OUT"], "bench_layers.json") if "OUT" in os.environ else None)
     if path:
         with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({"provenance": provenance(), **result}, f, indent=1)
 
 
 if __name__ == "__main__":

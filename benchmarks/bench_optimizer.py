@@ -31,6 +31,7 @@ import sys
 
 import torch
 
+from mxflux.bench.provenance import provenance
 from mxflux.kernels.operands_cuda import mx_operands_cuda, weight_exponents_cuda
 from mxflux.kernels.weight_erefs import buffer_words
 from mxflux.model import Flux, flux_config
@@ -187,7 +188,7 @@ def main() -> None:
           f"copy {copy_gbps:.0f} GB/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, blocks=[double, single],
+            json.dump(dict(provenance=provenance(), device=torch.cuda.get_device_name(), torch=torch.__version__, blocks=[double, single],
                            parameters=len(shapes), elements=n, copy_GBps=copy_gbps, rows=rows), f, indent=1)
 
 

@@ -116,7 +116,8 @@ def main(argv=None):
               "curves": curves}
     if "bf16" in curves and "mxfp6" in curves:
         result["final_ratio_mxfp6_over_bf16"] = curves["mxfp6"][-1][1] / curves["bf16"][-1][1]
-    (out / f"convergence_{date}.json").write_text(json.dumps(result, indent=1))
+    from mxflux.bench.provenance import provenance
+    (out / f"convergence_{date}.json").write_text(json.dumps({"provenance": provenance(), **result}, indent=1))
 
     import matplotlib
 

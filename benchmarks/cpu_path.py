@@ -83,8 +83,9 @@ def main() -> None:
            "kernels": kernels(args.repeats), "train_step": train_step(args.steps, args.repeats)}
     print(json.dumps(res, indent=1))
     if args.json:
+        from mxflux.bench.provenance import provenance
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump({"provenance": provenance(), **res}, f, indent=1)
 
 
 if __name__ == "__main__":

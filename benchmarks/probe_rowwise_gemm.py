@@ -180,8 +180,9 @@ def main() -> None:
                       flush=True)
                 torch.cuda.empty_cache()
     if args.json:
+        from mxflux.bench.provenance import provenance
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+            json.dump(dict(provenance=provenance(), device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

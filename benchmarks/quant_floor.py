@@ -166,8 +166,9 @@ def _report(args) -> int:
               f"vs bf16 {r['vs_bf16']:.3f}x -> {r['vs_bf16_at_floor']:.3f}x, vs FP8 {r['vs_fp8']:.3f}x -> "
               f"{r['vs_fp8_at_floor']:.3f}x at the floor")
     if args.json:
+        from mxflux.bench.provenance import provenance
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump({"provenance": provenance(), **out}, f, indent=1)
     return 0
 
 

@@ -176,8 +176,9 @@ def main(argv=None) -> int:
         print(f"  {name:32s} {r['loop']:5d} {k.get('arithmetic', 0):6d} {k.get('memory', 0):6d} "
               f"{k.get('integer and layout', 0):10d} {k.get('control', 0):7d}  {top}")
     if args.json:
+        from mxflux.bench.provenance import provenance
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump({"provenance": provenance(), **res}, f, indent=1)
     return 0
 
 

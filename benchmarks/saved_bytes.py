@@ -131,8 +131,9 @@ def main() -> None:
             print(f"{kind:6s} {precision:15s} {total / 1e6:7.3f} MB  " +
                   "  ".join(f"{k} {v / 1e6:.3f}" for k, v in sorted(by_dtype.items())), flush=True)
     if args.json:
+        from mxflux.bench.provenance import provenance
         with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump({"provenance": provenance(), **res}, f, indent=1)
 
 
 if __name__ == "__main__":

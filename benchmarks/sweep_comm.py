@@ -98,7 +98,9 @@ def main(argv=None):
         best = max(results, key=lambda r: r["images_per_s_per_gpu"])
         print(f"optimum: {best['label']} ({best['images_per_s_per_gpu']:.2f} images/s/GPU on {world} ranks)")
         if args.json:
-            write_json(args.json, results)
+            from mxflux.bench.provenance import provenance
+
+            write_json(args.json, [{**r, "provenance": provenance()} for r in results])
     if dist.is_initialized():
         dist.destroy_process_group()
 

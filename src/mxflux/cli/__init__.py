@@ -13,6 +13,7 @@ non-finite value exit status 1, and a stop signal 128 + its number, without a tr
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import os
 import sys
@@ -114,15 +115,27 @@ SUBCOMMANDS = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose refusal of a mistyped command names the closest one ("did you mean")."""
+
+    def _check_value(self, action, value):
+        if action.choices is not None and value not in action.choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in action.choices], n=1, cutoff=0.6)
+            if close:
+                self.error(f"argument {argparse._get_action_name(action)}: invalid choice: {value!r}; did you mean "
+                           f"{close[0]!r}? (choose from {', '.join(map(repr, action.choices))})")
+        super()._check_value(action, value)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mxflux",
         description="mxflux: Flux diffusion transformers with MXFP6 linear layers.",
     )
     parser.add_argument("--version", action="version", version=f"mxflux {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="on an error, show the full traceback (may also follow the command)")
-    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=_Parser)
     for add in SUBCOMMANDS:
         add(sub)
     return parser

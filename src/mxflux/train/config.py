@@ -7,6 +7,7 @@ precision block is `mxflux.nn.PrecisionConfig`, which refuses wrong-precision co
 
 from __future__ import annotations
 
+import difflib
 from importlib import resources
 from pathlib import Path
 from typing import Literal
@@ -310,8 +311,8 @@ def _read(recipe: str) -> tuple[dict, str]:
         return _not_empty(_parse(text, str(path)), str(path)), str(path)
     res = _builtin(recipe)
     if not res.is_file():
-        raise RecipeError(f"recipe: unknown recipe {recipe!r}; built-in recipes: {recipe_names()} "
-                          f"(`mxflux recipes` lists them)")
+        raise RecipeError(f"recipe: unknown recipe {recipe!r}{did_you_mean(recipe, recipe_names())}; built-in "
+                          f"recipes: {', '.join(recipe_names())} (`mxflux recipes` says what each is for)")
     return _not_empty(_parse(res.read_text(), recipe), recipe), recipe
 
 
@@ -343,6 +344,23 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def did_you_mean(word: str, choices) -> str:
+    """" (did you mean 'x'?)" naming the closest of `choices` to a mistyped `word`, or "" where none is close."""
+    close = difflib.get_close_matches(word, [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _valid_keys(loc: tuple) -> list[str]:
+    """The keys the recipe section at `loc` (a pydantic error location, e.g. ("optim",)) accepts."""
+    model: type = RunConfig
+    for part in loc:
+        field = model.model_fields.get(str(part)) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
 def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Load a built-in recipe by name or a YAML file by path, apply overrides, and validate."""
     data, label = _read(recipe)
@@ -365,7 +383,7 @@ def config_from_dict(data: dict, label: str, overrides: list[str] | tuple[str, .
             where = ".".join(str(p) for p in err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
-                msg = "unknown key"
+                msg = "unknown key" + did_you_mean(str(err["loc"][-1]), _valid_keys(err["loc"][:-1]))
             # a check across sections names its own fields first ("train.cuda_graph: ...")
             lines.append(f"  {where}: {msg}" if where else f"  {msg}")
         raise RecipeError(f"recipe {label} is invalid:\n" + "\n".join(lines)) from None
