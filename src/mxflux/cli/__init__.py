@@ -20,6 +20,8 @@ import sys
 from collections.abc import Sequence
 
 from mxflux import __version__
+
+from .threads import configure_threads
 from mxflux.argtypes import positive_float, positive_int
 
 # ---------------------------------------------------------------------------------------------
@@ -187,6 +189,7 @@ def _os_error_line(e: OSError) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mxflux` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    configure_threads()  # before any command imports torch or numba, which read it as they start
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]  # accepted anywhere, not only before the command
     parser = build_parser()
