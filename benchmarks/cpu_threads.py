@@ -6,7 +6,7 @@ as long beside it as alone ("shares gracefully", issue 51); thread pools that sp
 a descheduled peer take far longer. Each configuration is a set of environment variables for the
 run's process: "mxflux" is what `mxflux` sets by itself (mxflux.cli.threads), "spinning" the
 thread pools as torch and numba start them when nothing is set (MXFLUX_THREADS=off), the others
-single knobs, for comparison.
+single knobs, for comparison (names without commas: --configs is a comma-separated list).
 
     python3 benchmarks/cpu_threads.py --json benchmarks/results/cpu_threads_<date>.json
 
@@ -29,8 +29,10 @@ from pathlib import Path
 CONFIGS = {
     "mxflux": {},
     "spinning": {"MXFLUX_THREADS": "off"},
-    "spinning, passive OpenMP": {"MXFLUX_THREADS": "off", "OMP_WAIT_POLICY": "PASSIVE"},
-    "spinning, numba on 1 thread": {"MXFLUX_THREADS": "off", "NUMBA_NUM_THREADS": "1"},
+    "passive": {"MXFLUX_THREADS": "off", "OMP_WAIT_POLICY": "PASSIVE"},
+    "numba-workqueue": {"MXFLUX_THREADS": "off", "NUMBA_THREADING_LAYER": "workqueue"},
+    "numba-1-thread": {"MXFLUX_THREADS": "off", "NUMBA_NUM_THREADS": "1"},
+    "torch-1-thread": {"MXFLUX_THREADS": "off", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
 }
 
 
@@ -59,6 +61,7 @@ def main(argv=None) -> int:
             row = {"config": name, "env": CONFIGS[name]}
             for busy in (False, True):
                 hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+                time.sleep(1.0 if busy else 0.0)  # the other process is running before the run starts
                 try:
                     runs = [_run(CONFIGS[name], Path(tmp) / f"{len(rows)}-{busy}-{i}") for i in range(args.repeats)]
                 finally:

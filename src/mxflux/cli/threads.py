@@ -7,23 +7,27 @@ quota), and each busy-waits (spins) for a while whenever it waits for a peer. Al
 that is fastest; next to other work, a spinning thread burns the timeslice its descheduled peer
 needed, and a run took 2.8x as long beside one busy process on 2 cores (benchmarks/cpu_threads.py).
 
+Measured (benchmarks/cpu_threads.py, 2 cores, a short default run): torch's pool shares well, numba's
+does not. Its parallel kernels split their rows evenly between its threads, so a kernel lasts as
+long as its slowest thread, and a thread that shares its core with another process gets half of it:
+the run took 2.8x as long beside one busy process. With numba on one thread it took as long beside
+it as alone, but alone 1.4x as long as with two.
+
 `configure_threads()` runs before torch or numba is imported (the CLI calls it first), and sets, only
-where the user has not: both pools' size to the usable cores, and libgomp's spin before sleeping to
-SPIN_COUNT iterations (about SPIN_US microseconds) instead of its 300,000. MXFLUX_THREADS=off leaves the
-environment as it is.
+where the user has not: torch's pool to the usable cores (affinity, cgroup CPU quota), and numba's to
+the cores no other process is running on as it starts (`free_cpus`: the usable cores less the
+other runnable threads the kernel counts, sampled over a tenth of a second). MXFLUX_THREADS=off
+leaves the environment as it is.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from pathlib import Path
 
-__all__ = ["SPIN_COUNT", "configure_threads", "usable_cpus"]
-
-# libgomp's GOMP_SPINCOUNT: how many times a waiting thread polls before it sleeps (its default, with
-# OMP_WAIT_POLICY unset, is 300,000; PASSIVE is 0). Chosen by benchmarks/cpu_threads.py.
-SPIN_COUNT = 10000
-
+__all__ = ["configure_threads", "free_cpus", "other_runnable", "usable_cpus"]
 
 def _cgroup_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     """CPUs this process's cgroup may use (quota / period), None without a quota (cgroup v2 and v1)."""
@@ -52,14 +56,36 @@ def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
     return max(1, n)
 
 
+def other_runnable(samples: int = 5, interval_s: float = 0.02, loadavg: Path = Path("/proc/loadavg")) -> float:
+    """Threads of other processes running or waiting for a core now: the kernel's count of runnable
+    threads (/proc/loadavg's fourth field, which includes the reader), less this one, median of
+    `samples` reads; 0 where the count cannot be read (not Linux)."""
+    counts = []
+    for i in range(samples):
+        try:
+            counts.append(int(loadavg.read_text().split()[3].split("/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            return 0.0
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return float(statistics.median(counts))
+
+
+def free_cpus(usable: int | None = None, others: float | None = None) -> int:
+    """The usable cores that no other process is running on now (at least 1)."""
+    usable = usable_cpus() if usable is None else usable
+    others = other_runnable() if others is None else others
+    return max(1, min(usable, usable - int(round(others))))
+
+
 def configure_threads(environ=os.environ) -> dict[str, str]:
-    """Set the thread pools' size and wait policy in `environ` where unset; returns what it set."""
+    """Set the thread pools' sizes in `environ` where unset; returns what it set."""
     if environ.get("MXFLUX_THREADS", "").lower() == "off":
         return {}
-    n = str(usable_cpus())
-    wanted = {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "NUMBA_NUM_THREADS": n}
-    if "OMP_WAIT_POLICY" not in environ:
-        wanted["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    usable = usable_cpus()
+    wanted = {"OMP_NUM_THREADS": str(usable), "MKL_NUM_THREADS": str(usable)}
+    if "NUMBA_NUM_THREADS" not in environ:
+        wanted["NUMBA_NUM_THREADS"] = str(free_cpus(usable))
     set_now = {k: v for k, v in wanted.items() if k not in environ}
     environ.update(set_now)
     return set_now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from ..argtypes import positive_int
@@ -34,7 +35,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--max-steps", type=positive_int, metavar="N",
                    help="stop once the run has taken N optimizer steps in all (steps before a resume count); "
                         "the run stays unfinished and --resume continues it")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to metrics.csv)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: plain lines every 30 s instead (as when stdout is not a terminal; "
+                        "train.log in the run directory has them either way)")
     p.set_defaults(handler=_train, parser=p)
 
 
@@ -62,6 +65,7 @@ def _run_train(args, phase) -> int:
     from ..train.identity import check_same_data, check_same_run
     from ..train.rundir import check_new_run, remove_leftovers
     from ..train.runlock import RunLock
+    from ..train.runlog import LogLines, RunLog, stdout_is_terminal, summary_lines
     from ..train.stop import TrainingInterrupted
     from ..train.step_path import step_path, step_path_line
     from ..train.trainer import Trainer, total_steps
@@ -82,6 +86,9 @@ def _run_train(args, phase) -> int:
     ctx = init_distributed(device.type if device is not None else None)  # gloo for --device cpu
     lock = RunLock(out) if ctx.is_main else None
     trainer = None
+    bar = not args.no_progress and stdout_is_terminal()  # plain lines where the bar cannot be seen as it moves
+    runlog = RunLog(None, echo=ctx.is_main and not bar)
+    t_start = time.monotonic()
     try:
         if lock is not None:  # before anything in `out` is read or written: one run per directory
             note(lock.acquire().stale_note)
@@ -115,29 +122,35 @@ def _run_train(args, phase) -> int:
             if ctx.is_main:
                 note(check_new_run(out, overwrite=args.overwrite))
             barrier(ctx)
-        callbacks = []
+        if ctx.is_main:
+            runlog.path = out / "train.log"  # the directory is this run's now (locked, checked)
+            runlog.line(f"mxflux train {' '.join(args.command_line[2:])}".rstrip(), console=False)
+        callbacks = [LogLines(runlog)] if ctx.is_main else []
         if cfg.mlperf.enabled:  # constructed first: the timed MLPerf "init" phase starts here
             from ..train.mlperf import MLPerfCallback
 
             callbacks.append(MLPerfCallback(out, cfg, rank=ctx.rank, world_size=ctx.world_size))
-        trainer = Trainer(cfg, ctx=ctx, device=device, out_dir=out, callbacks=callbacks)
+        with runlog.phase("set up: model, data and optimizer"):
+            trainer = Trainer(cfg, ctx=ctx, device=device, out_dir=out, callbacks=callbacks)
         if state is not None:
             check_same_data(identity, trainer.train_set, run_dir=run_dir)
-            if ckpt.is_file():
-                trainer.load_state_dict(state)
-            else:
-                trainer.resume(ckpt)
+            with runlog.phase(f"loaded checkpoint {ckpt}"):
+                if ckpt.is_file():
+                    trainer.load_state_dict(state)
+                else:
+                    trainer.resume(ckpt)
         del state
+        start_samples = trainer.samples
         if ctx.is_main:
             r = trainer.precision_report
-            print(f"{cfg.name}: {cfg.model.name}, {cfg.precision.name}: {len(r.swapped)} linears swapped, "
+            runlog.line(f"{cfg.name}: {cfg.model.name}, {cfg.precision.name}: {len(r.swapped)} linears swapped, "
                   f"{len(r.kept_bf16)} kept bf16; data {trainer.data_root}; world {ctx.world_size}; "
                   f"device {trainer.device}; out {trainer.out_dir}"
-                  + (f"; resuming at step {trainer.step}" if trainer.step else ""))
+                  + (f"; resuming at step {trainer.step}" if trainer.step else ""), console=True)
         phase.phase, phase.trainer = "training", trainer
         if not samples_only:
             try:
-                result = trainer.fit(progress=not args.no_progress, max_steps=args.max_steps)
+                result = trainer.fit(progress=bar, max_steps=args.max_steps)
             except TrainingInterrupted as e:
                 if ctx.is_main:
                     print(f"{signal_name(e.signum)}: stopped after step {e.step}; checkpoint {e.checkpoint}; "
@@ -145,7 +158,8 @@ def _run_train(args, phase) -> int:
                 return e.exit_code
             path = step_path(trainer)  # every rank: the compile counts are gathered
             if ctx.is_main:
-                print(step_path_line(path), file=sys.stderr)
+                runlog.line(step_path_line(path, trainer.device.type), console=False)
+                print(step_path_line(path, trainer.device.type), file=sys.stderr)
                 result["step_path"] = path
         else:
             trainer.last_checkpoint = ckpt
@@ -153,7 +167,7 @@ def _run_train(args, phase) -> int:
         if ctx.is_main:
             phase.phase = "sampling"
             if cfg.train.sample_prompts:
-                with trainer.sampling_weights():  # the EMA of the weights, where the recipe keeps one
+                with trainer.sampling_weights(), runlog.phase("drew samples.png"):  # the EMA of the weights, where the recipe keeps one
                     grid = sample_to_grid(trainer.model, trainer.train_set, list(cfg.train.sample_prompts),
                                            steps=cfg.train.sample_steps, seed=cfg.train.seed,
                                            out=trainer.out_dir / "samples.png", dtype=trainer.compute_dtype,
@@ -163,7 +177,10 @@ def _run_train(args, phase) -> int:
                     result["samples_png"] = str(grid)
             result["checkpoint"] = str(trainer.last_checkpoint)
             result["loss_curve"] = str(trainer.out_dir / "loss_curve.png")
-            print(json_text(result))
+            for line in summary_lines(result, out_dir=trainer.out_dir, wall_s=time.monotonic() - t_start,
+                                      images=trainer.samples - start_samples):
+                runlog.line(line, console=True)
+            print(json_text(result))  # last, on a line of its own: for scripts
         barrier(ctx)  # no rank tears the group down while another still uses it (gloo aborts then)
     finally:
         # The model's DDP/FSDP2 state holds the process group: freed before the group is destroyed.

@@ -41,8 +41,8 @@ class Callback:
 
 
 class ProgressBar(Callback):
-    """A rich progress bar: steps done of the run's end step, loss, LR, images/s and the time left
-    at the mean speed of the last minutes (`mxflux.train.eta`). `clock`: seconds, monotonic."""
+    """A rich progress bar: steps done of the run's end step, loss, LR, and images/s and the time left
+    both at the mean speed of the last minutes (`mxflux.train.eta`). `clock`: seconds, monotonic."""
 
     def __init__(self, name: str, *, clock=None, console=None):
         import time
@@ -63,7 +63,9 @@ class ProgressBar(Callback):
                             TextColumn("{task.fields[stats]}"), TextColumn("[cyan]{task.fields[left]}"),
                             console=self.console)
         self.bar.start()
-        self.task = self.bar.add_task(self.name, total=end_step, completed=trainer.step, stats="",
+        self.batch = trainer.cfg.batch.global_batch_size
+        first = "first step (compiling)" if trainer.cfg.model.compile else "first steps"
+        self.task = self.bar.add_task(self.name, total=end_step, completed=trainer.step, stats=f"{first} ...",
                                       left="-:--:--")
 
     def on_log(self, trainer, row: dict) -> None:
@@ -72,9 +74,10 @@ class ProgressBar(Callback):
         # The first sample is the first log, not the fit's start: the first steps' one-time costs
         # (allocation, compiled kernels' first calls) would otherwise enter the mean.
         self.eta.update(row["step"], self.clock())
-        self.bar.update(self.task, completed=row["step"],
-                        stats=f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {row['images_per_s']:.1f} img/s",
-                        left=format_remaining(self.eta.remaining_s(self.end_step)))
+        speed = self.eta.steps_per_s()  # the window the time left is taken from: the two agree
+        rate = "– img/s" if speed is None else f"{speed * self.batch:.1f} img/s"
+        self.bar.update(self.task, completed=row["step"], stats=f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  {rate}",
+                        left=format_remaining(self.eta.remaining_s(self.end_step)) + " left")
 
     def on_eval_end(self, trainer, loss: float) -> bool:
         self.bar.console.print(f"step {trainer.step}: eval loss {loss:.4f}")

@@ -120,9 +120,12 @@ def step_path(trainer) -> dict:
     }
 
 
-def step_path_line(path: dict) -> str:
-    """One line for the console."""
+def step_path_line(path: dict, device_type: str = "cuda") -> str:
+    """One line for the console; on a CPU a short one (the GPU-only parts say nothing there)."""
     compiled = path["compiled"]
+    if device_type == "cpu":
+        optimizer = path.get("optimizer", "not reported").split(" (")[0]
+        return f"step: on the CPU, compiled {compiled}; optimizer {optimizer}"
     if not compiled.startswith("no"):
         breaks = max(path["graph_breaks"])
         compiled += f", {breaks} graph break(s) on some rank" if breaks else ", 0 graph breaks"
