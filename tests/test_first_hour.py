@@ -60,7 +60,11 @@ def test_bench_step_on_a_cpu_runs_what_can_run_and_names_the_skipped_in_one_line
     assert list(results) == ["bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6"]  # the default settings
     assert results["bf16"]["images_per_s_per_gpu"] > 0 and results["mxfp6"]["images_per_s_per_gpu"] > 0
     assert results["mxfp6"]["precision"] == "mxfp6" and results["bf16"]["device"].startswith("cpu")
-    assert set(results["fp8-rowwise"]) == {"label", "skipped", "wall_s_including_compile"}
+    assert set(results["fp8-rowwise"]) == {"label", "skipped", "wall_s_including_compile", "provenance",
+                                           "child_provenance", "comparison_warnings"}
+    # three timed CPU steps in one round: the ratios carry their warning, in the JSON and under the table
+    assert any("timed CPU steps in one round" in w for w in results["mxfp6"]["comparison_warnings"])
+    assert "timed CPU steps in one round: use --steps 10 or more" in " ".join(proc.stdout.split())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA does")
@@ -199,6 +203,7 @@ def test_the_time_left_is_the_mean_speed_over_minutes_not_the_last_seconds():
 
     class Trainer:
         step = 0
+        cfg = type("Cfg", (), {"model": type("M", (), {"compile": False}), "batch": type("B", (), {"global_batch_size": 4})})
 
     bar.on_fit_start(Trainer, end)
     rich_own = Progress(get_time=lambda: now[0], console=Console(file=io.StringIO()))
@@ -215,7 +220,7 @@ def test_the_time_left_is_the_mean_speed_over_minutes_not_the_last_seconds():
     shown = bar.bar.tasks[0].fields["left"]
     bar.on_fit_end(Trainer)
     assert max(ours) < 0.12 and max(theirs) > 0.7
-    assert re.fullmatch(r"0:00:0\d", shown)  # the last log: seconds left, as H:MM:SS
+    assert re.fullmatch(r"0:00:0\d left", shown)  # the last log: seconds left, as H:MM:SS
 
 
 def test_the_time_left_is_unknown_until_two_logs_and_restarts_when_the_step_goes_back():

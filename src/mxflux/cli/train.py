@@ -122,9 +122,7 @@ def _run_train(args, phase) -> int:
             if ctx.is_main:
                 note(check_new_run(out, overwrite=args.overwrite))
             barrier(ctx)
-        if ctx.is_main:
-            runlog.path = out / "train.log"  # the directory is this run's now (locked, checked)
-            runlog.line(f"mxflux train {' '.join(args.command_line[2:])}".rstrip(), console=False)
+        runlog.line(f"mxflux train {' '.join(args.command_line[2:])}".rstrip(), console=False)
         callbacks = [LogLines(runlog)] if ctx.is_main else []
         if cfg.mlperf.enabled:  # constructed first: the timed MLPerf "init" phase starts here
             from ..train.mlperf import MLPerfCallback
@@ -140,6 +138,8 @@ def _run_train(args, phase) -> int:
                 else:
                     trainer.resume(ckpt)
         del state
+        if ctx.is_main:
+            runlog.attach(out)  # the run has started: its directory is its own (locked, checked, set up)
         start_samples = trainer.samples
         if ctx.is_main:
             r = trainer.precision_report

@@ -23,21 +23,34 @@ __all__ = ["LogLines", "RunLog", "summary_lines"]
 
 
 class RunLog:
-    """Appends lines to `<out_dir>/train.log` (created on the first line) and, with `echo`, prints them
-    to stdout. Lines are time-stamped in the file only (the console has its own clock)."""
+    """Appends lines to `<out_dir>/train.log` and, with `echo`, prints them to stdout. Lines are
+    time-stamped in the file only (the console has its own clock). Without a directory yet, lines wait
+    until `attach` names it: a run that fails while it starts (bad data, say) leaves no log behind in a
+    directory it never used."""
 
     def __init__(self, out_dir: str | Path | None, *, echo: bool):
         self.path = None if out_dir is None else Path(out_dir) / "train.log"
         self.echo = echo
+        self.pending: list[str] = []
+
+    def attach(self, out_dir: str | Path) -> None:
+        self.path = Path(out_dir) / "train.log"
+        pending, self.pending = self.pending, []
+        self._write(pending)
+
+    def _write(self, lines: list[str]) -> None:
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.writelines(f"{line}\n" for line in lines)
+        except OSError:  # a log line is never worth a run: the console still gets it
+            pass
 
     def line(self, text: str, *, console: bool | None = None) -> None:
-        if self.path is not None:
-            stamp = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
-            try:
-                with open(self.path, "a", encoding="utf-8") as f:
-                    f.write(f"{stamp}  {text}\n")
-            except OSError:  # a log line is never worth a run: the console still gets it
-                pass
+        stamped = f"{datetime.datetime.now().isoformat(sep=' ', timespec='seconds')}  {text}"
+        if self.path is None:
+            self.pending.append(stamped)
+        else:
+            self._write([stamped])
         if self.echo if console is None else console:
             print(text, flush=True)
 
