@@ -62,7 +62,7 @@ def _run_train(args, phase) -> int:
     from ..train.checkpoint import CheckpointNotFoundError, load_checkpoint, read_checkpoint_meta, resolve_checkpoint
     from ..train.config import RecipeError, config_from_dict
     from ..train.distributed import cleanup, init_distributed
-    from ..train.identity import check_same_data, check_same_run
+    from ..train.identity import check_same_data, check_same_run, with_absolute_data_root
     from ..train.rundir import check_new_run, remove_leftovers
     from ..train.runlock import RunLock
     from ..train.runlog import LogLines, RunLog, stdout_is_terminal, summary_lines
@@ -79,7 +79,7 @@ def _run_train(args, phase) -> int:
         run_dir = ckpt.parent
         out = Path(args.out) if args.out else run_dir
     else:
-        cfg = load_run_config(args, args.recipe or DEFAULT_RECIPE)
+        cfg = with_absolute_data_root(load_run_config(args, args.recipe or DEFAULT_RECIPE))
         run_dir, out = None, Path(args.out) if args.out else cfg.out_dir
         check_recipe_data(cfg, args.parser)  # before any work, not at the first forward or at the end's samples
     phase.out = out
@@ -102,12 +102,13 @@ def _run_train(args, phase) -> int:
                                                                                  f"of checkpoint {ckpt}", args.overrides)
             except RecipeError as e:
                 args.parser.error(str(e))
+            cfg = with_absolute_data_root(cfg)
             check_recipe_data(cfg, args.parser)
             identity = state.get("identity")
             changed = check_same_run(state["config"], identity, cfg, run_dir=run_dir,
                                      allow_precision_change=args.allow_precision_change)
             if changed and ctx.is_main:
-                note(f"note: continuing in another precision, as asked: {', '.join(changed)}")
+                note(f"note: the resumed run changes {'; '.join(changed)}")
             done, end = state["progress"]["step"], min(total_steps(cfg), args.max_steps or total_steps(cfg))
             phase.resume_step = done
             redraw = done >= total_steps(cfg) and cfg.train.sample_prompts and not (out / "samples.png").exists()

@@ -110,10 +110,10 @@ class OptimSection(_Section):
     decay: Literal["none", "cosine", "linear"] = "none"
     decay_steps: int | None = Field(None, ge=1)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.1, ge=0.0)
     grad_clip: float = Field(1.0, gt=0)
     # Clipping by the gradients' total norm: true applies the factor inside the optimizer's own pass
     # over the gradients (equal to torch's clip_grad_norm_ then step up to fp32 rounding where it

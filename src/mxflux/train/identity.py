@@ -12,12 +12,14 @@ in MXFP6 is a legitimate study.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+from pathlib import Path
 
 from ..nn.precision import converter_class, registered_precisions
 from .config import RecipeError, RunConfig
 
-__all__ = ["IdentityMismatchError", "run_identity", "data_identity", "check_same_run", "check_same_data"]
+__all__ = ["RESUME_MAY_CHANGE", "IdentityMismatchError", "with_absolute_data_root", "run_identity", "data_identity", "check_same_run", "check_same_data"]
 
 
 class IdentityMismatchError(RecipeError):
@@ -25,9 +27,15 @@ class IdentityMismatchError(RecipeError):
 
 
 def data_identity(root, dataset) -> dict:
-    """The data facts a run depends on: where it is and the shapes of its samples."""
-    return {"root": root, "latent": list(dataset.latent_shape), "t5": list(dataset.t5_shape),
-            "clip": dataset.clip_dim, "train_samples": len(dataset)}
+    """The data facts a run depends on: where it is, the shapes of its samples, how many there are, and
+    a fingerprint of its meta.json (which names its shards and their sizes: a dataset rewritten in place
+    has another one), read in a few microseconds."""
+    ident = {"root": root, "latent": list(dataset.latent_shape), "t5": list(dataset.t5_shape),
+             "clip": dataset.clip_dim, "train_samples": len(dataset)}
+    meta = Path(dataset.root) / "meta.json" if getattr(dataset, "root", None) else None
+    if meta is not None and meta.is_file():
+        ident["meta_sha256"] = hashlib.sha256(meta.read_bytes()).hexdigest()
+    return ident
 
 
 def run_identity(cfg: RunConfig, dataset=None) -> dict:
@@ -56,36 +64,79 @@ def _differences(saved: dict, now: dict) -> dict[str, tuple]:
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) & set(b)) if a.get(k) != b.get(k)}
 
 
+# What a resume may change (`--set` or a RECIPE) without becoming another run: how long it trains, how
+# often it logs, evaluates, checkpoints and what it samples, and how the same step is executed (compile,
+# CUDA graphs, optimizer kernels, the data loader's workers, the parallel layout, the micro-batch with the
+# same global batch). Every other field is the run's; a change of precision can be asked for
+# (--allow-precision-change). A change made is logged as `field: old -> new`.
+RESUME_MAY_CHANGE = (
+    "name", "description", "train.train_samples", "train.eval_every_samples", "train.eval_samples",
+    "train.eval_batch_size", "train.log_every", "train.checkpoint_every", "train.out_dir", "train.sample_prompts",
+    "train.sample_steps", "train.sample_guidance", "train.sample_shift", "train.cuda_graph", "model.compile",
+    "model.compile_mode", "optim.implementation", "data.num_workers", "data.prefetch_factor",
+    "batch.micro_batch_size", "distributed.*", "mlperf.submission_org", "mlperf.submission_platform",
+)
+
+
+def _absolute(root: str | None) -> str | None:
+    """A data root as an absolute path (new runs store it so; an older checkpoint's relative one is taken
+    from the directory the command runs in, as it was then)."""
+    return None if root is None else str(Path(root).resolve())
+
+
+def with_absolute_data_root(cfg: RunConfig) -> RunConfig:
+    """`cfg` with data.root absolute, as a run stores it: resuming from another directory then reads the
+    same data, not whatever the relative path names there."""
+    if cfg.data.root is None or Path(cfg.data.root).is_absolute():
+        return cfg
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"root": _absolute(cfg.data.root)})})
+
+
+def _may_change(key: str) -> bool:
+    return any(key == k or (k.endswith(".*") and key.startswith(k[:-1])) for k in RESUME_MAY_CHANGE)
+
+
 def check_same_run(saved_config: dict, saved_identity: dict | None, cfg: RunConfig, *, run_dir,
                    allow_precision_change: bool) -> list[str]:
-    """Refuse (IdentityMismatchError) a resume of the checkpoint in `run_dir` under `cfg` when
-    they describe different runs; return the fields of an allowed change of precision."""
+    """Refuse (IdentityMismatchError) a resume of the checkpoint in `run_dir` under `cfg` when they
+    describe different runs: another model, data or precision (`run_identity`), or any recipe field
+    outside RESUME_MAY_CHANGE. Returns the changes made, as "field: old -> new" (an allowed change of
+    precision included)."""
     from .config import config_from_dict
 
     saved = saved_identity or run_identity(config_from_dict(saved_config, f"of checkpoint in {run_dir}"))
     now = run_identity(cfg)
-    now["data"] = {**saved.get("data", {}), "root": cfg.data.root}  # shapes: checked against the data later
+    saved = {**saved, "data": {**saved.get("data", {}), "root": _absolute(saved.get("data", {}).get("root"))}}
+    now["data"] = {**saved["data"], "root": _absolute(cfg.data.root)}  # shapes: checked against the data later
     diff = _differences(saved, now)
     fields = {f"model.{k[6:]}" if k.startswith("model.") else k: v for k, v in diff.items()}
+    recipe = {k: v for k, v in _differences(saved_config, cfg.model_dump(mode="json")).items()
+              if not k.startswith(("precision.", "model.overrides", "model.name", "data.root")) and k not in fields}
+    changes = [f"{k}: {json.dumps(a)} -> {json.dumps(b)}" for k, (a, b) in recipe.items() if _may_change(k)]
+    fields.update({k: v for k, v in recipe.items() if not _may_change(k)})
     precision = [k for k in fields if k.startswith("precision.")]
     if allow_precision_change and len(precision) == len(fields):
-        return precision
+        return changes + [f"{k}: {json.dumps(a)} -> {json.dumps(b)}" for k, (a, b) in fields.items()]
     if not fields:
-        return []
+        return changes
     listed = "; ".join(f"{k}: checkpoint {json.dumps(a)}, now {json.dumps(b)}" for k, (a, b) in fields.items())
     advice = ("; pass --allow-precision-change to continue it in the new precision on purpose"
               if len(precision) == len(fields) else "")
     raise IdentityMismatchError(f"--resume {run_dir}: the recipe describes another run than the checkpoint's "
-                                f"({listed}); resume without RECIPE (the checkpoint's own recipe), or start a new "
-                                f"run with another --out{advice}")
+                                f"({listed}); a resume may change only how long and how the run goes on "
+                                f"({', '.join(RESUME_MAY_CHANGE[2:])}); resume without those changes, or start a "
+                                f"new run with another --out{advice}")
 
 
 def check_same_data(saved_identity: dict | None, dataset, *, run_dir) -> None:
     """Refuse resuming onto data whose sample shapes differ from the checkpoint's."""
     saved = (saved_identity or {}).get("data", {})
     now = data_identity(saved.get("root"), dataset)
-    diff = {f"data.{k}": v for k, v in _differences(saved, now).items() if k in ("latent", "t5", "clip")}
+    # (a checkpoint written before a fact was recorded is held to the facts it has)
+    diff = {f"data.{k}": v for k, v in _differences(saved, now).items()
+            if k in ("latent", "t5", "clip", "train_samples", "meta_sha256")}
     if diff:
         listed = "; ".join(f"{k}: checkpoint {a}, now {b}" for k, (a, b) in diff.items())
         raise IdentityMismatchError(f"--resume {run_dir}: the data ({dataset.root}) is not the run's data "
-                                    f"({listed}); resume on the dataset the run trained on")
+                                    f"({listed}); it was replaced or changed since: resume on the dataset the "
+                                    f"run trained on, or start a new run with another --out")

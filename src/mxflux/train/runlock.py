@@ -66,7 +66,14 @@ class RunLock:
         self.created = not self.out_dir.exists()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            # never through a symbolic link: opening one would truncate (or lock) the file it points to
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            except OSError as e:
+                if self.path.is_symlink():
+                    raise RunDirError(f"{self.path}: a symbolic link where the run's lock file belongs; remove it "
+                                      f"(mxflux never writes through it)") from None
+                raise
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

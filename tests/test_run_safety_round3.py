@@ -1,0 +1,87 @@
+"""Never lose a run, round three, through the real CLI: a damaged checkpoint is never deleted unasked,
+the lock never opens through a link, a resume may change only what RESUME_MAY_CHANGE lists (logged),
+the data root is stored absolute and a replaced dataset is refused, optimizer fields are range-checked
+where the recipe is read."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from mxflux.data import build_demo_dataset
+from mxflux.train.checkpoint import read_checkpoint_meta
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_run_safety import SMALL, one_line_error, run, train_steps  # noqa: E402
+
+
+def test_a_damaged_checkpoint_is_refused_and_kept(tmp_path):
+    for make in (lambda p: p.mkdir(), lambda p: (p.mkdir(), (p / "__0_0.distcp").write_bytes(b"x"))):
+        out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        out.mkdir()
+        (out / "metrics.csv").write_text("step,samples,split,loss\n1,4,train,0.5\n")
+        make(out / "latest.pt") if not (out / "latest.dcp").exists() else None
+        rc, _, err = run("train", *SMALL, "--out", out)
+        line = one_line_error(err)
+        assert rc == 2 and "latest.pt, which is not a readable checkpoint" in line and "--overwrite" in line
+        assert (out / "latest.pt").exists() and (out / "metrics.csv").exists()  # nothing deleted
+
+
+def test_the_lock_never_opens_through_a_symbolic_link(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    precious = tmp_path / "precious.txt"
+    precious.write_text("not the run's\n")
+    (out / ".mxflux.lock").symlink_to(precious)
+    rc, _, err = run("train", *SMALL, "--out", out)
+    assert rc == 2 and "a symbolic link where the run's lock file belongs" in one_line_error(err)
+    assert precious.read_text() == "not the run's\n"
+
+
+def test_a_resume_may_change_how_long_it_runs_but_not_what_it_is(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = run("train", *SMALL, "--out", out, "--max-steps", "1")
+    assert rc == 0, err
+    before = (out / "latest.pt").read_bytes()
+    for change, field in (("optim.lr=5e-3", "optim.lr"), ("batch.global_batch_size=8", "batch.global_batch_size"),
+                          ("train.ema_decay=0.99", "train.ema_decay"), ("train.seed=3", "train.seed")):
+        rc, _, err = run("train", "--resume", out, "--no-progress", "--set", change)
+        line = one_line_error(err)
+        assert rc == 2 and f"{field}: checkpoint" in line and "a resume may change only" in line, line
+    assert (out / "latest.pt").read_bytes() == before and train_steps(out) == [1]
+    rc, _, err = run("train", "--resume", out, "--no-progress", "--set", "train.train_samples=12",
+                     "--set", "train.log_every=2")
+    assert rc == 0, err
+    assert "note: the resumed run changes train.log_every: 1 -> 2; train.train_samples: 8 -> 12" in err
+    assert read_checkpoint_meta(out)["progress"]["step"] == 3
+
+
+def test_the_data_root_is_stored_absolute_and_a_replaced_dataset_is_refused(tmp_path):
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir(), elsewhere.mkdir()
+    build_demo_dataset(here / "data", n_train=16, n_eval=8, seed=1)
+    build_demo_dataset(elsewhere / "data", n_train=16, n_eval=8, seed=2)  # same relative path, other data
+    out = tmp_path / "run"
+    rc, _, err = run("train", *SMALL, "--out", out, "--set", "data.root=data", "--set", "train.train_samples=16",
+                     "--max-steps", "1", cwd=here)
+    assert rc == 0, err
+    cfg = read_checkpoint_meta(out)["config"]
+    assert cfg["data"]["root"] == str(here / "data")
+    rc, out_text, err = run("train", "--resume", out, "--no-progress", "--max-steps", "2", cwd=elsewhere)
+    assert rc == 0, err  # from another directory it trains on the run's own data
+    assert f"data {here / 'data'}" in out_text
+    shutil.rmtree(here / "data")
+    build_demo_dataset(here / "data", n_train=24, n_eval=8, seed=3)  # replaced in place
+    rc, _, err = run("train", "--resume", out, "--no-progress")
+    line = one_line_error(err)
+    assert rc == 2 and "data.train_samples: checkpoint 16, now 24" in line and "replaced or changed" in line
+
+
+def test_optimizer_fields_out_of_range_are_refused_by_check_config():
+    for field, value in (("optim.eps", "0"), ("optim.beta1", "1.0"), ("optim.beta2", "-0.1"),
+                         ("optim.weight_decay", "-1")):
+        rc, _, err = run("check-config", "tiny-mxfp6", "--set", f"{field}={value}")
+        assert rc == 2 and f"{field}:" in err and "Traceback" not in err, err
