@@ -44,8 +44,8 @@
 #   export OUT; CUDA_VISIBLE_DEVICES=1 bash benchmarks/gpu_run.sh convergence >$OUT/conv.log 2>&1 &
 #   CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_run.sh bench16 >$OUT/bench16.log 2>&1; wait
 #   bash benchmarks/gpu_run.sh fsdp12b >$OUT/fsdp12b.log 2>&1
-# The results record the commit they measured (mxflux.bench.provenance); the device's copy of the tree has
-# no .git, so pass it: MXFLUX_GIT_COMMIT=$(git rev-parse HEAD) MXFLUX_GIT_DIRTY=$(git diff --quiet HEAD && echo 0 || echo 1)
+# The results record the commit they measured (mxflux.bench.provenance); the device's copy of the tree may
+# carry a stale .git (the session's first commit), so pass the commit sent: MXFLUX_GIT_COMMIT=$(git rev-parse HEAD) MXFLUX_GIT_DIRTY=$(git diff --quiet HEAD && echo 0 || echo 1)
 # Wheels in .whl/ (pydantic for torch 2.11's Python 3.12, torchao) are installed to /tmp/site.
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
@@ -55,7 +55,7 @@ if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/pydantic ]; then
 fi
 [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site  # every invocation, not only the installing one
 python3 -c "import pydantic, yaml, rich, safetensors" || { echo "missing Python packages (carry .whl/)"; exit 3; }
-[ -n "${MXFLUX_GIT_COMMIT:-}" ] || [ -d .git ] || echo "warning: no .git and no MXFLUX_GIT_COMMIT: results will not name their commit"
+[ -n "${MXFLUX_GIT_COMMIT:-}" ] || echo "warning: no MXFLUX_GIT_COMMIT: results name whatever commit a .git here says"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for stage in "$@"; do

@@ -9,7 +9,8 @@ from mxflux.bench.fairness import comparison_warnings, spread
 from mxflux.bench.provenance import REQUIRED_KEYS, check_provenance, git_state, provenance
 
 
-def test_provenance_names_commit_card_versions_and_command():
+def test_provenance_names_commit_card_versions_and_command(monkeypatch):
+    monkeypatch.delenv("MXFLUX_GIT_COMMIT", raising=False)
     p = provenance(["mxflux", "bench", "step"])
     assert set(REQUIRED_KEYS) <= set(p) and p["command"] == "mxflux bench step"
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -18,12 +19,15 @@ def test_provenance_names_commit_card_versions_and_command():
     assert check_provenance({"provenance": p}) == []
 
 
-def test_a_copy_without_git_takes_the_commit_from_the_environment(tmp_path, monkeypatch):
+def test_the_commit_the_caller_names_comes_before_git(tmp_path, monkeypatch):
+    """A tree copied to a GPU machine may carry a stale .git (2026-12-06: the session's first commit,
+    reported dirty); the commit the caller sent is named in the environment and wins."""
     monkeypatch.delenv("MXFLUX_GIT_COMMIT", raising=False)
     assert git_state(tmp_path) == (None, None, "unknown")
+    assert git_state()[2] == "git"
     monkeypatch.setenv("MXFLUX_GIT_COMMIT", "abc123")
     monkeypatch.setenv("MXFLUX_GIT_DIRTY", "0")
-    assert git_state(tmp_path) == ("abc123", False, "environment")
+    assert git_state(tmp_path) == ("abc123", False, "environment") and git_state() == ("abc123", False, "environment")
 
 
 def test_missing_provenance_is_named():

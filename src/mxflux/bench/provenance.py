@@ -6,9 +6,8 @@ command, the MXFLUX_* switches of the environment, and the host's load average w
 host makes timings meaningless, so a reader needs to see it). `check_provenance(d)` names what a
 result lacks; the results generator (benchmarks/results_tables.py) refuses a result without it.
 
-The commit comes from git where the tree is a checkout. A copy of the tree without its .git (the
-GPU machine's) carries it in MXFLUX_GIT_COMMIT and MXFLUX_GIT_DIRTY, which the caller sets from the
-checkout it copied (benchmarks/gpu_run.sh says how); `commit_source` says which was used.
+The commit comes from MXFLUX_GIT_COMMIT and MXFLUX_GIT_DIRTY where the caller sets them (a copy of the
+tree sent to a GPU machine: benchmarks/gpu_run.sh says how), else from git; `commit_source` says which.
 """
 
 from __future__ import annotations
@@ -31,8 +30,13 @@ _REPO = Path(__file__).resolve().parents[3]
 
 
 def git_state(repo: Path = _REPO) -> tuple[str | None, bool | None, str]:
-    """(commit, dirty, source): from git in `repo` when it is a checkout, else from the environment
-    (MXFLUX_GIT_COMMIT, MXFLUX_GIT_DIRTY=0/1), else (None, None, "unknown")."""
+    """(commit, dirty, source): from MXFLUX_GIT_COMMIT (and MXFLUX_GIT_DIRTY=0/1) where the caller set
+    them, else from git in `repo`, else (None, None, "unknown"). The caller's word comes first: a copy
+    of the tree sent to another machine may carry a .git of an older commit, whose HEAD git would
+    report (as dirty)."""
+    commit = os.environ.get("MXFLUX_GIT_COMMIT")
+    if commit:
+        return commit, os.environ.get("MXFLUX_GIT_DIRTY", "1") != "0", "environment"
     try:
         commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
                                 timeout=10, check=True).stdout.strip()
@@ -40,11 +44,7 @@ def git_state(repo: Path = _REPO) -> tuple[str | None, bool | None, str]:
                                 capture_output=True, text=True, timeout=30, check=True).stdout
         return commit, bool(status.strip()), "git"
     except (OSError, subprocess.SubprocessError):
-        pass
-    commit = os.environ.get("MXFLUX_GIT_COMMIT")
-    if commit:
-        return commit, os.environ.get("MXFLUX_GIT_DIRTY", "1") != "0", "environment"
-    return None, None, "unknown"
+        return None, None, "unknown"
 
 
 def _version(distribution: str) -> str | None:
