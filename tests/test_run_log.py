@@ -69,13 +69,18 @@ def test_log_lines_come_at_the_interval_with_speed_and_time_left_from_one_window
     cb = LogLines(log, interval_s=30, clock=lambda: now[0])
 
     class T:
-        step, cfg = 0, type("C", (), {"name": "r", "batch": type("B", (), {"global_batch_size": 16})()})()
+        step, cfg = 0, type("C", (), {"name": "r", "batch": type("B", (), {"global_batch_size": 16})(),
+                                      "model": type("M", (), {"compile": True})()})()
 
     cb.on_fit_start(T(), 100)
+    now[0] = 1.5  # the first step, compiling
+    cb.on_step_end(T(), None)
+    cb.on_step_end(T(), None)  # only the first one is a phase
     for step in range(1, 101):
         now[0] = step * 2.0  # 2 s a step: 8 images/s, a line every 15 steps (30 s)
         cb.on_log(T(), {"step": step, "loss": 1.0, "lr": 1e-3})
     lines = (tmp_path / "train.log").read_text().splitlines()[1:]
+    assert lines.pop(0).endswith("first step (compiled): 1.5 s")
     assert [int(x.split("step ")[1].split("/")[0]) for x in lines] == [1, 16, 31, 46, 61, 76, 91, 100]
     assert "8.0 img/s  0:00:00 left" in lines[-1] and "8.0 img/s  0:00:18 left" in lines[-2]
     eta = SmoothedETA()

@@ -82,11 +82,21 @@ class LogLines(Callback):
         self.log, self.interval_s, self.clock = log, interval_s, clock
         self.eta = SmoothedETA()
         self.last = None
+        self.first_step_from = None
 
     def on_fit_start(self, trainer, end_step: int) -> None:
         self.end_step, self.batch = end_step, trainer.cfg.batch.global_batch_size
+        self.compiled = trainer.cfg.model.compile
         self.log.line(f"training {trainer.cfg.name}: steps {trainer.step + 1} to {end_step} of "
                       f"{self.batch} images; a line every {self.interval_s:.0f} s")
+        self.first_step_from = self.clock()
+
+    def on_step_end(self, trainer, result) -> None:
+        if self.first_step_from is None:
+            return
+        took, self.first_step_from = self.clock() - self.first_step_from, None
+        if took > 1.0:  # a start-up phase of its own: compilation, first allocations, the loader's start
+            self.log.line(f"first step{' (compiled)' if self.compiled else ''}: {took:.1f} s", console=True)
 
     def on_log(self, trainer, row: dict) -> None:
         now = self.clock()
