@@ -166,7 +166,7 @@ def test_the_readme_training_section_lists_every_shipped_recipe():
     from mxflux.train.config import recipe_names
 
     readme = (ROOT / "README.md").read_text()
-    paragraph = readme[readme.index("\nRecipes (`src/mxflux/recipes/`"):]
+    paragraph = readme[readme.index("\nRecipes (`src/mxflux/recipes/`"):]  # the Training section's list
     paragraph = paragraph[:paragraph.index("\n\n")]
     listed = {n for quoted in re.findall(r"`((?:tiny|flux)[a-z0-9{},-]*)`", paragraph) for n in _expand(quoted)}
     assert listed == set(recipe_names())

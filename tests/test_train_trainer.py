@@ -241,7 +241,7 @@ def test_mxflux_train_cli_loss_falls_and_leaves_artifacts(demo_root, tmp_path, c
                "--set", "train.sample_prompts=[a large red circle in the center]", "--set", "train.sample_steps=4",
                "--set", "train.ema_decay=0.9"])
     assert rc == 0
-    result = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # the JSON: the last line, after the summary
     assert result["step"] == 20
     for name in ("latest.pt", "loss_curve.png", "samples.png", "metrics.csv"):
         assert (out / name).stat().st_size > 0, name
