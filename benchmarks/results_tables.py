@@ -18,6 +18,7 @@ tests/test_results_tables.py runs --check in CI.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import subprocess
 import sys
@@ -70,15 +71,41 @@ def _pick(results: list[dict], claim: dict) -> tuple[dict, dict, dict]:
     return r, bf16, fp8
 
 
+def _code_of(text: str) -> str | None:
+    """A Python file's code without its comments and docstrings (its AST), None where it does not parse."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
 def _changed_since(commit: str, paths: list[str], base: Path) -> list[str] | None:
-    """Files under `paths` that differ between `commit` and the working tree; None where git cannot
-    tell (not a checkout, or the commit is not in its history)."""
+    """Files under `paths` whose code differs between `commit` and the working tree (a Python file whose
+    only changes are comments or docstrings does not count); None where git cannot tell (not a
+    checkout, or the commit is not in its history)."""
     try:
         out = subprocess.run(["git", "-C", str(base), "diff", "--name-only", commit, "--", *paths],
                              capture_output=True, text=True, timeout=60)
     except OSError:
         return None
-    return None if out.returncode else [line for line in out.stdout.splitlines() if line]
+    if out.returncode:
+        return None
+    changed = []
+    for rel in (line for line in out.stdout.splitlines() if line):
+        now = base / rel
+        if rel.endswith(".py") and now.is_file():
+            then = subprocess.run(["git", "-C", str(base), "show", f"{commit}:{rel}"], capture_output=True, text=True)
+            if then.returncode == 0 and _code_of(then.stdout) is not None \
+                    and _code_of(then.stdout) == _code_of(now.read_text()):
+                continue
+        changed.append(rel)
+    return changed
 
 
 def _ms(r: dict, loop: str) -> float:

@@ -80,3 +80,10 @@ def test_a_result_measured_before_the_code_changed_says_so(tmp_path):
     row = tables.claim_row({"id": "x", "what": "w", "file": "results/bench_step_proxy_mbs64_h100_2026-12-06.json",
                             "setting": "mxfp6", "code": ["README.md"]}, ROOT)
     assert row["current"].startswith("code changed since: 1 files")  # the README was rewritten after it
+
+
+def test_comments_and_docstrings_are_not_code_changes():
+    code = tables._code_of
+    assert code('def f():\n    """doc"""\n    return 1  # one\n') == code("def f():\n    return 1\n")
+    assert code("def f():\n    return 1\n") != code("def f():\n    return 2\n")
+    assert code("def f(:\n") is None

@@ -1,21 +1,24 @@
 """Never lose a run, round three, through the real CLI: a damaged checkpoint is never deleted unasked,
 the lock never opens through a link, a resume may change only what RESUME_MAY_CHANGE lists (logged),
 the data root is stored absolute and a replaced dataset is refused, optimizer fields are range-checked
-where the recipe is read."""
+where the recipe is read, and flipped bytes inside a checkpoint are named on load."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
+import signal
 import sys
+import time
+import zipfile
 from pathlib import Path
+
+import pytest
 
 from mxflux.data import build_demo_dataset
 from mxflux.train.checkpoint import read_checkpoint_meta
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_run_safety import SMALL, one_line_error, run, train_steps  # noqa: E402
+from test_run_safety import SMALL, cli, one_line_error, run, train_steps  # noqa: E402
 
 
 def test_a_damaged_checkpoint_is_refused_and_kept(tmp_path):
@@ -85,3 +88,35 @@ def test_optimizer_fields_out_of_range_are_refused_by_check_config():
                          ("optim.weight_decay", "-1")):
         rc, _, err = run("check-config", "tiny-mxfp6", "--set", f"{field}={value}")
         assert rc == 2 and f"{field}:" in err and "Traceback" not in err, err
+
+
+def test_flipped_bytes_in_a_checkpoint_are_named_on_resume_and_eval(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = run("train", *SMALL, "--out", out, "--max-steps", "1")
+    assert rc == 0, err
+    ckpt = out / "latest.pt"
+    data = bytearray(ckpt.read_bytes())
+    with zipfile.ZipFile(ckpt) as z:  # a byte in the middle of the largest tensor record
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    data[info.header_offset + 30 + len(info.filename) + info.file_size // 2 + len(info.extra)] ^= 0x10
+    ckpt.write_bytes(data)
+    for argv in (("train", "--resume", out, "--no-progress"), ("eval", out)):
+        rc, _, err = run(*argv)
+        line = one_line_error(err) if "error:" in err else err.strip().splitlines()[-1]
+        assert rc == 2 and "is damaged: its record" in line and "fails its CRC-32" in line and str(ckpt) in line, err
+    assert ckpt.read_bytes() == bytes(data)  # left as it was
+
+
+@pytest.mark.parametrize("delay", [0.15, 0.3, 0.6])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_stop_signal_while_starting_is_one_line(tmp_path, sig, delay):
+    """In the first tenths of a second (parsing, importing torch, building the model): one line naming the
+    signal, 128 + its number, no traceback, no checkpoint."""
+    proc = cli("train", *SMALL, "--out", tmp_path / "run")
+    time.sleep(delay)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    assert "Traceback" not in err and len(lines) == 1 and sig.name in lines[0], err
+    assert not (tmp_path / "run" / "latest.pt").exists()

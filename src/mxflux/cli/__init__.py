@@ -12,16 +12,38 @@ non-finite value exit status 1, and a stop signal 128 + its number, without a tr
 
 from __future__ import annotations
 
-import argparse
-import difflib
-import errno
 import os
+import signal
 import sys
-from collections.abc import Sequence
 
-from mxflux import __version__
 
-from .threads import configure_threads
+def _stopped_early(signum, frame):
+    """A stop signal before the command has its own handling: one line and 128 + its number. Nothing of
+    the command's is open yet, and raising here could unwind through a C++ extension that torch or numba
+    is loading (pybind11 then aborts the process), so the process ends at once; a Ctrl-C once `main` runs
+    is Python's own KeyboardInterrupt, which `main` reports."""
+    if signum == signal.SIGINT and _MAIN_RUNNING:
+        raise KeyboardInterrupt
+    os.write(2, f"mxflux: interrupted ({signal.Signals(signum).name}) while starting; nothing was written\n".encode())
+    os._exit(128 + signum)
+
+
+# Run as the command (the console script, or `python -m mxflux.cli` while its package is imported), a stop
+# signal from this first moment on is one line: no traceback for a Ctrl-C in the first tenth of a second,
+# no silent death by SIGTERM or SIGHUP. Imported as a library (tests, a user's code), nothing is installed.
+_MAIN_RUNNING = False
+if os.path.basename(sys.argv[0]) in ("mxflux", "-m"):
+    for _sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_sig, _stopped_early)
+
+import argparse  # noqa: E402
+import difflib  # noqa: E402
+import errno  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+
+from mxflux import __version__  # noqa: E402
+
+from .threads import configure_threads  # noqa: E402
 from mxflux.argtypes import positive_float, positive_int
 
 # ---------------------------------------------------------------------------------------------
@@ -188,6 +210,16 @@ def _os_error_line(e: OSError) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mxflux` console script; returns the exit status."""
+    global _MAIN_RUNNING
+    _MAIN_RUNNING = True
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # a Ctrl-C before the command's own handling began (parsing, say)
+        print("mxflux: interrupted (SIGINT) while starting", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     configure_threads()  # before any command imports torch or numba, which read it as they start
     debug = "--debug" in argv

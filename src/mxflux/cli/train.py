@@ -87,7 +87,7 @@ def _run_train(args, phase) -> int:
     lock = RunLock(out) if ctx.is_main else None
     trainer = None
     bar = not args.no_progress and stdout_is_terminal()  # plain lines where the bar cannot be seen as it moves
-    runlog = RunLog(None, echo=ctx.is_main and not bar)
+    runlog = RunLog(None, echo=not bar, enabled=ctx.is_main)
     t_start = time.monotonic()
     try:
         if lock is not None:  # before anything in `out` is read or written: one run per directory
@@ -139,8 +139,7 @@ def _run_train(args, phase) -> int:
                 else:
                     trainer.resume(ckpt)
         del state
-        if ctx.is_main:
-            runlog.attach(out)  # the run has started: its directory is its own (locked, checked, set up)
+        runlog.attach(out)  # the run has started: its directory is its own (locked, checked, set up)
         start_samples = trainer.samples
         if ctx.is_main:
             r = trainer.precision_report

@@ -291,10 +291,10 @@ DEFER_SCALES = os.environ.get("MXFLUX_DEFER_SCALES", "auto")
 if DEFER_SCALES not in DEFER_SCALES_MODES:
     raise ValueError(f"MXFLUX_DEFER_SCALES: expected one of {', '.join(DEFER_SCALES_MODES)}, got {DEFER_SCALES!r}")
 
-# The smallest N or K at which cuBLAS's row-scaled FP8 kernels fall behind its tensor-wise ones by more
-# than a separate scaling pass would cost (H100, torch 2.11, M = 32768; benchmarks/RESULTS.md,
-# "The MX GEMM at tensor-wise speed"): row-scaled runs 128x128 tiles where tensor-wise runs 192x192 or
-# 128x160 at N or K >= 9216, and both tie at 3072 x 3072.
+# The smallest N or K from which cuBLAS's row-scaled FP8 kernels fall behind its tensor-wise ones
+# (torch._scaled_mm alone, H100, torch 2.11, M = 32768, 2026-12-06): row-scaled runs 128x128 tiles where
+# tensor-wise runs 192x192 or 128x160, 7-16 % slower at N or K >= 9216, and the two tie at 3072 x 3072
+# (proj). The step it gives: benchmarks/RESULTS.md, "Current headline".
 DEFER_MIN_DIM = 8192
 
 
@@ -320,9 +320,9 @@ def deferred_scale_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: tor
     at most 448², so |acc| < K · 2^18 (< 2^32 at K = 15360), far inside bf16's range. Only an output
     that is itself subnormal (below 2^-126) can differ in its last bits.
     Traced by torch.compile, the multiplication is an elementwise op on the GEMM's output, which
-    inductor fuses into whatever reads the output next (the bias-gradient-free dgrad result's
-    consumer, the weight gradient's cast): the GEMM runs cuBLAS's tensor-wise kernels, which pick
-    larger tiles than its row-scaled ones."""
+    inductor fuses into whatever reads the output next (what a dgrad result feeds, the weight
+    gradient's cast): the GEMM runs cuBLAS's tensor-wise kernels, which pick larger tiles than its
+    row-scaled ones."""
     one = torch.ones((), dtype=torch.float32, device=a_data.device)
     acc = torch._scaled_mm(a_data, b_data.t(), one, one, out_dtype=out_dtype, use_fast_accum=False)
     return (acc.float() * (a_scale * b_scale.t())).to(out_dtype)
@@ -342,12 +342,13 @@ def scaled_gemm_cuda_traceable(
 
     Traced, the GEMM is `aten._scaled_mm` in the graph, which inductor launches from its generated
     code like any other GEMM: no custom-op dispatch and none of our Python per call (about a third
-    of an MX GEMM's host time). With a bias, or where `defers_scales` says no, the same cuBLAS call
-    with the same arguments as `_rowwise`, so the same bits. Validation runs once, while tracing; there is no plan cache and no capability
-    probe (a probe would run GEMMs inside the trace): the fp32-output form that `_rowwise` probes
-    for is taken as present, as it is on every CUDA build of the torch versions this package
-    supports (>= 2.11). A bias-free GEMM that `defers_scales` names runs as `deferred_scale_gemm`: the
-    same bits (its docstring says where and why), from cuBLAS's faster tensor-wise kernels."""
+    of an MX GEMM's host time). With a bias, or where `defers_scales` says no, it is the same cuBLAS
+    call with the same arguments as `_rowwise`, so the same bits; a bias-free GEMM that
+    `defers_scales` names runs as `deferred_scale_gemm`, the same bits from cuBLAS's faster
+    tensor-wise kernels (its docstring says where and why). Validation runs once, while tracing;
+    there is no plan cache and no capability probe (a probe would run GEMMs inside the trace): the
+    fp32-output form that `_rowwise` probes for is taken as present, as it is on every CUDA build of
+    the torch versions this package supports (>= 2.11)."""
     fn, copies = _gemm_plan(a_data, a_scale, b_data, b_scale, granularity, bias, out_dtype)
     if fn is not _rowwise:
         return None

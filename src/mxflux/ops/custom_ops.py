@@ -296,9 +296,9 @@ def scaled_gemm(a_data, a_scale, b_data, b_scale, granularity: str, bias, out_dt
     granularity's GEMM goes into the graph as torch's own row-scaled FP8 GEMM
     (`scaled_gemm_cuda_traceable`: the same cuBLAS call, so the same bits), which inductor
     launches from its generated code at a plain GEMM's host cost (a large bias-free GEMM as the
-    unit-scaled one with its scales applied by the next op: `kernels.gemm.deferred_scale_gemm`, the same
-    bits); everything else, and every
-    eager call, is the opaque op `torch.ops.mxflux.scaled_gemm` (`INLINE_GEMM` off: always)."""
+    unit-scaled one with its scales applied by the next op: `kernels.gemm.deferred_scale_gemm`, the
+    same bits); everything else, and every eager call, is the opaque op
+    `torch.ops.mxflux.scaled_gemm` (`INLINE_GEMM` off: always)."""
     if INLINE_GEMM and torch.compiler.is_compiling() and use_kernels(a_data):
         out = scaled_gemm_cuda_traceable(a_data, a_scale, b_data, b_scale, FoldGranularity.from_mx_gemm(granularity),
                                          bias, out_dtype)

@@ -24,6 +24,7 @@ import random
 import shutil
 import tempfile
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -131,12 +132,29 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
                 state = torch.load(Path(tmp) / "state.pt", map_location=map_location, weights_only=False)
             state.update(_loads(state.pop(_META)))
             return state
+        _verify_checksums(path)
         # Our own files hold RNG states (numpy/python objects), so full unpickling is needed.
         state = torch.load(path, map_location=map_location, weights_only=False)
     if not isinstance(state, dict) or "progress" not in state:
         raise CheckpointCorruptError(f"checkpoint {str(path)!r}: a torch file, but not an mxflux checkpoint "
                                      f"(no training progress in it)")
     return state
+
+
+def _verify_checksums(path: Path) -> None:
+    """Every record of a `torch.save` file against the CRC-32 its zip entry carries (torch.load does
+    not check them: flipped bytes in a tensor load silently, and the run later fails on a non-finite
+    loss that seems to blame the data). Reads the file once, at the disk's speed."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except zipfile.BadZipFile as e:
+        raise CheckpointCorruptError(f"checkpoint {str(path)!r} is damaged ({e}): restore a copy, or start over with "
+                                     f"--overwrite") from None
+    if bad is not None:
+        raise CheckpointCorruptError(f"checkpoint {str(path)!r} is damaged: its record {bad!r} fails its CRC-32 "
+                                     f"checksum (bytes changed after it was written); restore a copy, or start over "
+                                     f"with --overwrite")
 
 
 @contextlib.contextmanager

@@ -28,12 +28,14 @@ class RunLog:
     until `attach` names it: a run that fails while it starts (bad data, say) leaves no log behind in a
     directory it never used."""
 
-    def __init__(self, out_dir: str | Path | None, *, echo: bool):
+    def __init__(self, out_dir: str | Path | None, *, echo: bool, enabled: bool = True):
         self.path = None if out_dir is None else Path(out_dir) / "train.log"
-        self.echo = echo
+        self.echo, self.enabled = echo, enabled  # enabled: rank 0 only, under torchrun
         self.pending: list[str] = []
 
     def attach(self, out_dir: str | Path) -> None:
+        if not self.enabled:
+            return
         self.path = Path(out_dir) / "train.log"
         pending, self.pending = self.pending, []
         self._write(pending)
@@ -46,6 +48,8 @@ class RunLog:
             pass
 
     def line(self, text: str, *, console: bool | None = None) -> None:
+        if not self.enabled:
+            return
         stamped = f"{datetime.datetime.now().isoformat(sep=' ', timespec='seconds')}  {text}"
         if self.path is None:
             self.pending.append(stamped)
