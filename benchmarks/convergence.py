@@ -1,14 +1,19 @@
-"""Convergence study: the same small Flux trained in bf16 and in MXFP6 from the same seed.
+"""Convergence study: the same small Flux trained in bf16, torchao FP8 and MXFP6, from several seeds.
 
-    PYTHONPATH=src python benchmarks/convergence.py [--steps 3000] [--width 768] [--out benchmarks]
+    PYTHONPATH=src python benchmarks/convergence.py [--steps 3000] [--width 768] [--seeds 0,1,2]
+        [--precisions bf16 fp8 mxfp6] [--parallel 3] [--out benchmarks]
+
+Each (precision, seed) is one run in its own process, at most --parallel at a time on one GPU; a seed
+fixes the initial weights, the data order, the noise and the timesteps, so the three precisions of one
+seed see the same data. The JSON holds every run's validation curve and, per precision and evaluation
+step, the mean, min and max over seeds, and the ratio of each precision's mean to bf16's with the
+range of the per-seed ratios; the plot draws each precision's mean with its min-max band. A claim
+from it states the spread ("within x % on n seeds, per-seed ratios a-b").
 
 Data: the built-in demo dataset (real captions, learnable; docs/DATA_FORMAT.md), so the
 validation loss falls far below its start. Model: `flux-tiny` widened by `model.overrides`
-(default width 768, 12 heads, 2 double + 4 single blocks). Both precisions run at once as two
-processes on one GPU (each trains alone on its own CUDA stream; the GPU is far from full at
-this size), with identical seeds, data order and evaluation points. Writes
-`convergence_<date>.png` (validation-loss curves in one plot) and `.json` (the curves and the
-final MXFP6/bf16 validation-loss ratio).
+(default width 768, 12 heads, 2 double + 4 single blocks), with the same evaluation points in every
+run. Writes `convergence_<date>.png` and `.json`.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-RECIPES = {"bf16": "tiny-bf16", "mxfp6": "tiny-mxfp6"}
+RECIPES = {"bf16": "tiny-bf16", "fp8": "tiny-bf16", "mxfp6": "tiny-mxfp6"}
+# torchao float8 (tensor-wise, its default recipe) on tiny-bf16's model: the FP8 people train with (CUDA only)
+PRECISION_OVERRIDES = {"fp8": ["precision={fp8: hybrid}", "precision.fp8_scaling=tensorwise"]}
 
 
 def _overrides(args, out_dir: str) -> list[str]:
@@ -39,7 +46,7 @@ def _overrides(args, out_dir: str) -> list[str]:
         f"train.train_samples={args.steps * args.batch}",
         f"train.eval_every_samples={args.eval_every * args.batch}",
         f"train.eval_samples={args.eval_samples}", "train.log_every=50", "train.sample_prompts=[]",
-        f"train.seed={args.seed}", "data.num_workers=2", f"train.out_dir={out_dir}",
+        f"train.seed={args.worker_seed if args.worker else 0}", "data.num_workers=2", f"train.out_dir={out_dir}",
         "train.checkpoint_every=null",  # the demo recipes' periodic checkpoints: gigabytes each at width 3072
     ]
 
@@ -49,7 +56,8 @@ def worker(args) -> None:
     from mxflux.train import load_recipe
     from mxflux.train.trainer import Trainer
 
-    cfg = load_recipe(RECIPES[args.worker], _overrides(args, args.run_dir))
+    cfg = load_recipe(RECIPES[args.worker], [*PRECISION_OVERRIDES.get(args.worker, []),
+                                             *_overrides(args, args.run_dir)])
     Trainer(cfg).fit(progress=False)
 
 
@@ -58,11 +66,32 @@ def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
         return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f) if r["split"] == "eval"]
 
 
-def _copy_metrics(base: Path, dest: Path, precisions) -> None:
+def _copy_metrics(base: Path, dest: Path, runs) -> None:
     dest.mkdir(parents=True, exist_ok=True)
-    for p in precisions:
-        if (base / p / "metrics.csv").exists():
-            shutil.copyfile(base / p / "metrics.csv", dest / f"{p}.csv")
+    for run in runs:
+        if (base / run / "metrics.csv").exists():
+            shutil.copyfile(base / run / "metrics.csv", dest / f"{run}.csv")
+
+
+def summarize(curves: dict[str, dict[str, list]]) -> dict:
+    """Per precision and evaluation step: mean, min, max over seeds; and each precision's mean over
+    bf16's, with the min and max of the per-seed ratios (seed by seed: the same data and noise)."""
+    out = {}
+    for prec, by_seed in curves.items():
+        steps = sorted({s for pts in by_seed.values() for s, _ in pts})
+        rows = []
+        for step in steps:
+            vals = {seed: v for seed, pts in by_seed.items() for s, v in pts if s == step}
+            row = {"step": step, "seeds": len(vals), "mean": sum(vals.values()) / len(vals),
+                   "min": min(vals.values()), "max": max(vals.values())}
+            base = {seed: v for seed, pts in curves.get("bf16", {}).items() for s, v in pts if s == step}
+            ratios = [vals[seed] / base[seed] for seed in vals if seed in base]
+            if prec != "bf16" and ratios:
+                row["ratio_to_bf16_mean"] = row["mean"] / (sum(base.values()) / len(base))
+                row["ratio_to_bf16_min"], row["ratio_to_bf16_max"] = min(ratios), max(ratios)
+            rows.append(row)
+        out[prec] = rows
+    return out
 
 
 def main(argv=None):
@@ -76,13 +105,16 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=250, help="steps between validations")
     ap.add_argument("--eval-samples", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds: one run per precision and seed")
+    ap.add_argument("--parallel", type=int, default=2, help="runs at a time (processes sharing the GPU)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--precisions", nargs="+", default=["bf16", "mxfp6"], choices=sorted(RECIPES))
+    ap.add_argument("--precisions", nargs="+", default=["bf16", "mxfp6"], choices=sorted(RECIPES),
+                    help="fp8 needs CUDA (torchao)")
     ap.add_argument("--out", default="benchmarks")
     ap.add_argument("--runs", help="copy each precision's metrics.csv to DIR/<precision>.csv every 30 s while "
                                    "the runs train (on a machine with a time limit: a cut run's curve so far)")
     ap.add_argument("--worker", choices=sorted(RECIPES), help=argparse.SUPPRESS)
+    ap.add_argument("--worker-seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -93,30 +125,37 @@ def main(argv=None):
 
     ensure_demo_dataset(DEMO_DATA_DIR)  # once, before the workers start
     base = Path(tempfile.mkdtemp(prefix="convergence-"))
-    procs = {}
-    for prec in args.precisions:
-        run_dir = base / prec
-        cmd = [sys.executable, __file__, "--worker", prec, "--run-dir", str(run_dir),
-               *(argv if argv is not None else sys.argv[1:])]
-        procs[prec] = subprocess.Popen(cmd, env=os.environ.copy())
-    if args.runs:
-        while any(proc.poll() is None for proc in procs.values()):
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    runs = [(prec, seed) for seed in seeds for prec in args.precisions]  # a seed's precisions together
+    procs, pending = {}, list(runs)
+    passthrough = argv if argv is not None else sys.argv[1:]
+    copied = time.monotonic()
+    while pending or any(proc.poll() is None for proc in procs.values()):
+        while pending and sum(proc.poll() is None for proc in procs.values()) < args.parallel:
+            prec, seed = pending.pop(0)
+            name = f"{prec}-seed{seed}"
+            cmd = [sys.executable, __file__, "--worker", prec, "--worker-seed", str(seed), "--run-dir",
+                   str(base / name), *passthrough]
+            procs[name] = subprocess.Popen(cmd, env=os.environ.copy())
+        if args.runs and time.monotonic() - copied >= 30:
             _copy_metrics(base, Path(args.runs), procs)
-            time.sleep(30)
+            copied = time.monotonic()
+        time.sleep(1)
+    if args.runs:
         _copy_metrics(base, Path(args.runs), procs)
-    failed = [p for p, proc in procs.items() if proc.wait() != 0]
+    failed = [name for name, proc in procs.items() if proc.wait() != 0]
     if failed:
         raise SystemExit(f"convergence: the {failed} run(s) failed")
 
-    curves = {p: eval_curve(base / p) for p in args.precisions}
+    curves = {p: {str(seed): eval_curve(base / f"{p}-seed{seed}") for seed in seeds} for p in args.precisions}
+    summary = summarize(curves)
     date = datetime.date.today().isoformat()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"date": date, "args": {k: v for k, v in vars(args).items() if k not in ("worker", "run_dir")},
-              "curves": curves}
-    if "bf16" in curves and "mxfp6" in curves:
-        result["final_ratio_mxfp6_over_bf16"] = curves["mxfp6"][-1][1] / curves["bf16"][-1][1]
+    result = {"date": date, "args": {k: v for k, v in vars(args).items() if not k.startswith("worker") and k != "run_dir"},
+              "curves": curves, "summary": summary}
     from mxflux.bench.provenance import provenance
+
     (out / f"convergence_{date}.json").write_text(json.dumps({"provenance": provenance(), **result}, indent=1))
 
     import matplotlib
@@ -125,22 +164,23 @@ def main(argv=None):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for p, pts in curves.items():
-        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", ms=3, label=p)
+    for p, rows in summary.items():
+        steps = [r["step"] for r in rows]
+        ax.plot(steps, [r["mean"] for r in rows], marker="o", ms=3, label=f"{p} (mean of {len(seeds)} seeds)")
+        ax.fill_between(steps, [r["min"] for r in rows], [r["max"] for r in rows], alpha=0.2)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation loss (fixed t = k/8)")
     ax.set_yscale("log")
-    ratio = result.get("final_ratio_mxfp6_over_bf16")
-    ax.set_title(f"Flux width {args.width}, {args.depth}+{args.single} blocks, batch {args.batch}, demo data"
-                 + (f"\nfinal MXFP6/bf16 = {ratio:.4f}" if ratio else ""), fontsize=9)
+    ax.set_title(f"Flux width {args.width}, {args.depth}+{args.single} blocks, batch {args.batch}, demo data; "
+                 f"band: min-max over seeds", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / f"convergence_{date}.png", dpi=120)
-    for p, pts in curves.items():
-        print(f"{p:6s} " + "  ".join(f"{s}:{v:.4f}" for s, v in pts))
-    if ratio:
-        print(f"final validation loss ratio MXFP6/bf16 = {ratio:.4f}")
+    for p, rows in summary.items():
+        print(f"{p:6s} " + "  ".join(
+            f"{r['step']}:{r['mean']:.4f}" + (f" ({r['ratio_to_bf16_min']:.3f}-{r['ratio_to_bf16_max']:.3f}x)"
+                                              if "ratio_to_bf16_min" in r else "") for r in rows))
 
 
 if __name__ == "__main__":

@@ -25,25 +25,37 @@ def _benchmark_module(name: str):
 
 
 @pytest.mark.slow
-def test_convergence_study_runs_both_precisions_and_writes_curves(tmp_path):
+def test_convergence_study_runs_precisions_and_seeds_and_summarizes_the_spread(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--steps", "4", "--width", "128",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--steps", "4", "--width", "64",
            "--depth", "1", "--single", "1", "--batch", "4", "--eval-every", "2", "--eval-samples", "8",
-           "--warmup", "1", "--no-compile", "--out", str(tmp_path), "--runs", str(tmp_path / "curves")]
+           "--warmup", "1", "--no-compile", "--seeds", "0,1", "--parallel", "2", "--out", str(tmp_path),
+           "--runs", str(tmp_path / "curves")]
     subprocess.run(cmd, check=True, cwd=tmp_path, env=env, timeout=600)
     (result,) = tmp_path.glob("convergence_*.json")
     r = json.loads(result.read_text())
-    assert [s for s, _ in r["curves"]["bf16"]] == [2, 4] == [s for s, _ in r["curves"]["mxfp6"]]
-    first, last = r["curves"]["mxfp6"][0][1], r["curves"]["mxfp6"][-1][1]
-    assert last < first  # the loss falls
-    assert abs(r["final_ratio_mxfp6_over_bf16"] - r["curves"]["mxfp6"][-1][1] / r["curves"]["bf16"][-1][1]) < 1e-12
-    assert (tmp_path / result.name.replace(".json", ".png")).stat().st_size > 1000
-    # --runs: each run's metrics.csv as it trained (the curves above are its eval rows), nothing else
+    assert r["provenance"]["commit"] and set(r["curves"]) == {"bf16", "mxfp6"}
     for p in ("bf16", "mxfp6"):
-        rows = (tmp_path / "curves" / f"{p}.csv").read_text().splitlines()
-        evals = [r.split(",") for r in rows if ",eval," in r]
-        assert [(int(e[0]), float(e[3])) for e in evals] == [tuple(x) for x in r["curves"][p]]
-    assert sorted(q.name for q in (tmp_path / "curves").iterdir()) == ["bf16.csv", "mxfp6.csv"]
+        assert set(r["curves"][p]) == {"0", "1"}
+        assert all([s for s, _ in pts] == [2, 4] for pts in r["curves"][p].values())
+    assert r["curves"]["mxfp6"]["0"] != r["curves"]["mxfp6"]["1"]  # the seeds differ
+    last = r["summary"]["mxfp6"][-1]
+    vals = [r["curves"]["mxfp6"][s][-1][1] for s in ("0", "1")]
+    base = [r["curves"]["bf16"][s][-1][1] for s in ("0", "1")]
+    assert last["seeds"] == 2 and abs(last["mean"] - sum(vals) / 2) < 1e-12
+    assert (last["min"], last["max"]) == (min(vals), max(vals))
+    assert abs(last["ratio_to_bf16_mean"] - sum(vals) / sum(base)) < 1e-12
+    ratios = [v / b for v, b in zip(vals, base)]
+    assert (last["ratio_to_bf16_min"], last["ratio_to_bf16_max"]) == (min(ratios), max(ratios))
+    assert "ratio_to_bf16_mean" not in r["summary"]["bf16"][-1]
+    assert all(p["mean"] < r["summary"][k][0]["mean"] * 1.5 for k in r["summary"] for p in r["summary"][k])
+    assert (tmp_path / result.name.replace(".json", ".png")).stat().st_size > 1000
+    # --runs: each run's metrics.csv as it trained (the curves above are its eval rows)
+    assert sorted(q.name for q in (tmp_path / "curves").iterdir()) == [
+        "bf16-seed0.csv", "bf16-seed1.csv", "mxfp6-seed0.csv", "mxfp6-seed1.csv"]
+    rows = (tmp_path / "curves" / "mxfp6-seed1.csv").read_text().splitlines()
+    evals = [x.split(",") for x in rows if ",eval," in x]
+    assert [(int(e[0]), float(e[3])) for e in evals] == [tuple(x) for x in r["curves"]["mxfp6"]["1"]]
 
 
 @pytest.mark.slow
