@@ -120,3 +120,22 @@ def test_a_stop_signal_while_starting_is_one_line(tmp_path, sig, delay):
     assert proc.returncode == 128 + sig, (proc.returncode, err)
     assert "Traceback" not in err and len(lines) == 1 and sig.name in lines[0], err
     assert not (tmp_path / "run" / "latest.pt").exists()
+
+
+def test_a_checkpoint_copied_in_from_another_run_is_refused(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        rc, _, err = run("train", *SMALL, "--out", out, "--max-steps", "1")
+        assert rc == 0, err
+    run_a, run_b = (a / "run_id").read_text().strip(), (b / "run_id").read_text().strip()
+    assert run_a != run_b and read_checkpoint_meta(a)["run_id"] == run_a
+    metrics = (b / "metrics.csv").read_bytes()
+    shutil.copy(a / "latest.pt", b / "latest.pt")
+    for argv in (("train", "--resume", b, "--no-progress"), ("eval", b)):
+        rc, _, err = run(*argv)
+        line = one_line_error(err)
+        assert rc == 2 and f"belongs to run {run_a}, but {b} holds run {run_b}" in line, line
+    assert (b / "metrics.csv").read_bytes() == metrics  # nothing spliced
+    shutil.copytree(a, tmp_path / "a-copy")  # a whole run directory copied is the same run
+    rc, _, err = run("train", "--resume", tmp_path / "a-copy", "--no-progress")
+    assert rc == 0, err

@@ -116,6 +116,7 @@ def trainer_from_checkpoint(args):
     from ..train.checkpoint import CheckpointNotFoundError, load_checkpoint, read_checkpoint_meta, resolve_checkpoint
     from ..train.config import RecipeError, config_from_dict
     from ..train.distributed import alone
+    from ..train.identity import check_run_id
     from ..train.trainer import Trainer
 
     device = device_from_args(args)
@@ -125,6 +126,7 @@ def trainer_from_checkpoint(args):
         args.parser.error(str(e))
     # A sharded checkpoint: the config alone first, then the shards straight into the model.
     state = read_checkpoint_meta(path) if path.is_dir() else load_checkpoint(path, map_location="cpu")
+    check_run_id(state, path.parent, path)
     try:
         # The checkpoint holds the trained weights: the run's init_from weights are not read again.
         cfg = with_init_from(config_from_dict(state["config"], f"of checkpoint {path}"), None)

@@ -62,7 +62,7 @@ def _run_train(args, phase) -> int:
     from ..train.checkpoint import CheckpointNotFoundError, load_checkpoint, read_checkpoint_meta, resolve_checkpoint
     from ..train.config import RecipeError, config_from_dict
     from ..train.distributed import cleanup, init_distributed
-    from ..train.identity import check_same_data, check_same_run, with_absolute_data_root
+    from ..train.identity import check_run_id, check_same_data, check_same_run, record_run_id, with_absolute_data_root
     from ..train.rundir import check_new_run, remove_leftovers
     from ..train.runlock import RunLock
     from ..train.runlog import LogLines, RunLog, stdout_is_terminal, summary_lines
@@ -104,6 +104,7 @@ def _run_train(args, phase) -> int:
                 args.parser.error(str(e))
             cfg = with_absolute_data_root(cfg)
             check_recipe_data(cfg, args.parser)
+            check_run_id(state, run_dir, ckpt)  # before anything of the directory's is rewritten
             identity = state.get("identity")
             changed = check_same_run(state["config"], identity, cfg, run_dir=run_dir,
                                      allow_precision_change=args.allow_precision_change)
@@ -139,6 +140,8 @@ def _run_train(args, phase) -> int:
                 else:
                     trainer.resume(ckpt)
         del state
+        if ctx.is_main:
+            record_run_id(out, trainer.run_id)
         runlog.attach(out)  # the run has started: its directory is its own (locked, checked, set up)
         start_samples = trainer.samples
         if ctx.is_main:

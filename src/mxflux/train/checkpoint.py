@@ -149,8 +149,8 @@ def _verify_checksums(path: Path) -> None:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
     except zipfile.BadZipFile as e:
-        raise CheckpointCorruptError(f"checkpoint {str(path)!r} is damaged ({e}): restore a copy, or start over with "
-                                     f"--overwrite") from None
+        raise CheckpointCorruptError(f"checkpoint {str(path)!r} cannot be read ({e}): it is truncated or damaged; "
+                                     f"restore a copy, or start over with --overwrite") from None
     if bad is not None:
         raise CheckpointCorruptError(f"checkpoint {str(path)!r} is damaged: its record {bad!r} fails its CRC-32 "
                                      f"checksum (bytes changed after it was written); restore a copy, or start over "

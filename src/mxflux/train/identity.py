@@ -14,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import uuid
 from pathlib import Path
 
 from ..nn.precision import converter_class, registered_precisions
 from .config import RecipeError, RunConfig
 
-__all__ = ["RESUME_MAY_CHANGE", "IdentityMismatchError", "with_absolute_data_root", "run_identity", "data_identity", "check_same_run", "check_same_data"]
+__all__ = ["RESUME_MAY_CHANGE", "RUN_ID_FILE", "IdentityMismatchError", "check_run_id", "new_run_id", "record_run_id",
+           "with_absolute_data_root", "run_identity", "data_identity", "check_same_run", "check_same_data"]
 
 
 class IdentityMismatchError(RecipeError):
@@ -66,15 +69,14 @@ def _differences(saved: dict, now: dict) -> dict[str, tuple]:
 
 # What a resume may change (`--set` or a RECIPE) without becoming another run: how long it trains, how
 # often it logs, evaluates, checkpoints and what it samples, and how the same step is executed (compile,
-# CUDA graphs, optimizer kernels, the data loader's workers, the parallel layout, the micro-batch with the
-# same global batch). Every other field is the run's; a change of precision can be asked for
+# CUDA graphs, optimizer kernels, the data loader's workers, the parallel layout). Every other field is the run's; a change of precision can be asked for
 # (--allow-precision-change). A change made is logged as `field: old -> new`.
 RESUME_MAY_CHANGE = (
     "name", "description", "train.train_samples", "train.eval_every_samples", "train.eval_samples",
     "train.eval_batch_size", "train.log_every", "train.checkpoint_every", "train.out_dir", "train.sample_prompts",
     "train.sample_steps", "train.sample_guidance", "train.sample_shift", "train.cuda_graph", "model.compile",
     "model.compile_mode", "optim.implementation", "data.num_workers", "data.prefetch_factor",
-    "batch.micro_batch_size", "distributed.*", "mlperf.submission_org", "mlperf.submission_platform",
+    "distributed.*", "mlperf.submission_org", "mlperf.submission_platform",
 )
 
 
@@ -140,3 +142,37 @@ def check_same_data(saved_identity: dict | None, dataset, *, run_dir) -> None:
         raise IdentityMismatchError(f"--resume {run_dir}: the data ({dataset.root}) is not the run's data "
                                     f"({listed}); it was replaced or changed since: resume on the dataset the "
                                     f"run trained on, or start a new run with another --out")
+
+
+# The run's id: drawn when a run starts, kept in every checkpoint it writes and in its directory's
+# RUN_ID_FILE. A checkpoint copied into another run's directory has another id than the directory: resuming
+# it there would splice two runs' metrics, so it is refused naming both.
+RUN_ID_FILE = "run_id"
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def record_run_id(out_dir, run_id: str) -> None:
+    """Write the run's id into its directory where none is recorded yet (atomically)."""
+    path = Path(out_dir) / RUN_ID_FILE
+    if path.exists():
+        return
+    tmp = path.with_name(f".{RUN_ID_FILE}.tmp")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)
+
+
+def check_run_id(state: dict, run_dir, checkpoint) -> None:
+    """Refuse a checkpoint whose run id is not the one its run directory records (both present)."""
+    saved = state.get("run_id")
+    path = Path(run_dir) / RUN_ID_FILE
+    try:
+        recorded = path.read_text().strip() if path.is_file() else None
+    except OSError:
+        recorded = None
+    if saved and recorded and saved != recorded:
+        raise IdentityMismatchError(f"checkpoint {checkpoint} belongs to run {saved}, but {run_dir} holds run "
+                                    f"{recorded} ({path}): it was copied in from another run; resume it in its own "
+                                    f"directory, or start this one over with --overwrite")

@@ -18,7 +18,7 @@ __all__ = ["RUN_FILES", "RunDirError", "run_files", "check_new_run", "clear_run"
 
 # What a run writes into its directory (and nothing else there is ours to remove).
 RUN_FILES = ("latest.pt", "latest.dcp", ".latest.dcp.old", ".latest.dcp.tmp", "metrics.csv", "tensorboard",
-             "loss_curve.png", "samples.png", "mlperf.log", "train.log")
+             "loss_curve.png", "samples.png", "mlperf.log", "train.log", "run_id")
 # Half-written files of an interrupted write (a checkpoint's, the metrics' rewrite on resume).
 LEFTOVER_PATTERNS = (".latest.pt.*.tmp", ".metrics.csv.tmp", ".samples.png.*.tmp")
 

@@ -40,7 +40,7 @@ from .config import RecipeError, RunConfig
 from .distributed import DistContext, init_distributed
 from .ema import WeightEMA
 from .evaluation import validation_loss
-from .identity import run_identity
+from .identity import new_run_id, run_identity
 from .flow import cfg_dropout, noised, per_sample_mse, sample_latents, shift_time
 from .guidance import guidance_input
 from .noise import training_draws
@@ -105,6 +105,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(lr_factor, o.warmup_steps, o.decay, o.decay_steps, o.min_lr_ratio,
                                               self.total_steps))
+        self.run_id = new_run_id()  # a resume takes the checkpoint's (`_load_meta`)
         self.step = 0  # optimizer steps taken
         self.samples = 0  # training samples consumed (global)
         self.epoch = 0
@@ -261,6 +262,7 @@ class Trainer:
             "format": CHECKPOINT_FORMAT,
             "config": self.cfg.model_dump(mode="json"),
             "identity": run_identity(self.cfg, self.train_set),  # what the run is: a resume must be the same
+            "run_id": self.run_id,
             "scheduler": self.scheduler.state_dict(),
             "progress": {"step": self.step, "samples": self.samples, "epoch": self.epoch,
                          "samples_in_epoch": self.batch_in_epoch * self.cfg.batch.micro_batch_size * self.world,
@@ -286,6 +288,7 @@ class Trainer:
         if self.captured is not None:  # the optimizer's state tensors were replaced: capture again
             self.captured.invalidate()
         self.scheduler.load_state_dict(meta["scheduler"])
+        self.run_id = meta.get("run_id") or self.run_id  # checkpoints before run ids: this one from now on
         p = meta["progress"]
         self.step, self.samples, self.epoch, self.last_eval = p["step"], p["samples"], p["epoch"], p["last_eval"]
         self.window_base = p.get("blocks_outside_window", 0)
