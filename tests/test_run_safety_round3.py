@@ -139,3 +139,30 @@ def test_a_checkpoint_copied_in_from_another_run_is_refused(tmp_path):
     shutil.copytree(a, tmp_path / "a-copy")  # a whole run directory copied is the same run
     rc, _, err = run("train", "--resume", tmp_path / "a-copy", "--no-progress")
     assert rc == 0, err
+
+
+def test_a_disk_that_fills_during_the_checkpoint_write_is_one_line_with_the_space_needed(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """torch's zip writer hides the errno (RuntimeError "file write failed"); with less free space than the
+    checkpoint needs it is the full disk it is: one line naming the file and the space, exit 2, the previous
+    checkpoint intact, the command that resumes."""
+    import mxflux.train.checkpoint as checkpoint
+    from mxflux.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", *SMALL, "--out", str(out)]) == 0
+    before = (out / "latest.pt").read_bytes()
+
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:858] . PytorchStreamWriter failed writing file "
+                           "data/3: file write failed")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 4096, 4096))
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--no-progress", "--set", "train.train_samples=16"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"run directory {out}: no space left on device: the checkpoint needs about 0.0" in line
+    assert "GB, 0.00 GB free writing" in line and str(out / "latest.pt") in line
+    assert f"free some space, then continue with: mxflux train --resume {out}" in line
+    assert (out / "latest.pt").read_bytes() == before and not list(out.glob(".latest.pt.*.tmp"))

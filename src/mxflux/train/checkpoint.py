@@ -18,6 +18,7 @@ the non-tensor part is one pickled entry, `meta`, written by rank 0.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import random
@@ -109,10 +110,42 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        full = _out_of_space(e, path, state)
+        if full is not None:
+            raise full from e
         raise
     return path
+
+
+def _state_bytes(state) -> int:
+    """The bytes of the tensors in a (nested) state: about what its checkpoint file takes."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    return 0
+
+
+def _out_of_space(e: BaseException, path: Path, state) -> OSError | None:
+    """An ENOSPC OSError naming `path` and the space the checkpoint needs, where `e` is a full disk: the
+    OSError itself, or torch's zip writer's RuntimeError ("file write failed"), which hides the errno,
+    when the disk has less free space than the checkpoint needs."""
+    need = _state_bytes(state)
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    is_full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+        isinstance(e, RuntimeError) and "write failed" in str(e) and free is not None and free < need)
+    if not is_full:
+        return None
+    have = "" if free is None else f", {free / 1e9:.2f} GB free"
+    return OSError(errno.ENOSPC, f"no space left on device: the checkpoint needs about {need / 1e9:.2f} GB{have}",
+                   str(path))
 
 
 def load_checkpoint(path: str | Path, map_location="cpu") -> dict:

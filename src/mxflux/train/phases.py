@@ -65,5 +65,6 @@ class TrainPhase:
 
     def disk_full(self, e: OSError) -> RunDirError:
         target = f" writing {e.filename}" if e.filename else ""
-        return RunDirError(f"run directory {self.out}: no space left on device{target} ({e.strerror}); "
+        what = e.strerror if str(e.strerror).startswith("no space left") else f"no space left on device ({e.strerror})"
+        return RunDirError(f"run directory {self.out}: {what}{target}; "
                            f"{self._kept()}; free some space{self._resume_hint().replace('; continue', ', then continue')}")
