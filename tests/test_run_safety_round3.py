@@ -166,3 +166,22 @@ def test_a_disk_that_fills_during_the_checkpoint_write_is_one_line_with_the_spac
     assert "GB, 0.00 GB free writing" in line and str(out / "latest.pt") in line
     assert f"free some space, then continue with: mxflux train --resume {out}" in line
     assert (out / "latest.pt").read_bytes() == before and not list(out.glob(".latest.pt.*.tmp"))
+
+
+def test_a_stop_during_the_final_evaluation_is_honoured(tmp_path):
+    """The last step's evaluation runs while the stop arrives: the run saves its end, says how to go on,
+    exits 128 + the signal, and draws no samples (before: exit 0, sampling went on)."""
+    from test_run_safety import wait_for
+
+    out = tmp_path / "run"
+    slow_eval = ["--set", "train.eval_samples=512", "--set", "train.eval_batch_size=1",
+                 "--set", "train.sample_prompts=[a red circle]"]
+    proc = cli("train", *SMALL, *slow_eval, "--out", out)
+    wait_for(lambda: (out / "metrics.csv").exists() and 2 in train_steps(out), proc)  # the last step is logged
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
+    assert f"SIGTERM: stopped after step 2; checkpoint {out / 'latest.pt'}; continue with: mxflux train --resume " \
+           f"{out}" in err
+    assert read_checkpoint_meta(out)["progress"]["step"] == 2 and not (out / "samples.png").exists()

@@ -87,10 +87,15 @@ def fit(trainer, *, progress: bool = True, max_steps: int | None = None) -> dict
                     raise TrainingInterrupted(interrupted, trainer.step, trainer.last_checkpoint)
             if unread:
                 row = _read_checked(trainer, unread)
+            # a stop asked for during the last steps' evaluation (or after the last check): honoured, not
+            # swallowed; the run's end is saved below as usual, and nothing after it (samples) runs
+            late_stop = _interrupt_signal(trainer, signals, True)
         finally:
             for cb in callbacks:
                 cb.on_fit_end(trainer)
     trainer.save()
+    if late_stop:
+        raise TrainingInterrupted(late_stop, trainer.step, trainer.last_checkpoint)
     return {"step": trainer.step, "samples": trainer.samples, "train_loss": row.get("loss"),
             "eval_loss": trainer.last_eval}
 
