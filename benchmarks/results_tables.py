@@ -142,8 +142,9 @@ def claim_row(claim: dict, base: Path = ROOT) -> dict:
     bd = r.get("breakdown") if loop == "trainer" else (r.get("bare_loop") or {}).get("breakdown")
     row["quant_share"] = None if not bd else bd["categories"]["mx_quant"]["ms_per_step"] / bd["busy_ms_per_step"]
     changed = _changed_since(prov["commit"], claim["code"], base)
-    row["current"] = ("code unknown to git here" if changed is None
-                      else "current" if not changed else f"code changed since: {len(changed)} files")
+    row["current"] = ("code unknown to git here" if changed is None else "current" if not changed
+                      else "code changed since: " + (", ".join(f"`{c}`" for c in changed) if len(changed) <= 2
+                                                     else f"{len(changed)} files"))
     return row
 
 

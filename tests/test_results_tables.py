@@ -79,7 +79,7 @@ def test_a_result_measured_before_the_code_changed_says_so(tmp_path):
     assert tables._changed_since("0" * 40, ["src"], ROOT) is None  # a commit git does not know
     row = tables.claim_row({"id": "x", "what": "w", "file": "results/bench_step_proxy_mbs64_h100_2026-12-06.json",
                             "setting": "mxfp6", "code": ["README.md"]}, ROOT)
-    assert row["current"].startswith("code changed since: 1 files")  # the README was rewritten after it
+    assert row["current"] == "code changed since: `README.md`"  # the README was rewritten after it
 
 
 def test_comments_and_docstrings_are_not_code_changes():

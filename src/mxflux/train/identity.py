@@ -69,14 +69,15 @@ def _differences(saved: dict, now: dict) -> dict[str, tuple]:
 
 # What a resume may change (`--set` or a RECIPE) without becoming another run: how long it trains, how
 # often it logs, evaluates, checkpoints and what it samples, and how the same step is executed (compile,
-# CUDA graphs, optimizer kernels, the data loader's workers, the parallel layout). Every other field is the run's; a change of precision can be asked for
+# CUDA graphs, optimizer kernels, the data loader's workers, the parallel layout and with it the
+# micro-batch, the global batch staying). Every other field is the run's; a change of precision can be asked for
 # (--allow-precision-change). A change made is logged as `field: old -> new`.
 RESUME_MAY_CHANGE = (
     "name", "description", "train.train_samples", "train.eval_every_samples", "train.eval_samples",
     "train.eval_batch_size", "train.log_every", "train.checkpoint_every", "train.out_dir", "train.sample_prompts",
     "train.sample_steps", "train.sample_guidance", "train.sample_shift", "train.cuda_graph", "model.compile",
     "model.compile_mode", "optim.implementation", "data.num_workers", "data.prefetch_factor",
-    "distributed.*", "mlperf.submission_org", "mlperf.submission_platform",
+    "batch.micro_batch_size", "distributed.*", "mlperf.submission_org", "mlperf.submission_platform",
 )
 
 

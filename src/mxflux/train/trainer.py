@@ -106,12 +106,10 @@ class Trainer:
             self.optimizer, functools.partial(lr_factor, o.warmup_steps, o.decay, o.decay_steps, o.min_lr_ratio,
                                               self.total_steps))
         self.run_id = new_run_id()  # a resume takes the checkpoint's (`_load_meta`)
-        self.step = 0  # optimizer steps taken
+        self.step, self.epoch = 0, 0  # optimizer steps taken, epochs begun
         self.samples = 0  # training samples consumed (global)
-        self.epoch = 0
         self.batch_in_epoch = 0  # micro-batches of this epoch already consumed (this rank)
-        self.last_eval: float | None = None
-        self.last_checkpoint: Path | None = None
+        self.last_eval, self.last_checkpoint = None, None  # float, Path
         self.window_base = 0  # blocks outside the window before this process (a resumed run's)
         self.captured = CapturedStep(self.optimizer, self.device) if cfg.train.cuda_graph else None
 
