@@ -242,8 +242,6 @@ def _main(argv: Sequence[str] | None) -> int:
     except (KeyboardInterrupt, _interrupted()) as e:  # a stop signal outside a run's own handling
         if debug:
             raise
-        import signal
-
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"{command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
         return 128 + signum

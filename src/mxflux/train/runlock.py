@@ -69,7 +69,7 @@ class RunLock:
             # never through a symbolic link: opening one would truncate (or lock) the file it points to
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
-            except OSError as e:
+            except OSError:
                 if self.path.is_symlink():
                     raise RunDirError(f"{self.path}: a symbolic link where the run's lock file belongs; remove it "
                                       f"(mxflux never writes through it)") from None
