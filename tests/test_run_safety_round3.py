@@ -185,3 +185,20 @@ def test_a_stop_during_the_final_evaluation_is_honoured(tmp_path):
     assert f"SIGTERM: stopped after step 2; checkpoint {out / 'latest.pt'}; continue with: mxflux train --resume " \
            f"{out}" in err
     assert read_checkpoint_meta(out)["progress"]["step"] == 2 and not (out / "samples.png").exists()
+
+
+@pytest.mark.parametrize("recipe_text, overrides, message", [
+    ("1: foo\nmodel: {name: flux-tiny}\n", [], "the top level has the key 1 (int); expected a field name"),
+    ("model: {name: flux-tiny, 2: x}\n", [], "section model has the key 2 (int)"),
+    ("model: {name: flux-tiny}\n", ["--set", "train.out_dir=runs/{nme}"], "names {nme}; the only placeholder is {name}"),
+    ("model: {name: flux-tiny}\n", ["--set", "train.out_dir=runs/{name"], "is not a valid template"),
+    ("model: {name: flux-tiny}\n", ["--set", "batch.global_batch_size=4096", "--set", "batch.micro_batch_size=4096"],
+     "batch.global_batch_size: 4096 images a step, but the built-in demo dataset holds 2048 training samples"),
+], ids=["int-key", "nested-int-key", "out-dir-placeholder", "out-dir-brace", "batch-over-dataset"])
+def test_recipe_mistakes_check_config_calls_ok_are_refused_by_both(tmp_path, recipe_text, overrides, message):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(recipe_text)
+    for argv in (("check-config", recipe, *overrides), ("train", recipe, *overrides, "--out", tmp_path / "run")):
+        rc, _, err = run(*argv)
+        assert rc == 2 and "Traceback" not in err and message in err, err
+    assert not (tmp_path / "run").exists()

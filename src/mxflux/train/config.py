@@ -8,6 +8,7 @@ precision block is `mxflux.nn.PrecisionConfig`, which refuses wrong-precision co
 from __future__ import annotations
 
 import difflib
+import string
 from importlib import resources
 from pathlib import Path
 from typing import Literal
@@ -178,6 +179,20 @@ class TrainSection(_Section):
     # host is what a step waits on. One process on a CUDA device; the losses are those of the
     # eager step up to AdamW's bias corrections, which are then taken on the device in fp32.
     cuda_graph: bool = False
+
+    @field_validator("out_dir")
+    @classmethod
+    def _out_dir_template(cls, v: str) -> str:
+        """The run directory may name the recipe as {name}, nothing else (a typo would be a KeyError at the
+        run's start, an unbalanced brace a ValueError)."""
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(v) if f is not None]
+        except ValueError as e:
+            raise ValueError(f"{v!r} is not a valid template ({e}); write {{{{ and }}}} for literal braces") from None
+        bad = [f for f in fields if f != "name"]
+        if bad:
+            raise ValueError(f"{v!r} names {{{bad[0]}}}; the only placeholder is {{name}} (the recipe's name)")
+        return v
 
     @property
     def sampler_shift(self) -> float:
@@ -371,10 +386,21 @@ def load_recipe(recipe: str, overrides: list[str] | tuple[str, ...] = ()) -> Run
     return config_from_dict(data, label, overrides)
 
 
+def _string_keys(node, where: str, label: str) -> None:
+    """Refuse a mapping key that is not a string (YAML reads `1:` or `true:` as others), naming where."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if not isinstance(key, str):
+                raise RecipeError(f"recipe {label}: {('section ' + where) if where else 'the top level'} has the key "
+                                  f"{key!r} ({type(key).__name__}); expected a field name (a string)")
+            _string_keys(value, f"{where}.{key}" if where else key, label)
+
+
 def config_from_dict(data: dict, label: str, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Validate a recipe's data (e.g. the config a checkpoint holds) with overrides applied;
     `label` names it in errors."""
     data = apply_overrides(data, list(overrides))
+    _string_keys(data, "", label)
     try:
         return RunConfig(**data)
     except ValidationError as e:
