@@ -194,7 +194,11 @@ def test_a_stop_during_the_final_evaluation_is_honoured(tmp_path):
     ("model: {name: flux-tiny}\n", ["--set", "train.out_dir=runs/{name"], "is not a valid template"),
     ("model: {name: flux-tiny}\n", ["--set", "batch.global_batch_size=4096", "--set", "batch.micro_batch_size=4096"],
      "batch.global_batch_size: 4096 images a step, but the built-in demo dataset holds 2048 training samples"),
-], ids=["int-key", "nested-int-key", "out-dir-placeholder", "out-dir-brace", "batch-over-dataset"])
+    # evaluation settings that failed only after training (a traceback; 0 a NaN loss that lost the run)
+    ("model: {name: flux-tiny}\n", ["--set", "train.eval_samples=-5"], "train.eval_samples: Input should be greater"),
+    ("model: {name: flux-tiny}\n", ["--set", "train.eval_samples=0"], "train.eval_samples: Input should be greater"),
+], ids=["int-key", "nested-int-key", "out-dir-placeholder", "out-dir-brace", "batch-over-dataset", "eval-samples-neg",
+        "eval-samples-zero"])
 def test_recipe_mistakes_check_config_calls_ok_are_refused_by_both(tmp_path, recipe_text, overrides, message):
     recipe = tmp_path / "mine.yaml"
     recipe.write_text(recipe_text)

@@ -152,7 +152,7 @@ class BatchSection(_Section):
 class TrainSection(_Section):
     train_samples: int = Field(4096, ge=1)  # stop after this many training samples
     eval_every_samples: int = Field(1024, ge=1)
-    eval_samples: int | None = None  # None: the whole eval split
+    eval_samples: int | None = Field(None, ge=1)  # None: the whole eval split
     eval_batch_size: int = Field(64, ge=1)
     seed: int = 0
     log_every: int = Field(10, ge=1)  # optimizer steps between logged metrics
