@@ -206,3 +206,16 @@ def test_recipe_mistakes_check_config_calls_ok_are_refused_by_both(tmp_path, rec
         rc, _, err = run(*argv)
         assert rc == 2 and "Traceback" not in err and message in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("content", [bytes(range(256)) * 2, b"a;b\n1;2\n"], ids=["binary", "another-csv"])
+def test_a_metrics_file_that_is_not_ours_is_refused_on_resume_and_left_as_it_is(tmp_path, content):
+    out = tmp_path / "run"
+    rc, _, err = run("train", *SMALL, "--out", out, "--max-steps", "1")
+    assert rc == 0, err
+    (out / "metrics.csv").write_bytes(content)
+    before = (out / "latest.pt").read_bytes()
+    rc, _, err = run("train", "--resume", out, "--no-progress")
+    line = one_line_error(err)
+    assert rc == 2 and f"{out / 'metrics.csv'}: not an mxflux metrics file" in line, err
+    assert (out / "metrics.csv").read_bytes() == content and (out / "latest.pt").read_bytes() == before

@@ -6,6 +6,7 @@ import csv
 from pathlib import Path
 
 from .callbacks import Callback
+from .rundir import RunDirError
 
 __all__ = ["MetricsLogger", "MetricsCallback", "plot_loss_curve"]
 
@@ -20,6 +21,7 @@ class MetricsLogger:
     """
 
     FIELDS = ("step", "samples", "split", "loss", "lr", "grad_norm", "images_per_s", "blocks_outside_window")
+    KEY_FIELDS = FIELDS[:4]  # what every version of the file has begun with
 
     def __init__(self, out_dir: str | Path, *, tensorboard: bool = True, resume_step: int | None = None,
                  resume_samples: int = 0):
@@ -41,8 +43,20 @@ class MetricsLogger:
                 self._tb = SummaryWriter(str(self.out_dir / "tensorboard"), **purge)
 
     def _truncate_after(self, step: int) -> None:
-        with open(self.csv_path, newline="") as f:
-            rows = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step]
+        """Keep the rows up to the resumed step (a run resumed from its last checkpoint repeats the steps
+        after it). Only a file that is this kind of metrics file is rewritten: anything else in its place
+        is not ours to cut."""
+        try:
+            with open(self.csv_path, newline="", encoding="utf-8") as f:
+                reader = csv.DictReader(f)
+                ours = list(reader.fieldnames or [])[:len(self.KEY_FIELDS)] == list(self.KEY_FIELDS)
+                rows = [r for r in reader if r.get("step", "").isdigit() and int(r["step"]) <= step] if ours else []
+        except (UnicodeDecodeError, csv.Error):
+            ours = False
+        if not ours:
+            raise RunDirError(f"{self.csv_path}: not an mxflux metrics file (expected a CSV whose header begins "
+                              f"{','.join(self.KEY_FIELDS)}); the run leaves it as it is: move it away, or start "
+                              f"over with --overwrite")
         tmp = self.csv_path.with_name(f".{self.csv_path.name}.tmp")
         with open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=self.FIELDS, extrasaction="ignore")
