@@ -219,3 +219,10 @@ def test_a_metrics_file_that_is_not_ours_is_refused_on_resume_and_left_as_it_is(
     line = one_line_error(err)
     assert rc == 2 and f"{out / 'metrics.csv'}: not an mxflux metrics file" in line, err
     assert (out / "metrics.csv").read_bytes() == content and (out / "latest.pt").read_bytes() == before
+
+
+def test_an_output_under_a_special_file_system_is_one_line(tmp_path):
+    for out, message in (("/proc/mxflux-run", "no such file or directory: '/proc/mxflux-run'"),
+                         ("/dev/null", "file exists: '/dev/null'")):
+        rc, _, err = run("train", *SMALL, "--out", out)
+        assert rc == 2 and message in one_line_error(err), err

@@ -185,12 +185,12 @@ def _interrupted() -> type[BaseException]:
 
 # errors of the file system a user's path runs into: one line naming the path, not a traceback
 _PATH_ERRNOS = (errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.ENOTDIR, errno.EEXIST,
-                errno.EISDIR, errno.ENAMETOOLONG)
+                errno.EISDIR, errno.ENAMETOOLONG, errno.ENOENT)
 
 
 def _os_error_line(e: OSError) -> str:
-    """A permission problem, a full disk, a read-only file system or a path that cannot be made
-    (a file where a directory is needed on the way), naming the path."""
+    """A permission problem, a full disk, a read-only file system, a missing path or one that cannot be
+    made (a file where a directory is needed on the way, a special file system), naming the path."""
     path = f" {str(e.filename)!r}" if e.filename else ""
     if e.errno == errno.ENOTDIR:
         return f"not a directory:{path}: a file stands where a directory is needed on the way to it"
@@ -205,6 +205,9 @@ def _os_error_line(e: OSError) -> str:
                 f"(check its permissions and those of its directories)")
     if e.errno == errno.EROFS:
         return f"read-only file system:{path} cannot be written"
+    if e.errno == errno.ENOENT:
+        return (f"no such file or directory:{path} (missing, gone while the command ran, or on a file system "
+                f"that cannot hold it, such as /proc)")
     return f"no space left on device{(' writing' + path) if path else ''}: free some space and run again"
 
 
