@@ -1,17 +1,16 @@
-"""The CPU thread pools of an `mxflux` process, sized and set to wait politely before torch loads.
+"""The CPU thread pools of an `mxflux` process, sized before torch or numba loads.
 
 On a CPU two thread pools run our work: torch's (OpenMP, for its own ops) and numba's (the compiled
 MX packers and GEMM, `mxflux.kernels.operands_cpu`). Started with nothing set, each sizes itself to
-every core of the machine, not the cores this process may use (its affinity, its cgroup's CPU
-quota), and each busy-waits (spins) for a while whenever it waits for a peer. Alone on idle cores
-that is fastest; next to other work, a spinning thread burns the timeslice its descheduled peer
-needed, and a run took 2.8x as long beside one busy process on 2 cores (benchmarks/cpu_threads.py).
+every core of the machine, not to the cores this process may use (its affinity, its cgroup's CPU
+quota), and neither knows what else runs there.
 
-Measured (benchmarks/cpu_threads.py, 2 cores, a short default run): torch's pool shares well, numba's
-does not. Its parallel kernels split their rows evenly between its threads, so a kernel lasts as
-long as its slowest thread, and a thread that shares its core with another process gets half of it:
-the run took 2.8x as long beside one busy process. With numba on one thread it took as long beside
-it as alone, but alone 1.4x as long as with two.
+Measured (benchmarks/cpu_threads.py, 2 cores, a short default run, alone and beside one busy process):
+torch's pool shares well, numba's does not. Its parallel kernels split their rows evenly between its
+threads, so a kernel lasts as long as its slowest thread, and a thread that shares its core with
+another process gets half of it: the run took 2.6-2.8x as long beside the busy process. With numba on
+one thread it took as long beside it as alone, but alone 1.4x as long as with two. Letting OpenMP
+threads sleep at once (OMP_WAIT_POLICY=PASSIVE) shared well too but made the run alone 1.55x slower.
 
 `configure_threads()` runs before torch or numba is imported (the CLI calls it first), and sets, only
 where the user has not: torch's pool to the usable cores (affinity, cgroup CPU quota), and numba's to
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 
 __all__ = ["configure_threads", "free_cpus", "other_runnable", "usable_cpus"]
+
 
 def _cgroup_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     """CPUs this process's cgroup may use (quota / period), None without a quota (cgroup v2 and v1)."""
