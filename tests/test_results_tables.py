@@ -30,7 +30,7 @@ def _copy(tmp_path: Path) -> Path:
     spec = yaml.safe_load((ROOT / "benchmarks" / "claims.yaml").read_text())
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     for rel in ("benchmarks/claims.yaml", "benchmarks/RESULTS.md", "README.md",
-                *{f"benchmarks/{c['file']}" for c in spec["claims"]}):
+                *{f"benchmarks/{c['file']}" for c in spec["claims"]}, *(f"benchmarks/{f}" for f in spec["cpu_threads"])):
         shutil.copy(ROOT / rel, tmp_path / rel)
     assert tables.main(["--base", str(tmp_path)]) == 0  # regenerated there ("code unknown to git here")
     return tmp_path
@@ -87,3 +87,15 @@ def test_comments_and_docstrings_are_not_code_changes():
     assert code('def f():\n    """doc"""\n    return 1  # one\n') == code("def f():\n    return 1\n")
     assert code("def f():\n    return 1\n") != code("def f():\n    return 2\n")
     assert code("def f(:\n") is None
+
+
+def test_the_cpu_threads_table_is_generated_and_needs_provenance(tmp_path, capsys):
+    base = _copy(tmp_path)
+    results = (base / "benchmarks" / "RESULTS.md").read_text()
+    assert "| mxflux | [c1b842c+dirty](results/cpu_threads_2026-12-06.json) | 17.4 | 33.4 | 1.92x |" in results
+    path = base / "benchmarks" / "results" / "cpu_threads_2026-12-06.json"
+    data = json.loads(path.read_text())
+    del data["provenance"]
+    path.write_text(json.dumps(data))
+    assert tables.main(["--check", "--base", str(base)]) == 2
+    assert "results/cpu_threads_2026-12-06.json: lacks provenance" in capsys.readouterr().err

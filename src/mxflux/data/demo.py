@@ -46,7 +46,8 @@ from .shards import META_FILE, DatasetExistsError, DatasetFormatError, DatasetWr
 
 __all__ = [
     "DEMO_CLIP_DIM", "DEMO_EXAMPLE_PROMPTS", "DEMO_IMAGE_SIZE", "DEMO_LATENT_SCALE", "DEMO_LATENT_SHIFT",
-    "DEMO_LOGVAR", "DEMO_T5_DIM", "DEMO_T5_LEN", "DEMO_VERSION", "Shape", "build_demo_dataset",
+    "DEMO_EVAL_SAMPLES", "DEMO_LOGVAR", "DEMO_T5_DIM", "DEMO_T5_LEN", "DEMO_TRAIN_SAMPLES", "DEMO_VERSION", "Shape",
+    "build_demo_dataset",
     "decode_demo_latents", "demo_caption", "demo_vocabulary", "encode_demo_images", "encode_demo_prompts",
     "ensure_demo_dataset", "render_demo_images", "sample_demo_scenes", "unknown_prompt_words_warning",
 ]
@@ -277,6 +278,10 @@ def encode_demo_prompts(prompts: list[str] | tuple[str, ...]) -> tuple[torch.Ten
 # The dataset
 
 
+# The built-in dataset's split sizes (what `mxflux train` builds on first use).
+DEMO_TRAIN_SAMPLES, DEMO_EVAL_SAMPLES = 2048, 256
+
+
 def _source(n_train: int, n_eval: int, seed: int) -> dict:
     return {"kind": "demo", "demo_version": DEMO_VERSION, "n_train": n_train, "n_eval": n_eval, "seed": seed,
             "image_size": DEMO_IMAGE_SIZE, "decoder": "mxflux.data.demo.decode_demo_latents"}
@@ -305,14 +310,16 @@ def _demo_writer(root: str | os.PathLike, n_train: int, n_eval: int, seed: int) 
                          samples_per_shard=1024, source=_source(n_train, n_eval, seed))
 
 
-def build_demo_dataset(root: str | os.PathLike, *, n_train: int = 2048, n_eval: int = 256, seed: int = 0) -> Path:
+def build_demo_dataset(root: str | os.PathLike, *, n_train: int = DEMO_TRAIN_SAMPLES, n_eval: int = DEMO_EVAL_SAMPLES,
+                       seed: int = 0) -> Path:
     """Write the demo dataset to `root` (which must not hold anything yet); returns `root`."""
     with _demo_writer(root, n_train, n_eval, seed) as writer:
         _write_demo(writer, n_train, n_eval, seed)
     return Path(root)
 
 
-def ensure_demo_dataset(root: str | os.PathLike, *, n_train: int = 2048, n_eval: int = 256, seed: int = 0) -> Path:
+def ensure_demo_dataset(root: str | os.PathLike, *, n_train: int = DEMO_TRAIN_SAMPLES, n_eval: int = DEMO_EVAL_SAMPLES,
+                        seed: int = 0) -> Path:
     """`root` holding the demo dataset: built on first use, reused afterwards; returns `root`.
 
     Safe to call from several processes at once (e.g. every rank of a torchrun job): each builds

@@ -8,7 +8,6 @@ encode, but the model never saw them: `mxflux.data.demo.unknown_prompt_words_war
 
 from __future__ import annotations
 
-import inspect
 import sys
 
 __all__ = ["check_recipe_data", "warn_unknown_prompt_words"]
@@ -40,9 +39,9 @@ def _training_samples(root) -> int | None:
     from ..data import DataError
 
     if root is None:
-        from ..data.demo import build_demo_dataset
+        from ..data.demo import DEMO_TRAIN_SAMPLES
 
-        return inspect.signature(build_demo_dataset).parameters["n_train"].default
+        return DEMO_TRAIN_SAMPLES
     try:
         from ..data.shards import read_meta
 
