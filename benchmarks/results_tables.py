@@ -56,9 +56,11 @@ def _pick(results: list[dict], claim: dict) -> tuple[dict, dict, dict]:
     r = by_label.get(claim["setting"])
     if r is None or r.get("failed") or r.get("skipped"):
         raise ClaimError(f"claim {claim['id']}: setting {claim['setting']!r} did not run in {claim['file']}")
-    bf16 = next((x for x in results if is_bf16(x) and not x.get("failed") and x.get("run_mode") == r.get("run_mode")), None)
-    fp8 = next((x for x in results if is_fp8_tensorwise(x) and not x.get("failed")
-                and x.get("run_mode") == r.get("run_mode")), None)
+    def baseline(is_it):  # the first of its kind that ran as the claim's setting did
+        return next((x for x in results if is_it(x) and not x.get("failed") and x.get("run_mode") == r.get("run_mode")),
+                    None)
+
+    bf16, fp8 = baseline(is_bf16), baseline(is_fp8_tensorwise)
     if bf16 is None or fp8 is None:
         raise ClaimError(f"claim {claim['id']}: {claim['file']} lacks a bf16 or torchao FP8 tensor-wise result run "
                          f"like {claim['setting']!r} (same compile, graph and optimizer mode) in the same call")

@@ -40,7 +40,8 @@ def comparison_warnings(results: list[dict]) -> list[str]:
             warnings.append(f"settings differ in {key} ({listed}): their ratios compare that as well as the precision")
     cards = {r.get("device") for r in ok}
     if len(cards) > 1:
-        warnings.append(f"settings ran on different cards ({', '.join(sorted(map(str, cards)))}): no ratio between them")
+        listed = ", ".join(sorted(map(str, cards)))
+        warnings.append(f"settings ran on different cards ({listed}): no ratio between them")
     steps = [r["step_ms"] for r in ok if r.get("step_ms")]
     if len(steps) > 1:
         gap = max(steps) / min(steps) - 1

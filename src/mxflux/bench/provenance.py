@@ -62,8 +62,9 @@ def _card_and_driver() -> tuple[str, str | None]:
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         try:
-            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                    capture_output=True, text=True, timeout=30, check=True).stdout.split("\n")[0].strip()
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30, check=True)
+            driver = smi.stdout.split("\n")[0].strip()
         except (OSError, subprocess.SubprocessError):
             driver = None
         return name, driver
@@ -96,7 +97,8 @@ def provenance(command: list[str] | None = None) -> dict:
         "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
         "triton": _version("triton"), "torchao": _version("torchao"),
         "command": shlex.join(argv),
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MXFLUX_") and not k.startswith("MXFLUX_GIT")},
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith("MXFLUX_") and not k.startswith("MXFLUX_GIT")},
         "load_average": load, "cpu_count": os.cpu_count(),
     }
 

@@ -236,11 +236,11 @@ def _compare(args) -> int:
         args.parser.error("no setting can run here: " + skipped_line(results))
     print_table(results)
     if args.json:
+        from ..bench.fairness import comparison_warnings
         from ..bench.provenance import provenance
 
-        from ..bench.fairness import comparison_warnings
-
-        stamp = provenance(args.command_line)  # this command's, the one a reader reruns; each child's own stays as child_provenance
+        # this command's provenance (the one a reader reruns); each child's own stays as child_provenance
+        stamp = provenance(args.command_line)
         stamped = [{**r, "child_provenance": r.get("provenance"), "provenance": stamp} for r in results]
         warnings = comparison_warnings(stamped)
         write_json(args.json, [{**r, "comparison_warnings": warnings} for r in stamped])

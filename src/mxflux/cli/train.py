@@ -147,9 +147,9 @@ def _run_train(args, phase) -> int:
         if ctx.is_main:
             r = trainer.precision_report
             runlog.line(f"{cfg.name}: {cfg.model.name}, {cfg.precision.name}: {len(r.swapped)} linears swapped, "
-                  f"{len(r.kept_bf16)} kept bf16; data {trainer.data_root}; world {ctx.world_size}; "
-                  f"device {trainer.device}; out {trainer.out_dir}"
-                  + (f"; resuming at step {trainer.step}" if trainer.step else ""), console=True)
+                        f"{len(r.kept_bf16)} kept bf16; data {trainer.data_root}; world {ctx.world_size}; "
+                        f"device {trainer.device}; out {trainer.out_dir}"
+                        + (f"; resuming at step {trainer.step}" if trainer.step else ""), console=True)
         phase.phase, phase.trainer = "training", trainer
         if not samples_only:
             try:
@@ -161,8 +161,9 @@ def _run_train(args, phase) -> int:
                 return e.exit_code
             path = step_path(trainer)  # every rank: the compile counts are gathered
             if ctx.is_main:
-                runlog.line(step_path_line(path, trainer.device.type), console=False)
-                print(step_path_line(path, trainer.device.type), file=sys.stderr)
+                line = step_path_line(path, trainer.device.type)
+                runlog.line(line, console=False)
+                print(line, file=sys.stderr)
                 result["step_path"] = path
         else:
             trainer.last_checkpoint = ckpt
@@ -170,7 +171,8 @@ def _run_train(args, phase) -> int:
         if ctx.is_main:
             phase.phase = "sampling"
             if cfg.train.sample_prompts:
-                with trainer.sampling_weights(), runlog.phase("drew samples.png"):  # the EMA of the weights, where the recipe keeps one
+                # with the EMA of the weights, where the recipe keeps one
+                with trainer.sampling_weights(), runlog.phase("drew samples.png"):
                     grid = sample_to_grid(trainer.model, trainer.train_set, list(cfg.train.sample_prompts),
                                            steps=cfg.train.sample_steps, seed=cfg.train.seed,
                                            out=trainer.out_dir / "samples.png", dtype=trainer.compute_dtype,

@@ -59,7 +59,8 @@ def check_new_run(out_dir: str | Path, *, overwrite: bool) -> str | None:
     try:
         step = read_checkpoint_meta(out_dir)["progress"]["step"]
     except CheckpointNotFoundError:
-        damaged = [p for p in (out_dir / "latest.pt", out_dir / "latest.dcp", out_dir / ".latest.dcp.old") if p.exists()]
+        candidates = (out_dir / "latest.pt", out_dir / "latest.dcp", out_dir / ".latest.dcp.old")
+        damaged = [p for p in candidates if p.exists()]
         if damaged:  # a checkpoint is there but is none we can read: not ours to delete unasked
             raise RunDirError(f"run directory {out_dir} holds {damaged[0]}, which is not a readable checkpoint (a "
                               f"{'directory' if damaged[0].is_dir() else 'file'} without what a checkpoint holds); "

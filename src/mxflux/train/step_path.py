@@ -56,7 +56,8 @@ def step_path(trainer) -> dict:
         gemm = f"opaque op (precision.mx_gemm: {cfg.precision.mx_gemm}; only rowwise GEMMs are traced)"
     else:
         gemm = "inline: torch._scaled_mm in inductor's code" + {
-            "auto": f"; bias-free GEMMs with N or K >= {DEFER_MIN_DIM} tensor-wise, their scales applied by the next op",
+            "auto": (f"; bias-free GEMMs with N or K >= {DEFER_MIN_DIM} tensor-wise, their scales applied by the "
+                     "next op"),
             "all": "; bias-free GEMMs tensor-wise, their scales applied by the next op (MXFLUX_DEFER_SCALES=all)",
             "none": "; row-scaled (MXFLUX_DEFER_SCALES=none)"}[DEFER_SCALES]
     if not mx or not m.compile or not kernels:
