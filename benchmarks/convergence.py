@@ -7,13 +7,15 @@ Each (precision, seed) is one run in its own process, at most --parallel at a ti
 fixes the initial weights, the data order, the noise and the timesteps, so the three precisions of one
 seed see the same data. The JSON holds every run's validation curve and, per precision and evaluation
 step, the mean, min and max over seeds, and the ratio of each precision's mean to bf16's with the
-range of the per-seed ratios; the plot draws each precision's mean with its min-max band. A claim
+range of the per-seed ratios; the plot draws each precision's mean with its min-max band. With
+--deadline (a machine with a time limit) the runs still training then are stopped and only the
+evaluation steps every run reached are summarized ("complete": false in the JSON). A claim
 from it states the spread ("within x % on n seeds, per-seed ratios a-b").
 
 Data: the built-in demo dataset (real captions, learnable; docs/DATA_FORMAT.md), so the
 validation loss falls far below its start. Model: `flux-tiny` widened by `model.overrides`
 (default width 768, 12 heads, 2 double + 4 single blocks), with the same evaluation points in every
-run. Writes `convergence_<date>.png` and `.json`.
+run. Writes `convergence_<date>_width<W>.png` and `.json`.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ def main(argv=None):
     ap.add_argument("--out", default="benchmarks")
     ap.add_argument("--runs", help="copy each precision's metrics.csv to DIR/<precision>.csv every 30 s while "
                                    "the runs train (on a machine with a time limit: a cut run's curve so far)")
+    ap.add_argument("--deadline", type=float, help="seconds: then stop the runs still training and summarize the "
+                                                      "evaluation steps every run reached (marked complete: false)")
     ap.add_argument("--worker", choices=sorted(RECIPES), help=argparse.SUPPRESS)
     ap.add_argument("--worker-seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -129,8 +133,18 @@ def main(argv=None):
     runs = [(prec, seed) for seed in seeds for prec in args.precisions]  # a seed's precisions together
     procs, pending = {}, list(runs)
     passthrough = argv if argv is not None else sys.argv[1:]
-    copied = time.monotonic()
+    copied = started = time.monotonic()
+    cut = False
     while pending or any(proc.poll() is None for proc in procs.values()):
+        if args.deadline and time.monotonic() - started > args.deadline:
+            cut = True  # the runs still training stop here; their curves so far are summarized below
+            pending.clear()
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()  # not TERM: the trainer would write a checkpoint first
+            for proc in procs.values():
+                proc.wait()
+            break
         while pending and sum(proc.poll() is None for proc in procs.values()) < args.parallel:
             prec, seed = pending.pop(0)
             name = f"{prec}-seed{seed}"
@@ -144,19 +158,25 @@ def main(argv=None):
     if args.runs:
         _copy_metrics(base, Path(args.runs), procs)
     failed = [name for name, proc in procs.items() if proc.wait() != 0]
-    if failed:
+    if failed and not cut:
         raise SystemExit(f"convergence: the {failed} run(s) failed")
 
-    curves = {p: {str(seed): eval_curve(base / f"{p}-seed{seed}") for seed in seeds} for p in args.precisions}
+    curves = {p: {str(seed): eval_curve(base / f"{p}-seed{seed}") if (base / f"{p}-seed{seed}" / "metrics.csv").exists()
+                  else [] for seed in seeds} for p in args.precisions}
+    if cut:  # compare like with like: only the evaluation steps every run reached
+        common = set.intersection(*({s for s, _ in pts} for by_seed in curves.values() for pts in by_seed.values()))
+        curves = {p: {seed: [(s, v) for s, v in pts if s in common] for seed, pts in by_seed.items()}
+                  for p, by_seed in curves.items()}
+        print(f"convergence: stopped at the {args.deadline:.0f} s deadline; summarizing steps {sorted(common)}")
     summary = summarize(curves)
     date = datetime.date.today().isoformat()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"date": date, "args": {k: v for k, v in vars(args).items() if not k.startswith("worker") and k != "run_dir"},
+    result = {"date": date, "complete": not cut, "args": {k: v for k, v in vars(args).items() if not k.startswith("worker") and k != "run_dir"},
               "curves": curves, "summary": summary}
     from mxflux.bench.provenance import provenance
 
-    (out / f"convergence_{date}.json").write_text(json.dumps({"provenance": provenance(), **result}, indent=1))
+    (out / f"convergence_{date}_width{args.width}.json").write_text(json.dumps({"provenance": provenance(), **result}, indent=1))
 
     import matplotlib
 
@@ -176,7 +196,7 @@ def main(argv=None):
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / f"convergence_{date}.png", dpi=120)
+    fig.savefig(out / f"convergence_{date}_width{args.width}.png", dpi=120)
     for p, rows in summary.items():
         print(f"{p:6s} " + "  ".join(
             f"{r['step']}:{r['mean']:.4f}" + (f" ({r['ratio_to_bf16_min']:.3f}-{r['ratio_to_bf16_max']:.3f}x)"

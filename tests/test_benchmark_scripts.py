@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -306,3 +307,21 @@ def test_sass_census_counts_the_longest_loop_by_opcode_and_kind(tmp_path, monkey
     assert counts["kinds"] == {"arithmetic": 3, "memory": 1, "integer and layout": 1, "control": 1}
     with pytest.raises(ValueError, match="no backward branch"):
         census.main_loop(listing[:3])
+
+
+@pytest.mark.slow
+def test_convergence_study_cut_at_its_deadline_summarizes_the_steps_every_run_reached(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--steps", "100000", "--width", "64",
+           "--depth", "1", "--single", "1", "--batch", "4", "--eval-every", "5", "--eval-samples", "4",
+           "--warmup", "1", "--no-compile", "--seeds", "0", "--parallel", "2", "--out", str(tmp_path),
+           "--deadline", "45"]
+    t0 = time.monotonic()
+    subprocess.run(cmd, check=True, cwd=tmp_path, env=env, timeout=600)
+    assert time.monotonic() - t0 < 120  # stopped, not trained to the end
+    (result,) = tmp_path.glob("convergence_*_width64.json")
+    r = json.loads(result.read_text())
+    assert r["complete"] is False
+    steps = {p: [[s for s, _ in pts] for pts in by_seed.values()] for p, by_seed in r["curves"].items()}
+    assert steps["bf16"] == steps["mxfp6"] and steps["bf16"][0][:2] == [5, 10]  # the same steps, several
+    assert [row["step"] for row in r["summary"]["mxfp6"]] == steps["mxfp6"][0]
