@@ -63,8 +63,8 @@ def worker(args) -> None:
     Trainer(cfg).fit(progress=False)
 
 
-def eval_curve(run_dir: Path) -> list[tuple[int, float]]:
-    with open(run_dir / "metrics.csv") as f:
+def eval_curve(metrics: Path) -> list[tuple[int, float]]:
+    with open(metrics) as f:
         return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f) if r["split"] == "eval"]
 
 
@@ -117,12 +117,20 @@ def main(argv=None):
                                    "the runs train (on a machine with a time limit: a cut run's curve so far)")
     ap.add_argument("--deadline", type=float, help="seconds: then stop the runs still training and summarize the "
                                                       "evaluation steps every run reached (marked complete: false)")
+    ap.add_argument("--summarize", metavar="DIR",
+                    help="no training: summarize the <precision>-seed<n>.csv curves in DIR (what --runs copies, "
+                         "gathered from calls that each trained some of the runs with the same arguments)")
+    ap.add_argument("--provenance-from", metavar="JSON",
+                    help="with --summarize: the provenance of a result JSON written where the runs trained "
+                         "(the machine summarizing is not the one that measured)")
     ap.add_argument("--worker", choices=sorted(RECIPES), help=argparse.SUPPRESS)
     ap.add_argument("--worker-seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.summarize:
+        return summarize_runs(args)
 
     from mxflux.data import ensure_demo_dataset
     from mxflux.train.trainer import DEMO_DATA_DIR
@@ -161,22 +169,49 @@ def main(argv=None):
     if failed and not cut:
         raise SystemExit(f"convergence: the {failed} run(s) failed")
 
-    curves = {p: {str(seed): eval_curve(base / f"{p}-seed{seed}") if (base / f"{p}-seed{seed}" / "metrics.csv").exists()
-                  else [] for seed in seeds} for p in args.precisions}
+    curves = {p: {str(seed): eval_curve(base / f"{p}-seed{seed}" / "metrics.csv")
+                  if (base / f"{p}-seed{seed}" / "metrics.csv").exists() else [] for seed in seeds}
+              for p in args.precisions}
     if cut:  # compare like with like: only the evaluation steps every run reached
         common = set.intersection(*({s for s, _ in pts} for by_seed in curves.values() for pts in by_seed.values()))
         curves = {p: {seed: [(s, v) for s, v in pts if s in common] for seed, pts in by_seed.items()}
                   for p, by_seed in curves.items()}
         print(f"convergence: stopped at the {args.deadline:.0f} s deadline; summarizing steps {sorted(common)}")
+    from mxflux.bench.provenance import provenance
+
+    write_results(args, curves, complete=not cut, prov=provenance())
+
+
+def summarize_runs(args) -> None:
+    """--summarize: the study from the curves in a directory, with the measuring machine's provenance."""
+    runs = sorted(Path(args.summarize).glob("*-seed*.csv"))
+    if not runs:
+        raise SystemExit(f"--summarize {args.summarize}: no <precision>-seed<n>.csv files there")
+    curves: dict[str, dict[str, list]] = {}
+    for csv_file in runs:
+        prec, _, seed = csv_file.stem.partition("-seed")
+        curves.setdefault(prec, {})[seed] = eval_curve(csv_file)
+    steps = {tuple(s for s, _ in pts) for by_seed in curves.values() for pts in by_seed.values()}
+    if len(steps) != 1:
+        raise SystemExit(f"--summarize {args.summarize}: the runs reached different evaluation steps {sorted(steps)}")
+    prov = json.loads(Path(args.provenance_from).read_text())["provenance"] if args.provenance_from else {}
+    args.precisions = sorted(curves, key=["bf16", "fp8", "mxfp6"].index)
+    args.seeds = ",".join(sorted({seed for by_seed in curves.values() for seed in by_seed}))
+    write_results(args, {p: curves[p] for p in args.precisions}, complete=True,
+                  prov={**prov, "summarized_from": sorted(p.name for p in runs)})
+
+
+def write_results(args, curves: dict, *, complete: bool, prov: dict) -> None:
+    """The JSON (curves, summary, provenance) and the plot, named by date and width."""
+    seeds = args.seeds.split(",")
     summary = summarize(curves)
     date = datetime.date.today().isoformat()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = {"date": date, "complete": not cut, "args": {k: v for k, v in vars(args).items() if not k.startswith("worker") and k != "run_dir"},
-              "curves": curves, "summary": summary}
-    from mxflux.bench.provenance import provenance
-
-    (out / f"convergence_{date}_width{args.width}.json").write_text(json.dumps({"provenance": provenance(), **result}, indent=1))
+    kept = {k: v for k, v in vars(args).items()
+            if not k.startswith("worker") and k not in ("run_dir", "summarize", "provenance_from")}
+    result = {"date": date, "complete": complete, "args": kept, "curves": curves, "summary": summary}
+    (out / f"convergence_{date}_width{args.width}.json").write_text(json.dumps({"provenance": prov, **result}, indent=1))
 
     import matplotlib
 

@@ -40,6 +40,7 @@ DESIGN_HEADINGS = (
     "Precisions as converters and the layer map",
     "The trainer",
     "The weights' operands from the optimizer step",
+    "LoRA on a frozen MXFP6 base",
     "Distributed training",
     "MLPerf",
     "Benchmarks",

@@ -131,6 +131,7 @@ SUBCOMMANDS = (
     _lazy("mxflux.cli.train", "add_train_parser"),
     _lazy("mxflux.cli.evaluate", "add_eval_parser"),
     _lazy("mxflux.cli.sample", "add_sample_parser"),
+    _lazy("mxflux.cli.export", "add_export_parser"),
     _lazy("mxflux.cli.recipes", "add_check_config_parser"),
     _lazy("mxflux.cli.recipes", "add_recipes_parser"),
     _lazy("mxflux.cli.data", "add_data_parser"),

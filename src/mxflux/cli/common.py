@@ -128,8 +128,9 @@ def trainer_from_checkpoint(args):
     state = read_checkpoint_meta(path) if path.is_dir() else load_checkpoint(path, map_location="cpu")
     check_run_id(state, path.parent, path)
     try:
-        # The checkpoint holds the trained weights: the run's init_from weights are not read again.
-        cfg = with_init_from(config_from_dict(state["config"], f"of checkpoint {path}"), None)
+        cfg = config_from_dict(state["config"], f"of checkpoint {path}")
+        if cfg.lora is None:  # the checkpoint holds the trained weights: init_from's are not read again
+            cfg = with_init_from(cfg, None)  # (a LoRA run's holds its adapters; the base is rebuilt from init_from)
     except RecipeError as e:
         args.parser.error(str(e))
     if cfg.data.root is None:  # a demo run: read the demo dataset, never build it here

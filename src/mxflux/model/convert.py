@@ -1,4 +1,5 @@
-"""diffusers `FluxTransformer2DModel` state dicts -> BFL names and layouts (what `Flux` loads).
+"""diffusers `FluxTransformer2DModel` state dicts -> BFL names and layouts (what `Flux` loads), and
+a BFL linear's diffusers counterparts (what LoRA adapters are saved under).
 
 Differences handled:
 - diffusers keeps q, k, v (and, in single blocks, the MLP input) as separate linears; BFL
@@ -17,7 +18,7 @@ import re
 import torch
 from torch import Tensor
 
-__all__ = ["diffusers_to_bfl"]
+__all__ = ["bfl_linear_to_diffusers", "diffusers_to_bfl"]
 
 # diffusers name -> BFL name; "{}" is the block index.
 _RENAMES = {
@@ -110,3 +111,28 @@ def diffusers_to_bfl(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
             raise ValueError(f"diffusers_to_bfl: {key} concatenates {sources}; missing {missing}")
         out[key] = torch.cat([pieces[i] for i in range(len(sources))], dim=0)
     return out
+
+
+def bfl_linear_to_diffusers(name: str, out_features: int, split: dict[str, tuple[int, ...]]
+                            ) -> list[tuple[str, tuple[slice, ...]]]:
+    """The diffusers linear(s) holding BFL linear `name`'s output rows: [(diffusers name, the BFL
+    output rows it holds, in its order, as slices to concatenate)]. One entry for a rename; one per
+    part for a fused linear, whose part sizes `split` gives by kind ("qkv": q, k, v; "linear1": q, k,
+    v, MLP in); the final layer's modulation with its two halves swapped. Raises ValueError for a
+    name with no diffusers counterpart."""
+    match = re.match(r"^(\w+_blocks)\.(\d+)\.(.+)$", name)
+    module, index = (f"{match[1]}.{{}}.{match[3]}", match[2]) if match else (name, None)
+    if module == "final_layer.adaLN_modulation.1":  # (shift, scale) here, (scale, shift) in diffusers
+        half = out_features // 2
+        return [(_SWAPPED_HALVES, (slice(half, out_features), slice(0, half)))]
+    if module in _CONCATS:
+        sizes = split["linear1" if module.startswith("single") else "qkv"]
+        if sum(sizes) != out_features:
+            raise ValueError(f"{name}: {out_features} output rows, but its parts are {sizes}")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [(part.format(index), (slice(start, start + size),))
+                for part, start, size in zip(_CONCATS[module], starts, sizes)]
+    renamed = {bfl: diffusers for diffusers, bfl in _RENAMES.items()}
+    if module not in renamed or renamed[module].endswith(("norm_q", "norm_k", "norm_added_q", "norm_added_k")):
+        raise ValueError(f"{name}: not a linear of Flux with a diffusers counterpart")
+    return [(renamed[module].format(index), (slice(0, out_features),))]

@@ -33,7 +33,7 @@ from .configs import FLUX_CONFIGS, FluxConfig
 from .convert import diffusers_to_bfl
 from .flux import Flux
 
-__all__ = ["FluxCheckpoint", "FluxWeightsError", "check_flux_weights", "flux_from_checkpoint",
+__all__ = ["FluxCheckpoint", "FluxWeightsError", "block_of", "check_flux_weights", "flux_from_checkpoint",
            "infer_flux_config", "init_from_checkpoint", "load_flux_weights"]
 
 _BFL_PREFIX = "model.diffusion_model."  # ComfyUI's single files wrap BFL names in this
@@ -96,7 +96,7 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _block_of(name: str) -> str:
+def block_of(name: str) -> str:
     """The unit converted at once: 'transformer_blocks.3' for its tensors, '' for the rest."""
     match = re.match(r"^(\w+_blocks\.\d+)\.", name)
     return match[1] if match else ""
@@ -148,7 +148,7 @@ class FluxCheckpoint:
             tensors.update(load_file(file))
         groups: dict[str, list[str]] = {}
         for name in tensors:
-            groups.setdefault(_block_of(name[len(self._prefix):]), []).append(name)
+            groups.setdefault(block_of(name[len(self._prefix):]), []).append(name)
         for names in groups.values():
             part = {name[len(self._prefix):]: tensors[name] for name in names}
             yield diffusers_to_bfl(part) if self.layout == "diffusers" else part
@@ -280,10 +280,10 @@ def _collapse_blocks(names: list[str], owner: Mapping[str, tuple[int, ...]]) -> 
     listed = set(names)
     per_block: dict[str, list[str]] = {}
     for name in owner:
-        per_block.setdefault(_block_of(name), []).append(name)
+        per_block.setdefault(block_of(name), []).append(name)
     shown = []
     for name in sorted(names, key=_natural):
-        block = _block_of(name)
+        block = block_of(name)
         if block and all(n in listed for n in per_block[block]):
             entry = f"{block}.* ({len(per_block[block])} tensors)"
             if entry not in shown:

@@ -36,9 +36,10 @@ from typing import NamedTuple
 import torch
 
 from ..mx.granularity import FoldGranularity
-from ..ops.custom_ops import compact_operand, expand_operand, mx_erefs, mx_operands, scaled_gemm, use_kernels
+from ..ops.custom_ops import (compact_operand, expand_operand, frozen_weight_col, mx_erefs, mx_operands, scaled_gemm,
+                              use_kernels)
 
-__all__ = ["SAVED_OPERANDS", "MXConfig", "fused_mx_mlp", "mx_linear"]
+__all__ = ["SAVED_OPERANDS", "MXConfig", "frozen_mx_linear", "fused_mx_mlp", "mx_linear"]
 
 # How forward keeps the col operands for backward (docs/design.md, "Saved operands in six bits").
 SAVED_OPERANDS = ("e4m3", "e2m3")
@@ -243,6 +244,37 @@ def mx_linear(x, weight, bias, blocks_outside_window, cfg: MXConfig, weight_oper
     computed as without them."""
     w = (None,) * 4 if weight_operands is None else weight_operands
     return _MXLinear.apply(x, weight, bias, blocks_outside_window, cfg, weight_erefs, *w)
+
+
+class _FrozenMXLinear(torch.autograd.Function):
+    """Y = X·Wᵀ + b for a frozen weight held only as its fprop operand (row data, row scale): forward
+    packs X's row operand alone (no dW is due, so no Xᵀ is kept), and backward packs dY's row operand
+    and Wᵀ's operand from those bytes (`frozen_weight_col`) for dgrad."""
+
+    @staticmethod
+    def forward(ctx, x, w_data, w_scale, bias, blocks_outside_window, cfg: MXConfig):
+        counter = _forward_counter(blocks_outside_window, cfg)
+        x_row = _pack(x, cfg, counter, col=False)[0]
+        _add_forward_count(blocks_outside_window, counter)
+        y = _gemm(x_row, Operand(w_data, w_scale), cfg, _compute(bias, x.dtype), x.dtype)
+        ctx.save_for_backward(w_data, w_scale)
+        ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        w_data, w_scale = ctx.saved_tensors
+        cfg = ctx.cfg
+        dy_row = _pack(dy.contiguous(), cfg, ctx.blocks_outside_window, col=False)[0]
+        w_col = Operand(*frozen_weight_col(w_data, w_scale, ctx.blocks_outside_window, cfg.granularity.value,
+                                           cfg.hadamard))
+        return _gemm(dy_row, w_col, cfg, None, dy.dtype), None, None, None, None, None
+
+
+def frozen_mx_linear(x, w_data, w_scale, bias, blocks_outside_window, cfg: MXConfig):
+    """Y = X·Wᵀ + b in MXFP6 for bf16 2-D `x` and a frozen weight held as its fprop operand (`w_data`
+    E4M3 [N, K], `w_scale`); only dX is computed in backward (`bias` is a frozen tensor too)."""
+    return _FrozenMXLinear.apply(x, w_data, w_scale, bias, blocks_outside_window, cfg)
 
 
 class _FusedMXMLP(torch.autograd.Function):

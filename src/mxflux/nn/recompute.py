@@ -130,8 +130,11 @@ def mark_recomputed(module: nn.Module, *, selective: bool = False) -> None:
     (`MXConfig.recomputed`): without it a recomputed call counts its blocks twice. `selective`
     (a policy picks what is recomputed, not the whole forward): they also pack their input apart
     (`MXConfig.pack_apart`), so that only the col operand's call is recomputed."""
+    from .frozen import FrozenMXFP6Linear
     from .linear import MXFP6Linear
 
     for m in module.modules():
         if isinstance(m, MXFP6Linear):
             m.cfg = m.cfg._replace(recomputed=True, pack_apart=selective)
+        elif isinstance(m, FrozenMXFP6Linear):  # packs its input's row operand only: nothing to pack apart
+            m.cfg = m.cfg._replace(recomputed=True)

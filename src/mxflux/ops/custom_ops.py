@@ -52,11 +52,12 @@ from ..mx.compact import compacted_shapes
 from ..mx.compact import expand_operand as expand_operand_reference
 from ..mx.granularity import FoldGranularity
 from ..mx.operands import mx_operands_reference, padded_rows, rowwise_erefs_reference
-from ..mx.scaled_gemm import scaled_gemm_reference
+from ..mx.hadamard import hadamard32
+from ..mx.scaled_gemm import dequantize_operand, scaled_gemm_reference
 
 __all__ = ["DEFER_MIN_DIM", "DEFER_SCALES", "FORCE_REFERENCE", "INLINE_GEMM", "INLINE_PACK", "compact_operand",
            "eref_buffer_words", "eref_rows_and_columns",
-           "expand_operand", "mx_erefs", "mx_erefs_op", "mx_operands", "mx_operands_inline", "mx_operands_op", "scaled_gemm",
+           "expand_operand", "frozen_weight_col", "mx_erefs", "mx_erefs_op", "mx_operands", "mx_operands_inline", "mx_operands_op", "scaled_gemm",
            "scaled_gemm_op", "static_kernel_launch", "static_launch_on", "use_kernels", "weight_exponents",
            "weight_exponents_available"]
 
@@ -112,6 +113,8 @@ _LIB.define("scaled_gemm(Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_
 _LIB.define("mx_erefs(Tensor x, bool hadamard) -> Tensor")
 _LIB.define("compact_operand(Tensor data) -> (Tensor, Tensor)")
 _LIB.define("expand_operand(Tensor packed, Tensor shifts) -> Tensor")
+_LIB.define("frozen_weight_col(Tensor row_data, Tensor row_scale, Tensor(a!) blocks_outside_window, "
+            "str granularity, bool hadamard) -> (Tensor, Tensor)")
 
 
 def _register(name: str, kernel, fake):
@@ -336,3 +339,28 @@ def _expand_operand_fake(packed, shifts):
 
 
 expand_operand = _register("expand_operand", _expand_operand, _expand_operand_fake)
+
+
+def _frozen_weight_col(row_data: torch.Tensor, row_scale: torch.Tensor, blocks_outside_window: torch.Tensor,
+                       granularity: str, hadamard: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wᵀ's operand for dgrad (col data [K, Np], col scale) of a frozen weight kept only as its fprop
+    operand (row data [N, K], row scale): the weight those bytes hold (dequantized, and rotated back
+    where the fold rotated it: the block rotation is its own inverse) packed along N as any weight
+    is for dgrad (docs/design.md, "LoRA on a frozen MXFP6 base"). Opaque, so that compiled backward
+    graphs run it as a unit; a weight-sized pass, independent of the token count."""
+    weight = dequantize_operand(row_data, row_scale)
+    if hadamard:
+        weight = hadamard32(weight, axis=-1)
+    p = _mx_operands(weight, None, blocks_outside_window, False, True, granularity, hadamard, "none", False)
+    return p[2], p[3]
+
+
+def _frozen_weight_col_fake(row_data, row_scale, blocks_outside_window, granularity, hadamard):
+    g = FoldGranularity.from_mx_gemm(granularity)
+    n, k = row_data.shape
+    np_ = padded_rows(n, g)
+    return (row_data.new_empty(k, np_, dtype=torch.float8_e4m3fn),
+            row_data.new_empty(k, g.groups(np_), dtype=torch.float32))
+
+
+frozen_weight_col = _register("frozen_weight_col", _frozen_weight_col, _frozen_weight_col_fake)

@@ -14,7 +14,8 @@ __all__ = ["Callback", "ProgressBar"]
 class Callback:
     """No-op hooks, called in this order: on_fit_start, then per optimizer step on_step_end (the
     `StepResult`, unread) and at log steps on_log (the row as host floats), around each
-    evaluation on_eval_start / on_eval_end, and on_fit_end once (also when the run fails)."""
+    evaluation on_eval_start / on_eval_end, on_checkpoint after each checkpoint, and on_fit_end once
+    (also when the run fails)."""
 
     # Whether `fit` may evaluate once more at its last step (MLPerf evaluates on its schedule only).
     final_eval = True
@@ -38,6 +39,9 @@ class Callback:
 
     def on_fit_end(self, trainer) -> None:
         pass
+
+    def on_checkpoint(self, trainer, path) -> None:
+        """After each checkpoint, at its interval, on a stop and at the run's end (`path` written)."""
 
 
 class ProgressBar(Callback):

@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .ema import plain_name
+
 __all__ = ["save_checkpoint", "load_checkpoint", "save_sharded_checkpoint", "load_sharded_checkpoint",
            "read_checkpoint_meta", "resolve_checkpoint", "is_sharded_checkpoint", "rng_state",
            "set_rng_state", "model_optimizer_state", "load_model_optimizer_state", "LATEST", "LATEST_SHARDED", "CheckpointNotFoundError", "CheckpointCorruptError",
@@ -76,10 +78,12 @@ def set_rng_state(state: dict) -> None:
 def model_optimizer_state(model, optimizer, *, full: bool, world_size: int) -> dict:
     """{"model", "optimizer"} keyed by parameter name (the same keys alone, under DDP and under
     FSDP2): this rank's shards, or (`full`) whole tensors on the CPU of rank 0. A collective
-    under FSDP2/DDP: call on every rank."""
+    under FSDP2/DDP: call on every rank. A model with frozen parameters (a LoRA run's base) keeps
+    only its trained ones: the base is rebuilt from the recipe, not stored in every checkpoint."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if full and world_size > 1 else None
+    opts = StateDictOptions(full_state_dict=full and world_size > 1, cpu_offload=full and world_size > 1,
+                            ignore_frozen_params=_has_frozen(model))
     fresh = not optimizer.state
     model_state, optim_state = get_state_dict(model, optimizer, options=opts)
     if fresh:  # get_state_dict initialised the optimizer state (a zero-lr step): undo that
@@ -92,8 +96,19 @@ def load_model_optimizer_state(model, optimizer, tensors: dict, *, full: bool, w
     or this rank's shards."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    frozen = _has_frozen(model)
     set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"],
-                   options=StateDictOptions(full_state_dict=True) if full and world_size > 1 else None)
+                   options=StateDictOptions(full_state_dict=full and world_size > 1, ignore_frozen_params=frozen,
+                                            strict=not frozen))
+    if frozen:  # not strict, so that the frozen base may be absent; the trained parameters may not
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and plain_name(n) not in tensors["model"]]
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} trained parameter(s), e.g. {missing[0]}: "
+                             f"it was written by another model or adapter layout")
+
+
+def _has_frozen(model) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
 
 
 # --- one file --------------------------------------------------------------------------------

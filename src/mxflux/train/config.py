@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..nn.precision import PrecisionConfig
+from ..nn.precision.default_layers import DEFAULT_PRECISION_INCLUDE
 
 __all__ = ["RunConfig", "RecipeError", "load_recipe", "config_from_dict", "recipe_names", "recipe_descriptions",
            "apply_overrides"]
@@ -223,6 +224,26 @@ class MLPerfSection(_Section):
 MOVED_TO_PRECISION = ("weight_exponents_in_optimizer", "weight_operands_in_optimizer")
 
 
+class LoraSection(_Section):
+    """Train low-rank adapters on a frozen base instead of the model itself (docs/design.md, "LoRA on
+    a frozen MXFP6 base"). Unset (`lora: null`): the whole model trains."""
+
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / rank
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)  # on the adapter's input; its draws come from torch's RNG
+    # Which linears get adapters: fnmatch patterns over module names, as precision.include; by default
+    # the ones MXFP6 runs (attention and MLP linears of every block).
+    include: tuple[str, ...] = DEFAULT_PRECISION_INCLUDE
+    exclude: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _some(self) -> "LoraSection":
+        if not self.include:
+            raise ValueError("lora.include: empty, so no linear would get an adapter; leave it out for the "
+                             "attention and MLP linears")
+        return self
+
+
 class RunConfig(_Section):
     name: str
     description: str = ""
@@ -234,6 +255,7 @@ class RunConfig(_Section):
     train: TrainSection = TrainSection()
     distributed: DistributedSection = DistributedSection()
     mlperf: MLPerfSection = MLPerfSection()
+    lora: LoraSection | None = None
 
     @property
     def out_dir(self) -> Path:
@@ -269,6 +291,22 @@ class RunConfig(_Section):
             # which cannot run inside the captured step
             raise ValueError("train.cuda_graph: true captures the whole step, which cannot hold the per-block "
                              "CUDA graphs of model.compile_mode: reduce-overhead; use compile_mode: default")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_base(self) -> "RunConfig":
+        if self.lora is None:
+            return self
+        if self.precision.name == "fp8":
+            raise ValueError("lora: an FP8 base (precision.fp8) is not supported; adapters train on an MXFP6 base "
+                             "(precision.fp6: e2m3) or a bf16 one (no precision selector)")
+        if self.precision.name == "mxfp6" and self.precision.fused_mlp == "on":
+            raise ValueError("precision.fused_mlp: on multiplies the MLP weights inside one Function, which a frozen "
+                             "base with adapters replaces by its two linears; use auto or off with lora")
+        if self.train.cuda_graph:
+            raise ValueError("train.cuda_graph: not validated with lora; leave it false")
+        if self.mlperf.enabled:
+            raise ValueError("mlperf.enabled: an MLPerf run trains the whole model; remove lora or mlperf")
         return self
 
     @model_validator(mode="after")

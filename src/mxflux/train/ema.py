@@ -20,14 +20,15 @@ import contextlib
 import torch
 from torch import nn
 
-__all__ = ["WeightEMA", "ema_decay_at"]
+__all__ = ["WeightEMA", "ema_decay_at", "plain_name"]
 
 # Wrapper prefixes in parameter names (activation checkpointing, torch.compile): the EMA keys
 # are the plain names, the same as the checkpoint's "model" keys.
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def _plain(name: str) -> str:
+def plain_name(name: str) -> str:
+    """A parameter's name as state dicts key it: without the wrappers' prefixes."""
     for w in _WRAPPERS:
         name = name.replace(w, "")
     return name
@@ -49,7 +50,7 @@ class WeightEMA:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"EMA decay {decay}: expected 0 < decay < 1")
         self.decay = decay
-        self.params = {_plain(n): p for n, p in model.named_parameters() if p.requires_grad}
+        self.params = {plain_name(n): p for n, p in model.named_parameters() if p.requires_grad}
         with torch.no_grad():
             self.averages = {n: p.detach().clone() for n, p in self.params.items()}
 

@@ -34,6 +34,10 @@ def fit(trainer, *, progress: bool = True, max_steps: int | None = None) -> dict
     c = trainer.cfg
     end_step = trainer.total_steps if max_steps is None else min(trainer.total_steps, max_steps)
     callbacks = list(trainer.callbacks)
+    if c.lora is not None:  # every rank: under FSDP2 the adapters are gathered from their shards
+        from .adapters import AdaptersFile
+
+        callbacks.append(AdaptersFile())
     if trainer.rank == 0:
         callbacks.append(MetricsCallback(trainer.out_dir, title=f"{c.name} ({c.precision.name})"))
         if progress:
@@ -82,7 +86,7 @@ def fit(trainer, *, progress: bool = True, max_steps: int | None = None) -> dict
                                              f"{_kept(trainer)}")
                     stop = any([cb.on_eval_end(trainer, trainer.last_eval) for cb in callbacks])
                 if save_now or interrupted:
-                    trainer.save()
+                    _save(trainer, callbacks)
                 if interrupted:
                     raise TrainingInterrupted(interrupted, trainer.step, trainer.last_checkpoint)
             if unread:
@@ -93,11 +97,17 @@ def fit(trainer, *, progress: bool = True, max_steps: int | None = None) -> dict
         finally:
             for cb in callbacks:
                 cb.on_fit_end(trainer)
-    trainer.save()
+    _save(trainer, callbacks)
     if late_stop:
         raise TrainingInterrupted(late_stop, trainer.step, trainer.last_checkpoint)
     return {"step": trainer.step, "samples": trainer.samples, "train_loss": row.get("loss"),
             "eval_loss": trainer.last_eval}
+
+
+def _save(trainer, callbacks) -> None:
+    path = trainer.save()
+    for cb in callbacks:
+        cb.on_checkpoint(trainer, path)
 
 
 def _read_checked(trainer, unread: list[StepResult]) -> dict:

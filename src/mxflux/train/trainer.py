@@ -26,10 +26,9 @@ import torch
 import torch.distributed as dist
 
 from ..data.fit import dataset_dims, dims_mismatch
-from ..model import image_ids, init_from_checkpoint, patchify, text_ids
-from ..nn.linear import MXFP6Linear
+from ..model import image_ids, patchify, text_ids
 from .block_graphs import BlockGraphs
-from .build import build_model, build_optimizer
+from .build import build_optimizer, build_training_model
 from .callbacks import Callback
 from .captured import CapturedStep, one_process_error
 from .checkpoint import (CHECKPOINT_FORMAT, LATEST, LATEST_SHARDED, check_format, load_checkpoint,
@@ -40,11 +39,11 @@ from .config import RecipeError, RunConfig
 from .distributed import DistContext, init_distributed
 from .ema import WeightEMA
 from .evaluation import validation_loss
+from .adapters import check_same_base
 from .identity import new_run_id, run_identity
 from .flow import cfg_dropout, noised, per_sample_mse, sample_latents, shift_time
 from .guidance import guidance_input
 from .noise import training_draws
-from .parallelize import parallelize
 from .results import StepResult
 from .schedule import lr_factor
 
@@ -90,10 +89,9 @@ class Trainer:
         self.t5_empty, self.clip_empty = load_empty_encodings(self.data_root, device=self.device,
                                                               dtype=self.compute_dtype)
 
-        self.model, self.precision_report = build_model(cfg, self.device)  # fp32 master weights
-        self.train_model = parallelize(self.model, cfg, self.ctx)  # the model itself or its DDP wrapper
-        if cfg.model.init_from:  # after sharding: under FSDP2 each rank reads only its own shards
-            init_from_checkpoint(self.model, cfg.model.init_from)
+        # fp32 master weights (a LoRA run: its adapters', on a frozen base); train_model may be DDP's wrapper
+        self.model, self.train_model, self.precision_report, self.base_fingerprint = build_training_model(
+            cfg, self.ctx, self.device)
         self.window_counters = [m.blocks_outside_window for m in self.mx_modules()]
         # After init_from and sharding: the average starts from the weights the run starts from.
         self.ema = WeightEMA(self.model, cfg.train.ema_decay) if cfg.train.ema_decay else None
@@ -113,8 +111,8 @@ class Trainer:
         self.window_base = 0  # blocks outside the window before this process (a resumed run's)
         self.captured = CapturedStep(self.optimizer, self.device) if cfg.train.cuda_graph else None
 
-    def mx_modules(self) -> list[MXFP6Linear]:
-        return [m for m in self.model.modules() if isinstance(m, MXFP6Linear)]
+    def mx_modules(self) -> list[torch.nn.Module]:  # MXFP6Linear and FrozenMXFP6Linear: fold-window counters
+        return [m for m in self.model.modules() if isinstance(getattr(m, "blocks_outside_window", None), torch.Tensor)]
 
     def blocks_outside_window(self) -> int:
         """Blocks that fell outside the FP8 fold window over the whole run (this rank; syncs)."""
@@ -261,6 +259,7 @@ class Trainer:
             "config": self.cfg.model_dump(mode="json"),
             "identity": run_identity(self.cfg, self.train_set),  # what the run is: a resume must be the same
             "run_id": self.run_id,
+            "base_fingerprint": self.base_fingerprint,  # a LoRA run's frozen base (`train.adapters`)
             "scheduler": self.scheduler.state_dict(),
             "progress": {"step": self.step, "samples": self.samples, "epoch": self.epoch,
                          "samples_in_epoch": self.batch_in_epoch * self.cfg.batch.micro_batch_size * self.world,
@@ -287,6 +286,7 @@ class Trainer:
             self.captured.invalidate()
         self.scheduler.load_state_dict(meta["scheduler"])
         self.run_id = meta.get("run_id") or self.run_id  # checkpoints before run ids: this one from now on
+        check_same_base(meta.get("base_fingerprint"), self.base_fingerprint, self.out_dir)
         p = meta["progress"]
         self.step, self.samples, self.epoch, self.last_eval = p["step"], p["samples"], p["epoch"], p["last_eval"]
         self.window_base = p.get("blocks_outside_window", 0)
