@@ -23,6 +23,9 @@ def add_sample_parser(sub) -> None:
                    help="instead of a run checkpoint: Flux weights (BFL .safetensors, diffusers transformer/ "
                         "or pipeline folder); the model config is inferred from them unless --model is given")
     p.add_argument("--model", help="with --weights: a built-in model config the weights must fit (e.g. flux-12b)")
+    p.add_argument("--lora", action="append", metavar="FILE[:SCALE]",
+                   help="with --weights: a LoRA file in diffusers' layout (a LoRA run's lora.safetensors) merged "
+                        "into the weights, times SCALE (default 1); repeatable")
     p.add_argument("--data", metavar="ROOT", help="with --weights and no --t5/--clip: the dataset whose own text "
                                                   "encoder (and decoder, without --vae) to use (default: the demo)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
@@ -70,6 +73,9 @@ def _sample(args) -> int:
         out = out / "samples.png"
     elif out.suffix.lower() != ".png":
         args.parser.error(f"--out {args.out}: expected a .png file or a directory (for DIR/samples.png)")
+    if args.lora and not args.weights:
+        args.parser.error("--lora goes with --weights BASE (a LoRA run's checkpoint samples with its adapters "
+                          "as it is)")
     if args.no_ema and args.weights:
         args.parser.error("--no-ema goes with a run checkpoint; --weights are drawn with as they are")
     if (args.t5 or args.clip) and not (args.vae and args.t5 and args.clip):
@@ -87,6 +93,8 @@ def _sample(args) -> int:
             model = flux_from_checkpoint(args.weights, config, device=device, dtype=dtype)
         except (FluxWeightsError, ValueError) as e:
             args.parser.error(f"--weights: {e}")
+        for spec in args.lora or ():
+            _merge_lora_file(model, spec, args.parser)
         # Without real text encoders, prompts go through a dataset's own (the demo's) encoder.
         dataset = None if args.t5 else LatentDataset(args.data or demo_root(args), "train")
         default_guidance, default_shift, trained_distilled = 1.0, 1.0, None
@@ -142,6 +150,26 @@ def _sample(args) -> int:
         args.parser.error("this dataset has no built-in decoder: pass --vae, --t5 and --clip")
     print(json_text({"samples": str(grid), "prompts": args.prompt}))
     return 0
+
+
+def _merge_lora_file(model, spec: str, parser) -> None:
+    """Merge `FILE[:SCALE]` into `model`'s weights (one linear's update at a time)."""
+    from ..model.lora_file import LoRAFileError, load_lora_deltas
+    from ..nn.lora import add_deltas
+
+    path, scale = spec, 1.0
+    head, sep, tail = spec.rpartition(":")
+    if sep and head:
+        try:
+            path, scale = head, float(tail)
+        except ValueError:
+            path = spec  # a ':' in the path itself
+    if not Path(path).is_file():
+        parser.error(f"--lora {spec}: no such file")
+    try:
+        add_deltas(model, load_lora_deltas(path, model.config, scale))
+    except (LoRAFileError, ValueError) as e:
+        parser.error(f"--lora {spec}: {e}")
 
 
 def sample_to_grid(model, dataset, prompts, *, steps, seed, out, dtype, encoders=None, guidance=1.0, vae=None,

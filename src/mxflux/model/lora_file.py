@@ -51,7 +51,7 @@ def save_lora_file(path: str | Path, adapters: Mapping[str, tuple[Tensor, Tensor
     for name, (down, up, scale) in adapters.items():
         up_scaled = up.detach().float() * scale
         for target, rows in bfl_linear_to_diffusers(name, up.shape[0], _splits(config)):
-            tensors[f"{PREFIX}{target}.lora_A.weight"] = down.detach().to(dtype).contiguous().cpu()
+            tensors[f"{PREFIX}{target}.lora_A.weight"] = down.detach().to(dtype).cpu().clone()  # one per part
             tensors[f"{PREFIX}{target}.lora_B.weight"] = torch.cat([up_scaled[r] for r in rows]).to(dtype).cpu()
     meta = {"format": "pt", "lora_layout": "diffusers (peft keys, transformer. prefix); alpha/rank folded into lora_B",
             **{k: str(v) for k, v in metadata.items()}}

@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from .frozen import FrozenMXFP6Linear
 
-__all__ = ["LoRALinear", "adapted_linears", "apply_lora", "lora_targets", "merge_lora"]
+__all__ = ["LoRALinear", "adapted_linears", "add_deltas", "apply_lora", "lora_targets", "merge_lora"]
 
 ADAPTABLE = (nn.Linear, FrozenMXFP6Linear)
 
@@ -86,17 +86,26 @@ def adapted_linears(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 @torch.no_grad()
-def merge_lora(model: nn.Module, adapters: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
-    """Add scale · up · down to the weights of a plain model's linears, in place: `adapters` maps a
-    linear's name to (down [rank, in], up [out, rank], scale). What sampling with a LoRA file does
-    (the merged model runs at the base's speed), and the reference the adapters are tested against."""
-    for name, (down, up, scale) in adapters.items():
-        linear = model.get_submodule(name)
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"{name}: a LoRA adapter for a {type(linear).__name__}, expected a linear")
-        if down.dim() != 2 or down.shape[1] != linear.in_features or tuple(up.shape) != (linear.out_features,
-                                                                                          down.shape[0]):
-            raise ValueError(f"{name}: adapter shapes down {tuple(down.shape)}, up {tuple(up.shape)} do not fit "
-                             f"a linear of {linear.in_features} -> {linear.out_features}")
-        delta = (up.float() @ down.float()) * scale
+def add_deltas(model: nn.Module, deltas) -> list[str]:
+    """Add each (linear's name, weight update [out, in]) of `deltas` to that linear's weight in a plain
+    model, in place (one update alive at a time); returns the names. ValueError naming a linear that
+    is not there or whose shape the update does not fit."""
+    names = []
+    for name, delta in deltas:
+        try:
+            linear = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"{name}: the LoRA adapts a linear this model does not have") from None
+        if not isinstance(linear, nn.Linear) or tuple(delta.shape) != tuple(linear.weight.shape):
+            raise ValueError(f"{name}: a LoRA update of shape {tuple(delta.shape)} does not fit "
+                             f"{type(linear).__name__} {tuple(getattr(linear, 'weight', delta).shape)}")
         linear.weight.add_(delta.to(device=linear.weight.device, dtype=linear.weight.dtype))
+        names.append(name)
+    return names
+
+
+def merge_lora(model: nn.Module, adapters: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> list[str]:
+    """Fold adapters {linear's name: (down [rank, in], up [out, rank], scale)} into a plain model's
+    weights (W + scale · up · down), in place: what the adapters mean to any other loader, and the
+    reference they are tested against."""
+    return add_deltas(model, ((name, (up.float() @ down.float()) * scale) for name, (down, up, scale) in adapters.items()))

@@ -303,6 +303,10 @@ class RunConfig(_Section):
         if self.precision.name == "mxfp6" and self.precision.fused_mlp == "on":
             raise ValueError("precision.fused_mlp: on multiplies the MLP weights inside one Function, which a frozen "
                              "base with adapters replaces by its two linears; use auto or off with lora")
+        if not self.model.init_from:
+            raise ValueError("model.init_from: a LoRA run adapts a trained base; name its weights (BFL or "
+                             "diffusers safetensors, or a run's `mxflux export`). A fresh Flux passes no gradient "
+                             "to its blocks (its output layer starts at zero), so adapters there would not learn")
         if self.train.cuda_graph:
             raise ValueError("train.cuda_graph: not validated with lora; leave it false")
         if self.mlperf.enabled:

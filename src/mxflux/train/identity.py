@@ -88,11 +88,14 @@ def _absolute(root: str | None) -> str | None:
 
 
 def with_absolute_data_root(cfg: RunConfig) -> RunConfig:
-    """`cfg` with data.root absolute, as a run stores it: resuming from another directory then reads the
-    same data, not whatever the relative path names there."""
-    if cfg.data.root is None or Path(cfg.data.root).is_absolute():
-        return cfg
-    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"root": _absolute(cfg.data.root)})})
+    """`cfg` with data.root (and a LoRA run's model.init_from) absolute, as a run stores them: resuming
+    from another directory then reads the same data and base, not whatever the relative path names there."""
+    if cfg.data.root is not None and not Path(cfg.data.root).is_absolute():
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"root": _absolute(cfg.data.root)})})
+    if cfg.lora is not None and cfg.model.init_from and not Path(cfg.model.init_from).is_absolute():
+        # a LoRA run's base is read again on every resume: the same file, wherever the resume starts
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": _absolute(cfg.model.init_from)})})
+    return cfg
 
 
 def _may_change(key: str) -> bool:
