@@ -1,0 +1,217 @@
+"""A LoRA training step at FLUX.1-dev's shapes: mxflux's frozen-MXFP6 base against a bf16 base, ours and
+diffusers' FluxTransformer2DModel with peft adapters, each in its own process of one call.
+
+    PYTHONPATH=src python benchmarks/bench_lora.py [--model flux-12b-dev] [--image 1024] [--txt 512]
+        [--impls mxfp6,bf16,peft] [--steps 5] [--warmup 3] [--rank 16] [--out DIR]
+
+One step: micro-batch 1, a 1024x1024 image (4096 latent tokens) and 512 text tokens, activation
+checkpointing on every block, forward and backward under bf16 autocast and AdamW over the adapters
+(rank 16, alpha 16; fp32 masters). Random weights of the real shapes (the speed and memory of a step do
+not depend on the values; correctness comes from tests/test_lora.py). Settings:
+
+- `mxfp6`: the LoRA recipes' model: the MX linears frozen as their 1-byte operands
+  (`mxflux.nn.frozen`), the rest bf16, adapters on the MX linears, blocks compiled;
+- `bf16`: the same model and adapters with the base frozen in bf16 (no precision), blocks compiled;
+- `peft`: diffusers' FluxTransformer2DModel in bf16 with peft's LoRA on the same linears (diffusers'
+  Flux LoRA example's target modules), its gradient checkpointing, blocks compiled the same way.
+
+Writes bench_lora_<date>.json (per setting: ms per step, mean and min over the timed steps, peak
+allocated and reserved GiB; ratios to `peft` and `bf16`; provenance) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# diffusers' Flux LoRA example's target modules, in the blocks only (a bare "proj_out" would also take the
+# final layer): the same linears as mxflux's default (qkv, proj, MLPs, linear1 = q, k, v, proj_mlp; linear2)
+PEFT_TARGETS = (r"^(transformer_blocks|single_transformer_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|"
+                r"add_k_proj|add_v_proj|to_add_out)|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2)|proj_mlp|proj_out)$")
+
+
+def _inputs(config, args, device, dtype):
+    import torch
+
+    from mxflux.model import image_ids, text_ids
+
+    side = args.image // 16  # VAE /8, then 2x2 patches
+    g = torch.Generator(device=device).manual_seed(0)
+    return dict(img=torch.randn(1, side * side, config.in_channels, device=device, dtype=dtype, generator=g),
+                img_ids=image_ids(1, side, side, device=device),
+                txt=torch.randn(1, args.txt, config.context_in_dim, device=device, dtype=dtype, generator=g),
+                txt_ids=text_ids(1, args.txt, device=device),
+                y=torch.randn(1, config.vec_in_dim, device=device, dtype=dtype, generator=g),
+                timesteps=torch.rand(1, device=device, generator=g),
+                guidance=torch.full((1,), 3.5, device=device) if config.guidance_embed else None)
+
+
+def _ours(args, precision: str):
+    """Our Flux built on meta and materialised one block at a time with random weights, frozen as it goes
+    (the LoRA recipes' streamed build, with random values instead of a file), adapters, checkpointing."""
+    import torch
+
+    from mxflux.model import Flux, flux_config
+    from mxflux.nn import apply_precision
+    from mxflux.nn.frozen import freeze_base
+    from mxflux.nn.lora import apply_lora, lora_targets
+    from mxflux.nn.precision.default_layers import DEFAULT_PRECISION_INCLUDE
+    from mxflux.train.parallelize import checkpoint_block
+
+    config = flux_config(args.model)
+    with torch.device("meta"):
+        model = Flux(config)
+    apply_precision(model, precision)
+    torch.manual_seed(0)
+    for unit in [*model.double_blocks, *model.single_blocks,
+                 *[m for m in model.children() if m not in (model.double_blocks, model.single_blocks)]]:
+        unit.to_empty(device=args.device)
+        with torch.no_grad():
+            for p in unit.parameters():
+                p.normal_(0.0, 0.02)
+        freeze_base(unit)
+    freeze_base(model)
+    apply_lora(model, lora_targets(model, DEFAULT_PRECISION_INCLUDE), args.rank, float(args.rank))
+    for blocks in (model.double_blocks, model.single_blocks):
+        for i, block in enumerate(blocks):
+            blocks[i] = checkpoint_block(block, "full")
+            if args.compile:
+                blocks[i].compile()
+    inputs = _inputs(config, args, args.device, torch.bfloat16)
+
+    def step():
+        with torch.autocast(args.device, dtype=torch.bfloat16):
+            out = model(**inputs)
+        out.float().square().mean().backward()
+
+    return model, step
+
+
+def _peft(args):
+    import torch
+    from diffusers import FluxTransformer2DModel
+    from peft import LoraConfig
+
+    from mxflux.model import flux_config
+
+    config = flux_config(args.model)
+    torch.set_default_dtype(torch.bfloat16)  # the base built in bf16 directly (24 GB, never 48 in fp32)
+    with torch.device(args.device):
+        model = FluxTransformer2DModel(
+            patch_size=1, in_channels=config.in_channels, out_channels=config.out_channels, num_layers=config.depth,
+            num_single_layers=config.depth_single_blocks, attention_head_dim=config.head_dim,
+            num_attention_heads=config.num_heads, joint_attention_dim=config.context_in_dim,
+            pooled_projection_dim=config.vec_in_dim, guidance_embeds=config.guidance_embed,
+            axes_dims_rope=config.axes_dim)
+    torch.set_default_dtype(torch.float32)
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, init_lora_weights="gaussian",
+                                 target_modules=PEFT_TARGETS))
+    for p in model.parameters():  # diffusers' example: trainable parameters in fp32 (cast_training_params)
+        if p.requires_grad:
+            p.data = p.data.float()
+    model.enable_gradient_checkpointing()
+    for blocks in (model.transformer_blocks, model.single_transformer_blocks):
+        for block in blocks if args.compile else ():
+            block.compile()
+    x = _inputs(config, args, args.device, torch.bfloat16)
+
+    def step():
+        with torch.autocast(args.device, dtype=torch.bfloat16):
+            out = model(hidden_states=x["img"], encoder_hidden_states=x["txt"], pooled_projections=x["y"],
+                        timestep=x["timesteps"], img_ids=x["img_ids"][0], txt_ids=x["txt_ids"][0],
+                        guidance=x["guidance"], return_dict=False)[0]
+        out.float().square().mean().backward()
+
+    return model, step
+
+
+def worker(args) -> dict:
+    import torch
+
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    model, step = _peft(args) if args.worker == "peft" else _ours(args, "mxfp6" if args.worker == "mxfp6" else "bf16")
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=True)
+    cuda = args.device.startswith("cuda")
+    base_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    t_compile = time.perf_counter()
+    for i in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if i == 0:
+            t_compile = time.perf_counter() - t_compile
+    timed = times[args.warmup:]
+    return {"setting": args.worker, "ms_mean": sum(timed) / len(timed), "ms_min": min(timed), "ms_all": timed,
+            "first_step_s": t_compile, "model_gib": base_gib,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
+            "trained_parameters": sum(p.numel() for p in trained)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="flux-12b-dev")
+    ap.add_argument("--image", type=int, default=1024, help="image side in pixels (tokens: (side/16)^2)")
+    ap.add_argument("--txt", type=int, default=512, help="T5 tokens")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--impls", default="mxfp6,bf16,peft")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--timeout", type=float, default=280, help="seconds per setting")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return
+    passthrough = argv if argv is not None else sys.argv[1:]
+    rows = []
+    for impl in args.impls.split(","):
+        cmd = [sys.executable, __file__, "--worker", impl, *passthrough]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            rows.append({"setting": impl, "error": f"timed out after {args.timeout:.0f} s"})
+            continue
+        found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        rows.append(json.loads(found[0]) if found else {"setting": impl, "error": proc.stderr[-3000:]})
+        print(json.dumps(rows[-1])[:400], flush=True)
+    by = {r["setting"]: r for r in rows if "ms_mean" in r}
+    for r in rows:
+        for base in ("peft", "bf16"):
+            if "ms_mean" in r and base in by and r["setting"] != base:
+                r[f"speedup_vs_{base}"] = by[base]["ms_mean"] / r["ms_mean"]
+    from mxflux.bench.provenance import provenance
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    result = {"provenance": provenance(), "date": date, "args": {k: v for k, v in vars(args).items() if k != "worker"},
+              "run_mode": {"compile": "per block, default mode", "cuda_graphs": "none",
+                           "optimizer": "torch AdamW (fused) over the adapters",
+                           "activation_checkpointing": "every block"},
+              "rows": rows}
+    (out / f"bench_lora_{date}.json").write_text(json.dumps(result, indent=1))
+    for r in rows:
+        print(r["setting"], {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+                             if k not in ("ms_all", "error", "setting")} if "ms_mean" in r else r.get("error", "")[-600:])
+
+
+if __name__ == "__main__":
+    main()
