@@ -16,7 +16,8 @@ not depend on the values; correctness comes from tests/test_lora.py). Settings:
   Flux LoRA example's target modules), its gradient checkpointing, blocks compiled the same way.
 
 Writes bench_lora_<date>.json (per setting: ms per step, mean and min over the timed steps, peak
-allocated and reserved GiB; ratios to `peft` and `bf16`; provenance) to --out.
+allocated GiB over the timed steps and over the warm-up (compiling, autotuning) apart, peak reserved;
+ratios to `peft` and `bf16`; provenance) to --out.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def worker(args) -> dict:
     base_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, warm_peak = [], None
     t_compile = time.perf_counter()
     for i in range(args.warmup + args.steps):
         sync()
@@ -154,10 +155,14 @@ def worker(args) -> dict:
         times.append((time.perf_counter() - t0) * 1e3)
         if i == 0:
             t_compile = time.perf_counter() - t_compile
+        if i == args.warmup - 1 and cuda:  # the first steps compile and autotune: their transients apart
+            warm_peak = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
     timed = times[args.warmup:]
     return {"setting": args.worker, "ms_mean": sum(timed) / len(timed), "ms_min": min(timed), "ms_all": timed,
             "first_step_s": t_compile, "model_gib": base_gib,
-            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,  # timed steps
+            "peak_allocated_warmup_gib": warm_peak if cuda else None,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None,
             "trained_parameters": sum(p.numel() for p in trained)}
 

@@ -297,3 +297,16 @@ def test_sample_merges_a_lora_file_into_the_weights(data, base, tmp_path, capsys
         main(["sample", "--weights", str(base), "--lora", str(tmp_path / "missing.safetensors"), "--prompt", "x",
               "--device", "cpu", "--out", str(tmp_path / "x.png")])
     assert "--lora" in capsys.readouterr().err
+
+
+def test_compiled_weight_reconstruction_is_the_reference_rounded_to_bf16(gen):
+    """The CUDA path rebuilds the frozen weight for dgrad with one compiled kernel; it must give the
+    reference's bits (dequantize, rotate back, round to bf16), here compiled for the CPU."""
+    from mxflux.ops.custom_ops import _frozen_weight_bf16, frozen_weight
+
+    _, frozen = _layers(gen, n=64, k=256)
+    for hadamard in (True, False):
+        want = frozen_weight(frozen.w_data, frozen.w_scale, hadamard).to(torch.bfloat16)
+        assert torch.equal(_frozen_weight_bf16(frozen.w_data, frozen.w_scale, hadamard), want)
+        compiled = torch.compile(_frozen_weight_bf16, dynamic=False)
+        assert torch.equal(compiled(frozen.w_data, frozen.w_scale, hadamard), want)
