@@ -17,7 +17,7 @@ not depend on the values; correctness comes from tests/test_lora.py). Settings:
 
 Writes bench_lora_<date>.json (per setting: ms per step, mean and min over the timed steps, peak
 allocated GiB over the timed steps and over the warm-up (compiling, autotuning) apart, peak reserved;
-ratios to `peft` and `bf16`; provenance) to --out.
+one profiled step's device time by category; ratios to `peft` and `bf16`; provenance) to --out.
 """
 
 from __future__ import annotations
@@ -132,6 +132,29 @@ def _peft(args):
     return model, step
 
 
+def _profiled_step(step, optimizer) -> dict:
+    """One more step under the profiler: its device time split into GEMM, MX quantization, attention,
+    optimizer and other (`mxflux.bench.device_time`), with the top kernels."""
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from mxflux.bench.device_time import activities_from_chrome_trace, device_breakdown
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        return device_breakdown(activities_from_chrome_trace(f.name), 1, wall_s=wall, top=16)
+
+
 def worker(args) -> dict:
     import torch
 
@@ -159,7 +182,8 @@ def worker(args) -> dict:
             warm_peak = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
     timed = times[args.warmup:]
-    return {"setting": args.worker, "ms_mean": sum(timed) / len(timed), "ms_min": min(timed), "ms_all": timed,
+    breakdown = _profiled_step(step, optimizer) if args.profile and cuda else None
+    return {"device_time": breakdown, "setting": args.worker, "ms_mean": sum(timed) / len(timed), "ms_min": min(timed), "ms_all": timed,
             "first_step_s": t_compile, "model_gib": base_gib,
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,  # timed steps
             "peak_allocated_warmup_gib": warm_peak if cuda else None,
@@ -177,6 +201,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                    help="one more step under the profiler: where the device time goes (CUDA only)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--timeout", type=float, default=280, help="seconds per setting")
     ap.add_argument("--out", default="benchmarks/results")
@@ -215,7 +241,7 @@ def main(argv=None):
     (out / f"bench_lora_{date}.json").write_text(json.dumps(result, indent=1))
     for r in rows:
         print(r["setting"], {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
-                             if k not in ("ms_all", "error", "setting")} if "ms_mean" in r else r.get("error", "")[-600:])
+                             if k not in ("ms_all", "error", "setting", "device_time")} if "ms_mean" in r else r.get("error", "")[-600:])
 
 
 if __name__ == "__main__":

@@ -325,3 +325,20 @@ def test_convergence_study_cut_at_its_deadline_summarizes_the_steps_every_run_re
     steps = {p: [[s for s, _ in pts] for pts in by_seed.values()] for p, by_seed in r["curves"].items()}
     assert steps["bf16"] == steps["mxfp6"] and steps["bf16"][0][:2] == [5, 10]  # the same steps, several
     assert [row["step"] for row in r["summary"]["mxfp6"]] == steps["mxfp6"][0]
+
+
+@pytest.mark.slow
+def test_lora_bench_times_every_setting_and_compares_them(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_lora.py"), "--model", "flux-tiny", "--image", "64",
+           "--txt", "8", "--rank", "4", "--steps", "2", "--warmup", "1", "--device", "cpu", "--no-compile",
+           "--out", str(tmp_path)]
+    subprocess.run(cmd, check=True, cwd=tmp_path, env=env, timeout=600, capture_output=True)
+    (result,) = tmp_path.glob("bench_lora_*.json")
+    r = json.loads(result.read_text())
+    assert r["provenance"]["commit"] and [row["setting"] for row in r["rows"]] == ["mxfp6", "bf16", "peft"]
+    by = {row["setting"]: row for row in r["rows"]}
+    assert all(len(row["ms_all"]) == 2 and row["ms_mean"] > 0 for row in by.values())
+    assert abs(by["mxfp6"]["speedup_vs_peft"] - by["peft"]["ms_mean"] / by["mxfp6"]["ms_mean"]) < 1e-12
+    # the same linears adapted: ours one adapter per fused qkv / linear1, peft one per q, k, v (, MLP in)
+    assert 0 < by["mxfp6"]["trained_parameters"] == by["bf16"]["trained_parameters"] < by["peft"]["trained_parameters"]

@@ -30,7 +30,8 @@ def _copy(tmp_path: Path) -> Path:
     spec = yaml.safe_load((ROOT / "benchmarks" / "claims.yaml").read_text())
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     for rel in ("benchmarks/claims.yaml", "benchmarks/RESULTS.md", "README.md",
-                *{f"benchmarks/{c['file']}" for c in spec["claims"]}, *(f"benchmarks/{f}" for f in spec["cpu_threads"])):
+                *{f"benchmarks/{c['file']}" for c in spec["claims"]},
+                *(f"benchmarks/{f}" for key in ("cpu_threads", "convergence", "lora") for f in spec.get(key, ()))):
         shutil.copy(ROOT / rel, tmp_path / rel)
     assert tables.main(["--base", str(tmp_path)]) == 0  # regenerated there ("code unknown to git here")
     return tmp_path
@@ -45,6 +46,18 @@ def test_a_number_edited_by_hand_fails_the_check(tmp_path):
     vs_fp8 = row.split("|")[5].strip()
     readme.write_text(text.replace(row, row.replace(vs_fp8, "**1.100x**")))
     assert tables.main(["--check", "--base", str(base)]) == 1
+
+
+def test_a_convergence_or_lora_number_edited_by_hand_fails_the_check(tmp_path):
+    base = _copy(tmp_path)
+    for target, prefix in (("README.md", "| width 3072, 1+2 blocks"), ("benchmarks/RESULTS.md", "| mxfp6 | H100")):
+        path = base / target
+        text = path.read_text()
+        row = next(line for line in text.splitlines() if line.startswith(prefix))
+        path.write_text(text.replace(row, row.replace("|", "| 9", 3)[:-1] + "|"))
+        assert tables.main(["--check", "--base", str(base)]) == 1
+        path.write_text(text)
+    assert tables.main(["--check", "--base", str(base)]) == 0
 
 
 def _edit_results(base: Path, claim_id: str, edit) -> None:

@@ -238,7 +238,7 @@ def static_kernel_launch(on: bool = True) -> bool:
     """Turn inductor's static launch of user-defined Triton kernels on (or off) for this process;
     False where this torch has no such switch. Compiled regions inline the packers only while it is
     on: on Triton's own Python launcher an inlined packer call can cost more host time than the
-    opaque op (benchmarks/RESULTS.md, "Host time per compiled linear, and per op call"). The
+    opaque op (benchmarks/NOTES.md, "Host time per compiled linear, and per op call"). The
     trainer turns it on before compiling; a user who compiles MX layers themselves calls this."""
     from torch._inductor import config
 
