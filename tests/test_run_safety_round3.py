@@ -107,6 +107,34 @@ def test_flipped_bytes_in_a_checkpoint_are_named_on_resume_and_eval(tmp_path):
     assert ckpt.read_bytes() == bytes(data)  # left as it was
 
 
+def test_a_sharded_checkpoint_carries_checksums_and_flipped_bytes_are_named(tmp_path):
+    from mxflux.train import load_recipe
+    from mxflux.train.checkpoint import MANIFEST
+    from mxflux.train.trainer import Trainer
+
+    out = tmp_path / "run"
+    rc, _, err = run("train", *SMALL, "--out", out, "--max-steps", "1")
+    assert rc == 0, err
+    cfg = load_recipe("tiny-mxfp6", ["model.overrides={depth: 1, depth_single_blocks: 1}",
+                                     "batch.global_batch_size=4", "batch.micro_batch_size=4"])
+    trainer = Trainer(cfg, device="cpu", out_dir=out)
+    trainer.resume(out / "latest.pt")
+    sharded = trainer.save(sharded=True)  # as a run under torchrun writes it (latest.pt is then stale: removed)
+    shards = sorted(sharded.glob("*.distcp"))
+    assert shards and (sharded / MANIFEST).is_file()
+    rc, _, err = run("eval", out)  # the intact directory reads
+    assert rc == 0, err
+    shard = max(shards, key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(data)
+    for argv in (("train", "--resume", out, "--no-progress"), ("eval", out)):
+        rc, _, err = run(*argv)
+        line = one_line_error(err) if "error:" in err else err.strip().splitlines()[-1]
+        assert rc == 2 and f"is damaged: {shard.name} fails its CRC-32" in line and str(sharded) in line, err
+    assert shard.read_bytes() == bytes(data)  # left as it was
+
+
 @pytest.mark.parametrize("delay", [0.15, 0.3, 0.6])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
 def test_a_stop_signal_while_starting_is_one_line(tmp_path, sig, delay):
@@ -226,3 +254,24 @@ def test_an_output_under_a_special_file_system_is_one_line(tmp_path):
                          ("/dev/null", "file exists: '/dev/null'")):
         rc, _, err = run("train", *SMALL, "--out", out)
         assert rc == 2 and message in one_line_error(err), err
+
+
+@pytest.mark.parametrize("error", [
+    lambda: __import__("torch").OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+    lambda: RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried "
+                         "to allocate 51539607552 bytes"),
+    lambda: MemoryError(),
+], ids=["cuda", "cpu-allocator", "python"])
+def test_running_out_of_memory_while_building_the_model_is_one_line(tmp_path, monkeypatch, capsys, error):
+    from mxflux.cli import main
+    from mxflux.train import build
+
+    def no_memory(*args, **kwargs):
+        raise error()
+
+    monkeypatch.setattr(build, "build_model", no_memory)
+    rc = main(["train", *[str(a) for a in SMALL], "--out", str(tmp_path / "run")])
+    line = one_line_error(capsys.readouterr().err)
+    assert rc == 2 and "out of memory" in line and "batch.micro_batch_size" in line
+    monkeypatch.undo()  # with the memory there, the same command runs: nothing left behind blocks it
+    assert main(["train", *[str(a) for a in SMALL], "--out", str(tmp_path / "run"), "--max-steps", "1"]) == 0

@@ -212,6 +212,14 @@ def _os_error_line(e: OSError) -> str:
     return f"no space left on device{(' writing' + path) if path else ''}: free some space and run again"
 
 
+def _out_of_memory(e: BaseException) -> bool:
+    """A device or host allocation that failed: torch's OutOfMemoryError, the CPU allocator's
+    RuntimeError, Python's MemoryError."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in str(e) or "out of memory" in str(e))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mxflux` console script; returns the exit status."""
     global _MAIN_RUNNING
@@ -262,6 +270,13 @@ def _main(argv: Sequence[str] | None) -> int:
             return 1
         if isinstance(e, _user_errors()):
             print(f"{command}: error: {e}", file=sys.stderr)
+            return 2
+        if _out_of_memory(e):
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"{command}: error: out of memory ({first[:200]}): the model, batch or evaluation does not fit; a "
+                  f"smaller batch.micro_batch_size (accumulation keeps the global batch), "
+                  f"model.activation_checkpointing, FSDP over more GPUs (torchrun) or a LoRA recipe need less",
+                  file=sys.stderr)
             return 2
         raise
 

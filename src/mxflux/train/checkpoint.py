@@ -20,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import json
 import os
 import random
 import shutil
 import tempfile
 import warnings
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -175,6 +177,7 @@ def load_checkpoint(path: str | Path, map_location="cpu") -> dict:
         if path.is_dir():
             from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+            _verify_manifest(path)
             with tempfile.TemporaryDirectory(prefix=".mxflux-ckpt-") as tmp:
                 dcp_to_torch_save(path, Path(tmp) / "state.pt")
                 state = torch.load(Path(tmp) / "state.pt", map_location=map_location, weights_only=False)
@@ -292,6 +295,7 @@ def save_sharded_checkpoint(path: str | Path, tensors: dict, meta: dict, *, rank
                                        f"is kept): {e}") from e
         raise
     _barrier()  # every rank's shards are on disk (dcp.save has synced its files)
+    _write_manifest(tmp, rank)
     if rank == 0:
         _fsync_dir(tmp)
         _remove(old)
@@ -313,6 +317,7 @@ def load_sharded_checkpoint(path: str | Path, tensors: dict) -> dict:
     """
     import torch.distributed.checkpoint as dcp
 
+    _verify_manifest(Path(path))
     state = dict(tensors)
     state[_META] = b""
     # Without a process group dcp.load reads in this process alone (torch >= 2.11 at least).
@@ -322,6 +327,78 @@ def load_sharded_checkpoint(path: str | Path, tensors: dict) -> dict:
     for k in tensors:
         tensors[k] = state[k]
     return _loads(state[_META])
+
+
+MANIFEST = "checksums.json"  # in a sharded checkpoint: {file name: CRC-32} of every file dcp wrote
+
+
+def _crc32(file: Path) -> int:
+    crc = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _ranks() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _shared(mine: list):
+    """Every rank's list concatenated (all ranks: a collective), or `mine` alone."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine
+    lists = [None] * dist.get_world_size()
+    dist.all_gather_object(lists, mine)
+    return [x for part in lists for x in part]
+
+
+def _write_manifest(directory: Path, rank: int) -> None:
+    """The CRC-32 of every file of a just-written sharded checkpoint, in MANIFEST: each rank sums a share
+    of the files (read back from the page cache), rank 0 writes them. A collective."""
+    files = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
+    _, world = _ranks()
+    sums = _shared([(name, _crc32(directory / name)) for i, name in enumerate(files) if i % world == rank])
+    if rank == 0:
+        with open(directory / MANIFEST, "w") as f:
+            json.dump(dict(sorted(sums)), f, indent=0)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _verify_manifest(directory: Path) -> None:
+    """Every file a sharded checkpoint's MANIFEST lists, against its CRC-32 (each rank a share, the
+    verdict shared, so every rank refuses together); CheckpointCorruptError naming the first bad file.
+    A checkpoint written before manifests (none there) is read unchecked."""
+    manifest = directory / MANIFEST
+    if not manifest.is_file():
+        return
+    try:
+        listed = json.loads(manifest.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointCorruptError(f"checkpoint {str(directory)!r}: its {MANIFEST} cannot be read ({e}); restore "
+                                     f"a copy, or start over with --overwrite") from None
+    rank, world = _ranks()
+    bad = []
+    for i, (name, crc) in enumerate(sorted(listed.items())):
+        if i % world != rank:
+            continue
+        file = directory / name
+        if not file.is_file():
+            bad.append(f"{name} is missing")
+        elif _crc32(file) != crc:
+            bad.append(f"{name} fails its CRC-32 checksum (bytes changed after it was written)")
+    bad = _shared(bad)
+    if bad:
+        raise CheckpointCorruptError(f"checkpoint {str(directory)!r} is damaged: {bad[0]}"
+                                     f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}; restore a copy, "
+                                     f"or start over with --overwrite")
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
