@@ -171,11 +171,14 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     one's message names the file or field and what was expected. Imported only once one was
     raised (their modules import torch)."""
     from mxflux.data.shards import DataError
+    from mxflux.model.lora_file import LoRAFileError
+    from mxflux.model.weights import FluxWeightsError
     from mxflux.train.checkpoint import CheckpointCorruptError, CheckpointNotFoundError
     from mxflux.train.config import RecipeError
     from mxflux.train.rundir import RunDirError
 
-    return DataError, CheckpointCorruptError, CheckpointNotFoundError, RecipeError, RunDirError
+    return (DataError, CheckpointCorruptError, CheckpointNotFoundError, FluxWeightsError, LoRAFileError, RecipeError,
+            RunDirError)
 
 
 def _interrupted() -> type[BaseException]:
