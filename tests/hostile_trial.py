@@ -150,7 +150,9 @@ class Trial:
             cases.append((f"kill9-{i}", lambda i=i: self.killed(f"kill9-{i}", signal.SIGKILL, self.rng.uniform(1.0, 9.0))))
         for i, sig in enumerate([signal.SIGINT, signal.SIGTERM, signal.SIGHUP] * 8):
             cases.append((f"signal-{sig.name}-{i}",
-                          lambda i=i, sig=sig: self.killed(f"signal-{sig.name}-{i}", sig, self.rng.uniform(0.05, 8.0))))
+                          lambda i=i, sig=sig: self.killed(f"signal-{sig.name}-{i}", sig,
+                                                           self.rng.uniform(0.03, 0.3) if i < 6 else  # start-up
+                                                           self.rng.uniform(0.3, 8.0))))
         base = ["train", "tiny-mxfp6", "--set", f"data.root={d}", *SMALL]
         mistakes = [
             ("lr-string", ["--set", "optim.lr=fast"]), ("lr-negative", ["--set", "optim.lr=-1"]),

@@ -7,11 +7,20 @@ numerics (quantize, dequantize, MX GEMM) and the exact fold of MXFP6 operands in
 cheap: it does not import torch.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("mxflux")
-except PackageNotFoundError:  # running from a source tree that was never pip-installed
-    __version__ = "0.1.0"
-
 __all__ = ["__version__"]
+
+
+def __getattr__(name: str):
+    """`__version__`, looked up when first asked for: importlib.metadata costs ~25 ms, and the command
+    line installs its stop-signal handlers right after this package is imported (`mxflux.cli`), so
+    importing it first would leave a signal in that window to kill the process without a word."""
+    if name != "__version__":
+        raise AttributeError(f"module 'mxflux' has no attribute {name!r}")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        value = version("mxflux")
+    except PackageNotFoundError:  # running from a source tree that was never pip-installed
+        value = "0.1.0"
+    globals()["__version__"] = value
+    return value

@@ -14,7 +14,7 @@ base a LoRA run trains adapters on (docs/design.md, "LoRA on a frozen MXFP6 base
   would otherwise keep 13 GB of fp32.
 
 The frozen tensors are buffers that checkpoints do not store (`persistent=False`): a run rebuilds its
-base from the recipe (`model.init_from`, or the seed), the same bytes every time (the packer is
+base from the recipe (`model.init_from`), the same bytes every time (the packer is
 deterministic), and `base_fingerprint` lets a resume check that it did.
 """
 

@@ -4,8 +4,8 @@ With `model.init_from` the base never exists whole in fp32: the model is built o
 and each block in turn is materialised on the training device, given its weights from the file and
 frozen (`nn.frozen.freeze_base`: its MX linears to their 1-byte operands, the rest to bf16) before the
 next is read, so building flux-12b's base peaks at its frozen size plus one block in fp32, not at
-48 GB. Without it the base is the recipe's seeded initialisation (the tiny recipes), built whole.
-The adapters are then added with the run's seed, so the same recipe always starts from the same
+48 GB. (A recipe must name `init_from`, `RunConfig` says why; without it, as benchmarks of random
+weights call it, the base is the seeded initialisation, built whole.) The adapters are then added with the run's seed, so the same recipe always starts from the same
 adapters on the same base; `base_fingerprint` is recorded in checkpoints, and a resume that rebuilt a
 different base (the weights file changed) is refused.
 """

@@ -77,6 +77,9 @@ def step_path(trainer) -> dict:
     state = getattr(trainer.optimizer, "weight_state", None)
     if not mx:
         weights = f"none ({cfg.precision.name})"
+    elif cfg.lora is not None:
+        weights = ("frozen base: each MX weight kept as its fprop operand from the start (1 byte per weight), its "
+                   "dgrad operand rebuilt from those bytes in each backward; the adapters trained in bf16")
     elif state is not None:
         weights = f"kept by the optimizer step ({len(state.of)} weights"
         if not state.kept:
