@@ -173,14 +173,20 @@ def table(rows: list[dict], *, link_prefix: str) -> str:
     return "\n".join(lines) + "".join(notes)
 
 
+def _result_with_provenance(base: Path, rel: str) -> dict:
+    """A result JSON under benchmarks/, refused (ClaimError) where it lacks provenance."""
+    data = json.loads((base / "benchmarks" / rel).read_text())
+    missing = check_provenance(data)
+    if missing:
+        raise ClaimError(f"{rel}: lacks {', '.join(missing)}")
+    return data
+
+
 def cpu_threads_table(files: list[str], base: Path) -> str:
     """benchmarks/cpu_threads.py results: each configuration alone and beside one busy process."""
     lines = ["| thread pools | result | alone s | beside a busy process s | ratio |", "|---|---|---|---|---|"]
     for rel in files:
-        data = json.loads((base / "benchmarks" / rel).read_text())
-        missing = check_provenance(data)
-        if missing:
-            raise ClaimError(f"{rel}: lacks {', '.join(missing)}")
+        data = _result_with_provenance(base, rel)
         prov = data["provenance"]
         where = f"[{prov['commit'][:7]}{'+dirty' if prov.get('dirty') else ''}]({rel})"
         for row in data["rows"]:
@@ -195,10 +201,7 @@ def convergence_table(files: list[str], base: Path, *, link_prefix: str = "") ->
     lines = ["| study | precision | seeds | final validation loss, mean (min-max) | vs bf16, mean | vs bf16, "
              "per seed | result |", "|---|---|---|---|---|---|---|"]
     for rel in files:
-        data = json.loads((base / "benchmarks" / rel).read_text())
-        missing = check_provenance(data)
-        if missing:
-            raise ClaimError(f"{rel}: lacks {', '.join(missing)}")
+        data = _result_with_provenance(base, rel)
         if not data.get("complete", True):
             raise ClaimError(f"{rel}: a study cut at its deadline (complete: false) is not a headline")
         a, prov = data["args"], data["provenance"]
@@ -219,10 +222,7 @@ def lora_table(files: list[str], base: Path) -> str:
     lines = ["| setting | card, date, commit | ms per step, mean (min) | vs diffusers + peft, mean | peak allocated GiB "
              "| base GiB | trained parameters | result |", "|---|---|---|---|---|---|---|---|"]
     for rel in files:
-        data = json.loads((base / "benchmarks" / rel).read_text())
-        missing = check_provenance(data)
-        if missing:
-            raise ClaimError(f"{rel}: lacks {', '.join(missing)}")
+        data = _result_with_provenance(base, rel)
         prov = data["provenance"]
         where = f"{prov['card'].replace('NVIDIA ', '')}, {prov['date'][:10]}, {prov['commit'][:7]}"
         for r in data["rows"]:
