@@ -307,7 +307,10 @@ def main(argv=None) -> int:
     summary = {"cases": len(cases), "results": len(trial.results), "failures": len(failures),
                "tracebacks": sum(r["problem"] == "traceback" for r in failures),
                "wall_s": time.monotonic() - t0, "seed": args.seed}
-    (args.out / "trial.json").write_text(json.dumps({"summary": summary, "results": trial.results}, indent=1))
+    from mxflux.bench.provenance import provenance
+
+    (args.out / "trial.json").write_text(json.dumps({"provenance": provenance(), "summary": summary,
+                                                     "results": trial.results}, indent=1))
     for r in failures:
         print(f"FAIL {r['case']}: {r['problem']}\n    mxflux {' '.join(r['argv'])[:200]}\n    {r['last_line']}")
     print(json.dumps(summary))
