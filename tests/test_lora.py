@@ -310,3 +310,45 @@ def test_compiled_weight_reconstruction_is_the_reference_rounded_to_bf16(gen):
         assert torch.equal(_frozen_weight_bf16(frozen.w_data, frozen.w_scale, hadamard), want)
         compiled = torch.compile(_frozen_weight_bf16, dynamic=False)
         assert torch.equal(compiled(frozen.w_data, frozen.w_scale, hadamard), want)
+
+
+def test_a_lora_run_with_an_ema_writes_the_averaged_adapters(data, base, tmp_path):
+    from safetensors.torch import load_file
+
+    from mxflux.train import load_recipe
+    from mxflux.train.adapters import adapter_tensors
+    from mxflux.train.trainer import Trainer
+
+    cfg = load_recipe("tiny-mxfp6-lora", [f"model.init_from={base}", f"data.root={data}", "batch.global_batch_size=8",
+                                          "batch.micro_batch_size=8", "train.eval_samples=8", "optim.lr=1e-2",
+                                          "train.sample_prompts=[]", "train.ema_decay=0.5"])
+    trainer = Trainer(cfg, device="cpu", out_dir=tmp_path / "run")
+    trainer.fit(progress=False, max_steps=4)
+    written = load_file(str(tmp_path / "run" / "lora.safetensors"))
+    key = "transformer.single_transformer_blocks.0.proj_out.lora_B.weight"  # single_blocks.0.linear2's up
+    raw = [t.clone() for t in adapter_tensors(trainer.model)["single_blocks.0.linear2"][:2]]
+    with trainer.sampling_weights():
+        down, up, scale = adapter_tensors(trainer.model)["single_blocks.0.linear2"]
+        averaged = (down.clone(), up.clone(), scale)
+    assert not torch.equal(raw[1], averaged[1])
+    assert torch.equal(written[key], (averaged[1].float() * averaged[2]).bfloat16())
+
+
+def test_export_writes_the_runs_ema_weights_in_either_dtype(data, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from mxflux.train.checkpoint import load_checkpoint
+
+    run = tmp_path / "run"
+    assert main(["train", "tiny-mxfp6", "--out", str(run), "--set", f"data.root={data}", "--set", "train.ema_decay=0.5",
+                 "--max-steps", "3", *SMALL]) == 0
+    state = load_checkpoint(run / "latest.pt")
+    name = "single_blocks.0.linear2.weight"
+    assert not torch.equal(state["ema"][name], state["model"][name])
+    for dtype, extra in (("float32", []), ("bfloat16", []), ("float32", ["--no-ema"])):
+        out = tmp_path / f"{dtype}{'-raw' if extra else ''}.safetensors"
+        assert main(["export", str(run), "--out", str(out), "--dtype", dtype, "--device", "cpu", *extra]) == 0
+        want = state["model" if extra else "ema"][name].to(getattr(torch, dtype))
+        assert torch.equal(load_file(str(out))[name], want), (dtype, extra)
+    capsys.readouterr()
+    assert exit_code(["export", str(run), "--out", str(out)]) == 2  # never over an existing file

@@ -42,7 +42,8 @@ def _export(args) -> int:
                           f"(sample with --weights BASE --lora FILE)")
     dtype = getattr(torch, args.dtype)
     with contextlib.nullcontext() if args.no_ema else trainer.sampling_weights():
-        tensors = {name: p.detach().to(dtype).contiguous().cpu() for name, p in trainer.model.state_dict().items()}
+        # copies (clone): a view of a parameter would read the weights swapped back after the block
+        tensors = {name: p.detach().to(dtype).cpu().clone() for name, p in trainer.model.state_dict().items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt", "written_by": "mxflux export",

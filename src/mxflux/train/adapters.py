@@ -109,8 +109,8 @@ class AdaptersFile(Callback):
     ComfyUI or `mxflux sample --weights BASE --lora FILE`. With the run's EMA, the averages."""
 
     def on_checkpoint(self, trainer, path) -> None:
-        with trainer.sampling_weights():
-            adapters = adapter_tensors(trainer.model)
+        with trainer.sampling_weights():  # copies: the swap back would change views of the parameters
+            adapters = {n: (d.clone(), u.clone(), s) for n, (d, u, s) in adapter_tensors(trainer.model).items()}
         if trainer.rank != 0:
             return
         c = trainer.cfg
