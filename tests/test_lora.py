@@ -352,3 +352,12 @@ def test_export_writes_the_runs_ema_weights_in_either_dtype(data, tmp_path, caps
         assert torch.equal(load_file(str(out))[name], want), (dtype, extra)
     capsys.readouterr()
     assert exit_code(["export", str(run), "--out", str(out)]) == 2  # never over an existing file
+
+
+def test_check_config_names_the_adapters_and_refuses_what_train_refuses(capsys):
+    assert main(["check-config", "flux12b-mxfp6-lora-dev"]) == 0
+    err = capsys.readouterr().err
+    # 228 MX linears of flux-12b; rank 16 x (in + out) summed is what bench_lora's H100 run trained
+    assert "rank 16, alpha 16 on 228 linears: 56.0 M trained parameters" in err and "frozen base holds 14.1" in err
+    assert exit_code(["check-config", "tiny-mxfp6-lora", "--set", "lora.include=[double_blocks.*.img_atn.qkv]"]) == 2
+    assert "matches no linear" in capsys.readouterr().err

@@ -34,6 +34,24 @@ def add_check_config_parser(sub) -> None:
     p.set_defaults(handler=_check_config, parser=p)
 
 
+def _lora_summary(cfg, model, parser) -> None:
+    """The adapters a LoRA recipe trains and the frozen base it keeps, from the meta model (patterns
+    checked against the real module names, as `train` checks them)."""
+    from ..nn import MXFP6Linear
+    from ..nn.lora import lora_targets
+
+    try:
+        names = lora_targets(model, cfg.lora.include, cfg.lora.exclude)
+    except ValueError as e:
+        parser.error(str(e))
+    adapters = sum(cfg.lora.rank * (m.in_features + m.out_features) for m in map(model.get_submodule, names))
+    mx = {id(m.weight) for m in model.modules() if isinstance(m, MXFP6Linear)}
+    base = sum(p.numel() * (1 if id(p) in mx else 2) for p in model.parameters())
+    print(f"# lora: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g} on {len(names)} linears: {adapters / 1e6:.1f} M "
+          f"trained parameters; the frozen base holds {base / 2**30:.2f} GiB ({cfg.precision.name} linears "
+          f"{'1 byte' if mx else '2 bytes'} per weight, the rest bf16)", file=sys.stderr)
+
+
 def _check_config(args) -> int:
     import yaml
 
@@ -53,6 +71,8 @@ def _check_config(args) -> int:
         print(apply_precision(model, cfg.precision).format(), file=sys.stderr)
     except ValueError as e:
         args.parser.error(str(e))
+    if cfg.lora is not None:
+        _lora_summary(cfg, model, args.parser)
     for field, path in recipe_paths(cfg):
         if not Path(path).exists():
             print(f"# warning: {field} {path!r} does not exist", file=sys.stderr)
