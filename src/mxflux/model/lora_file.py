@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from .configs import FluxConfig
-from .convert import _CONCAT_PART, _CONCATS, _RENAMES, _SWAPPED_HALVES, _split_key, bfl_linear_to_diffusers
+from .convert import bfl_linear_to_diffusers
+from .weights import model_shapes
 
 __all__ = ["LoRAFileError", "load_lora_deltas", "read_lora_metadata", "save_lora_file"]
 
@@ -63,17 +64,17 @@ def save_lora_file(path: str | Path, adapters: Mapping[str, tuple[Tensor, Tensor
     return path
 
 
-def _bfl_target(module: str) -> tuple[str, int | None, int] | None:
-    """diffusers module name -> (BFL linear, part index of a fused one or None, block index or -1)."""
-    key, _, index = _split_key(module + ".weight")
-    if key in _CONCAT_PART:
-        fused, part = _CONCAT_PART[key]
-        return fused.format(index), part, int(index)
-    if key == _SWAPPED_HALVES:
-        return "final_layer.adaLN_modulation.1", None, -1
-    if key in _RENAMES and not _RENAMES[key].endswith(("query_norm", "key_norm")):
-        return _RENAMES[key].format(index), None, -1 if index is None else int(index)
-    return None
+def _diffusers_linears(config: FluxConfig) -> dict[str, tuple[str, tuple[int, int], tuple[slice, ...]]]:
+    """diffusers linear name -> (the BFL linear holding it, that linear's weight shape, its rows there):
+    `bfl_linear_to_diffusers` inverted over every linear of the model."""
+    out = {}
+    for name, shape in model_shapes(config).items():
+        if not name.endswith(".weight") or len(shape) != 2:
+            continue
+        bfl = name[:-len(".weight")]
+        for target, rows in bfl_linear_to_diffusers(bfl, shape[0], _splits(config)):
+            out[target] = (bfl, shape, rows)
+    return out
 
 
 def load_lora_deltas(path: str | Path, config: FluxConfig, scale: float = 1.0) -> Iterator[tuple[str, Tensor]]:
@@ -96,30 +97,27 @@ def load_lora_deltas(path: str | Path, config: FluxConfig, scale: float = 1.0) -
             raise LoRAFileError(f"{path}: key {key!r} is not a diffusers-layout LoRA key "
                                 f"(transformer.<module>.lora_A.weight / lora_B.weight)")
         pairs.setdefault(match[1], {})[match[2]] = value
-    grouped: dict[str, dict[int | None, tuple[Tensor, Tensor]]] = {}
+    linears = _diffusers_linears(config)
+    grouped: dict[str, list[tuple[str, dict[str, Tensor]]]] = {}
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise LoRAFileError(f"{path}: {module} has lora_{''.join(ab)} but not both lora_A and lora_B")
-        target = _bfl_target(module)
-        if target is None:
+        if module not in linears:
             raise LoRAFileError(f"{path}: {module} is not a linear of FLUX.1's transformer")
-        bfl, part, _ = target
-        grouped.setdefault(bfl, {})[part] = (ab["A"].float(), ab["B"].float())
-    splits = _splits(config)
+        grouped.setdefault(linears[module][0], []).append((module, ab))
     for bfl, parts in grouped.items():
-        fused = _split_key(bfl + ".weight")[0]
-        if fused in _CONCATS:
-            sizes = splits["linear1" if fused.startswith("single") else "qkv"]
-            in_features = next(iter(parts.values()))[0].shape[1]
-            blocks = [parts[i][1] @ parts[i][0] if i in parts
-                      else torch.zeros(sizes[i], in_features) for i in range(len(sizes))]  # no adapter: no update
-            delta = torch.cat(blocks)
-        else:
-            a, b = parts[None]
-            delta = b @ a
-            if bfl == "final_layer.adaLN_modulation.1":
-                scale_half, shift_half = delta.chunk(2)
-                delta = torch.cat([shift_half, scale_half])
+        delta = None
+        for module, ab in parts:  # each part's update into its rows of the BFL linear (a part without one: none)
+            _, shape, rows = linears[module]
+            update = ab["B"].float() @ ab["A"].float()
+            if update.shape != (sum(r.stop - r.start for r in rows), shape[1]):
+                raise LoRAFileError(f"{path}: {module}'s update is {tuple(update.shape)}, which does not fit "
+                                    f"{bfl} {shape} of this model")
+            delta = torch.zeros(shape) if delta is None else delta
+            start = 0
+            for r in rows:
+                delta[r] = update[start:start + r.stop - r.start]
+                start += r.stop - r.start
         yield bfl, delta * scale
 
 

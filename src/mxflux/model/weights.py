@@ -33,7 +33,7 @@ from .configs import FLUX_CONFIGS, FluxConfig
 from .convert import diffusers_to_bfl
 from .flux import Flux
 
-__all__ = ["FluxCheckpoint", "FluxWeightsError", "block_of", "check_flux_weights", "flux_from_checkpoint",
+__all__ = ["FluxCheckpoint", "FluxWeightsError", "block_of", "check_flux_weights", "flux_from_checkpoint", "model_shapes",
            "infer_flux_config", "init_from_checkpoint", "load_flux_weights"]
 
 _BFL_PREFIX = "model.diffusion_model."  # ComfyUI's single files wrap BFL names in this
@@ -217,7 +217,8 @@ def infer_flux_config(state: Mapping[str, Tensor | tuple[int, ...]], *, like: Fl
         guidance_embed="guidance_in.in_layer.weight" in shapes, **rope)
 
 
-def _model_shapes(config: FluxConfig) -> dict[str, tuple[int, ...]]:
+def model_shapes(config: FluxConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of `Flux(config)` and its shape."""
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         return {name: tuple(p.shape) for name, p in Flux(config).named_parameters()}
 
@@ -245,7 +246,7 @@ def check_flux_weights(shapes: Mapping[str, tuple[int, ...]], config: FluxConfig
     The message lists missing, unexpected and mis-shaped tensors, the FluxConfig fields in which
     the checkpoint differs from `config`, and the recipe settings that would fit it.
     """
-    expected = _model_shapes(config)
+    expected = model_shapes(config)
     missing = [n for n in expected if n not in shapes]
     unexpected = [n for n in shapes if n not in expected]
     wrong = [f"{n} {list(shapes[n])} (model: {list(expected[n])})" for n in expected

@@ -15,14 +15,14 @@ from __future__ import annotations
 import torch
 
 from ..model import Flux, check_flux_weights
+from ..model.lora_file import save_lora_file
 from ..model.weights import FluxCheckpoint, FluxWeightsError, block_of
 from ..nn import PrecisionReport, apply_precision
 from ..nn.frozen import base_fingerprint, freeze_base
-from ..model.lora_file import save_lora_file
 from ..nn.lora import adapted_linears, apply_lora, lora_targets
-from .ema import plain_name
 from .callbacks import Callback
 from .config import RecipeError, RunConfig
+from .ema import plain_name
 
 __all__ = ["ADAPTERS_FILE", "AdaptersFile", "adapter_tensors", "build_lora_model", "check_same_base"]
 
