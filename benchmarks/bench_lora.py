@@ -17,7 +17,8 @@ not depend on the values; correctness comes from tests/test_lora.py). Settings:
 
 Writes bench_lora_<date>.json (per setting: ms per step, mean and min over the timed steps, peak
 allocated GiB over the timed steps and over the warm-up (compiling, autotuning) apart, peak reserved;
-one profiled step's device time by category; ratios to `peft` and `bf16`; provenance) to --out.
+one profiled step's device time by category; one more step's memory at its peak by what holds it
+(`mxflux.bench.memory`); ratios to `peft` and `bf16`; provenance) to --out.
 """
 
 from __future__ import annotations
@@ -183,7 +184,14 @@ def worker(args) -> dict:
             torch.cuda.reset_peak_memory_stats()
     timed = times[args.warmup:]
     breakdown = _profiled_step(step, optimizer) if args.profile and cuda else None
-    return {"device_time": breakdown, "setting": args.worker, "ms_mean": sum(timed) / len(timed), "ms_min": min(timed), "ms_all": timed,
+    memory = None
+    if args.memory and cuda:  # one more step under the allocator's trace: what is alive at its peak
+        from mxflux.bench.memory import memory_breakdown, print_memory_report
+
+        memory = memory_breakdown(lambda: (step(), optimizer.step(), optimizer.zero_grad(set_to_none=True)),
+                                  model=model, optimizer=optimizer, device=torch.device(args.device), top=25)
+        print_memory_report(memory, title=f"{args.worker}: ")
+    return {"device_time": breakdown, "memory": memory, "setting": args.worker, "ms_mean": sum(timed) / len(timed), "ms_min": min(timed), "ms_all": timed,
             "first_step_s": t_compile, "model_gib": base_gib,
             "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,  # timed steps
             "peak_allocated_warmup_gib": warm_peak if cuda else None,
@@ -203,6 +211,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="one more step under the profiler: where the device time goes (CUDA only)")
+    ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="one more step under the allocator's trace: what holds memory at its peak (CUDA only)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--timeout", type=float, default=280, help="seconds per setting")
     ap.add_argument("--out", default="benchmarks/results")
@@ -241,7 +251,7 @@ def main(argv=None):
     (out / f"bench_lora_{date}.json").write_text(json.dumps(result, indent=1))
     for r in rows:
         print(r["setting"], {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
-                             if k not in ("ms_all", "error", "setting", "device_time")} if "ms_mean" in r else r.get("error", "")[-600:])
+                             if k not in ("ms_all", "error", "setting", "device_time", "memory")} if "ms_mean" in r else r.get("error", "")[-600:])
 
 
 if __name__ == "__main__":
