@@ -191,6 +191,18 @@ def test_a_fully_checkpointed_block_counts_fold_window_blocks_once(gen, compile)
     _both_steps(*_blocks("single", gen, "full"), gen, compile)
 
 
+@pytest.mark.parametrize("kind", ["double", "single"])
+def test_a_compiled_fully_checkpointed_block_keeps_only_its_inputs(gen, kind):
+    """Full checkpointing keeps a block's inputs and nothing it computes. torch 2.11's partitioner
+    kept the output of every MX GEMM that backward reads (qkv, fc1, linear1) under the plain
+    checkpoint, the MX linears' ops lying inside autograd.Functions
+    (`mxflux.nn.recompute.full_recompute_context`); on 2.11 this test fails without it."""
+    plain, wrapped, xs, vec, pe = _blocks(kind, gen, "full")
+    _, saved = _both_steps(plain, wrapped, xs, vec, pe, gen)
+    inputs = sum(t.numel() * t.element_size() for t in (*xs, vec, pe))
+    assert sum(saved.by_dtype.values()) <= inputs + 64, (dict(saved.by_dtype), inputs)
+
+
 def test_the_policy_refuses_eager_mode(gen):
     """Eager, a recomputed packer call would add its fold-window count a second time."""
     layer = MXFP6Linear(64, 32)

@@ -65,7 +65,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from ..ops.custom_ops import mx_erefs_op, mx_operands_op, scaled_gemm_op
 
-__all__ = ["MXPackerRecompute", "mark_recomputed", "mx_packer_checkpoint_context"]
+__all__ = ["MXPackerRecompute", "full_recompute_context", "mark_recomputed", "mx_packer_checkpoint_context"]
 
 _aten = torch.ops.aten
 # What the `elementwise` mode keeps: the outputs of the ops that cost FLOPs. (The attention
@@ -122,6 +122,24 @@ def mx_packer_checkpoint_context(rebuilt: Collection[torch._ops.OpOverload] = ()
     every op but the GEMMs and attention); see `MXPackerRecompute`."""
     return functools.partial(create_selective_checkpoint_contexts,
                              MXPackerRecompute(rebuilt, elementwise=elementwise))
+
+
+def _recompute_every_op(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def full_recompute_context():
+    """A `context_fn` for full activation checkpointing of a block with MX linears: every op marked
+    for recompute by the op, as the plain checkpoint means.
+
+    Why not the plain checkpoint. Compiled, the plain checkpoint marks the ops of its region in
+    dynamo's graph; the ops inside an autograd.Function's forward (every MX linear's) sit in a
+    nested graph, and torch 2.11's partitioner then decides for them as outside any checkpoint: it
+    never recomputes a GEMM, so it kept the outputs of every MX GEMM that backward reads (qkv, fc1,
+    linear1: 10 GiB of a 12B LoRA step at 1024², tests/test_nn_recompute.py shows it on 2.11 CPU;
+    torch 2.13 marks them). A selective-checkpoint policy marks each op as it is dispatched, inside
+    autograd.Functions too. Eager, recomputing every op is what the plain checkpoint does."""
+    return create_selective_checkpoint_contexts(_recompute_every_op)
 
 
 def mark_recomputed(module: nn.Module, *, selective: bool = False) -> None:

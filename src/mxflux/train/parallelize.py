@@ -28,7 +28,10 @@ import torch
 from torch import nn
 
 from ..model.layers import DoubleStreamBlock, SingleStreamBlock
-from ..nn.recompute import mark_recomputed, mx_packer_checkpoint_context
+from ..nn.frozen import FrozenMXFP6Linear
+from ..nn.linear import MXFP6Linear
+from ..nn.mlp import FusedMXFP6MLP
+from ..nn.recompute import full_recompute_context, mark_recomputed, mx_packer_checkpoint_context
 from ..ops import static_kernel_launch
 from .config import DistributedSection, RunConfig
 from .distributed import DistContext
@@ -108,8 +111,9 @@ def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
     # In every mode forward's packer calls run again in backward; marked, they count their
     # fold-window blocks once (`mxflux.nn.functional._forward_counter`).
     mark_recomputed(block, selective=mode != "full")
-    if mode == "full":
-        return checkpoint_wrapper(block)
+    if mode == "full":  # every op recomputed, inside the MX linears' autograd.Functions too
+        mx = any(isinstance(m, (MXFP6Linear, FrozenMXFP6Linear, FusedMXFP6MLP)) for m in block.modules())
+        return checkpoint_wrapper(block, context_fn=full_recompute_context) if mx else checkpoint_wrapper(block)
     return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context(
         mx_packer_rebuilt_ops(block), elementwise=mode == "elementwise"))
 
