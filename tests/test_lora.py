@@ -11,14 +11,17 @@ import torch
 
 from mxflux.cli import main
 from mxflux.data import build_demo_dataset
-from mxflux.mx.hadamard import hadamard32
+from mxflux.mx.granularity import FoldGranularity
+from mxflux.mx.hadamard import hadamard32, hadamard32_by_gemm
 from mxflux.mx.metrics import snr_db
-from mxflux.mx.scaled_gemm import dequantize_operand
+from mxflux.mx.operands import transposed_operand
+from mxflux.mx.scaled_gemm import dequantize_operand, scaled_gemm_reference
 from mxflux.model import Flux, diffusers_to_bfl, flux_config, image_ids
 from mxflux.model.lora_file import load_lora_deltas, read_lora_metadata, save_lora_file
 from mxflux.nn import MXFP6Linear
 from mxflux.nn.frozen import FrozenMXFP6Linear, freeze_base
 from mxflux.nn.lora import merge_lora
+from mxflux.ops import mx_operands
 
 diffusers = pytest.importorskip("diffusers", reason="pip install -e '.[test]' installs diffusers")
 pytest.importorskip("peft", reason="pip install -e '.[test]' installs peft (diffusers' LoRA loader needs it)")
@@ -97,22 +100,46 @@ def test_frozen_layer_keeps_one_byte_per_weight_and_its_forward_is_the_mx_layers
         assert torch.equal(frozen(x), lin(x))
 
 
-def test_frozen_layer_dgrad_is_the_mx_dgrad_of_the_weight_its_bytes_hold(gen):
+def test_frozen_layer_dgrad_is_dy_times_the_weight_its_bytes_hold(gen):
+    """dX = dY·Wq: dY packed along N unrotated, Wᵀ's operand the same values re-scaled per column,
+    the GEMM, and the rotation undone on dX; step by step from the references, bit for bit."""
     lin, frozen = _layers(gen)
-    # The frozen weight is what the bytes hold: dequantized and rotated back (Wq)
-    wq = hadamard32(dequantize_operand(frozen.w_data, frozen.w_scale), axis=-1)
-    ref = MXFP6Linear(128, 96)
-    with torch.no_grad():
-        ref.weight.copy_(wq)
-        ref.bias.copy_(lin.bias)
-    x = torch.randn(40, 128, generator=gen).bfloat16()
+    x = torch.randn(40, 128, generator=gen).bfloat16().requires_grad_()
     dy = torch.randn(40, 96, generator=gen).bfloat16()
-    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
-    frozen(xs[0]).backward(dy)
-    ref(xs[1]).backward(dy)
-    assert torch.equal(xs[0].grad, xs[1].grad)  # the same dY and Wᵀ operands, the same GEMM
+    frozen(x).backward(dy)
+    counter = torch.zeros(1, dtype=torch.int64)
+    dy_data, dy_scale = mx_operands(dy, None, counter, True, False, "rowwise", False, "none", False)[:2]
+    col_data, col_scale = transposed_operand(frozen.w_data, frozen.w_scale, FoldGranularity.ROWWISE)
+    rotated = scaled_gemm_reference(dy_data, dy_scale, col_data, col_scale)
+    assert torch.equal(x.grad, hadamard32_by_gemm(rotated))
+    wq = hadamard32(dequantize_operand(frozen.w_data, frozen.w_scale), axis=-1)  # the frozen weight
     exact = dy.double() @ wq.double()
-    assert snr_db(exact, xs[0].grad.double()) > 25  # MXFP6 dY and Wᵀ: ~30 dB; un-rotated wrongly: ~0 dB
+    assert snr_db(exact, x.grad.double()) > 25  # MXFP6 dY: ~30 dB
+    assert snr_db(exact, rotated.double()) < 3  # the rotation left on: no gradient at all
+
+
+def test_the_transposed_operand_holds_the_row_operands_values(gen):
+    """Wᵀ's operand for the frozen dgrad holds exactly the values of W's row operand while a column
+    spans at most 13 binades below its largest value; smaller ones round to E4M3's subnormal grid.
+    Compiled (the CUDA path runs it through inductor), the same bits."""
+    _, frozen = _layers(gen, n=64, k=256)
+    values = dequantize_operand(frozen.w_data, frozen.w_scale)
+    data, scale = transposed_operand(frozen.w_data, frozen.w_scale, FoldGranularity.ROWWISE)
+    assert data.shape == (256, 64) and data.dtype == torch.float8_e4m3fn and scale.shape == (256, 1)
+    assert torch.equal(dequantize_operand(data, scale), values.t())
+    assert torch.equal(torch.log2(scale), torch.log2(scale).round())  # powers of two
+    compiled = torch.compile(transposed_operand, dynamic=False)
+    got = compiled(frozen.w_data, frozen.w_scale, FoldGranularity.ROWWISE)
+    assert torch.equal(got[0].view(torch.uint8), data.view(torch.uint8)) and torch.equal(got[1], scale)
+    # a row 20 binades below the others: its values round, within 2^-17 of their column's largest
+    w_data, w_scale = frozen.w_data.clone(), frozen.w_scale.clone()
+    w_scale[5] *= 2.0**-20
+    values = dequantize_operand(w_data, w_scale)
+    data, scale = transposed_operand(w_data, w_scale, FoldGranularity.BLOCKWISE)
+    assert data.shape == (256, 128) and scale.shape == (256, 1)  # rows padded to a whole group of 128
+    got = dequantize_operand(data, scale)[:, :64].t()
+    assert not torch.equal(got[5], values[5]) and torch.equal(got[:5], values[:5])
+    assert ((got - values).abs() <= values.abs().amax(0) * 2.0**-17).all()
 
 
 def test_freeze_base_leaves_no_trainable_or_fp32_tensor(base):
@@ -297,19 +324,6 @@ def test_sample_merges_a_lora_file_into_the_weights(data, base, tmp_path, capsys
         main(["sample", "--weights", str(base), "--lora", str(tmp_path / "missing.safetensors"), "--prompt", "x",
               "--device", "cpu", "--out", str(tmp_path / "x.png")])
     assert "--lora" in capsys.readouterr().err
-
-
-def test_compiled_weight_reconstruction_is_the_reference_rounded_to_bf16(gen):
-    """The CUDA path rebuilds the frozen weight for dgrad with one compiled kernel; it must give the
-    reference's bits (dequantize, rotate back, round to bf16), here compiled for the CPU."""
-    from mxflux.ops.custom_ops import _frozen_weight_bf16, frozen_weight
-
-    _, frozen = _layers(gen, n=64, k=256)
-    for hadamard in (True, False):
-        want = frozen_weight(frozen.w_data, frozen.w_scale, hadamard).to(torch.bfloat16)
-        assert torch.equal(_frozen_weight_bf16(frozen.w_data, frozen.w_scale, hadamard), want)
-        compiled = torch.compile(_frozen_weight_bf16, dynamic=False)
-        assert torch.equal(compiled(frozen.w_data, frozen.w_scale, hadamard), want)
 
 
 def test_a_lora_run_with_an_ema_writes_the_averaged_adapters(data, base, tmp_path):

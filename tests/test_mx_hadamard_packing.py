@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mxflux.mx import hadamard32, pack_bits6, unpack_bits6
-from mxflux.mx.hadamard import HADAMARD_SCALE
+from mxflux.mx.hadamard import HADAMARD_SCALE, hadamard32_by_gemm
 
 
 def sylvester(n: int) -> np.ndarray:
@@ -103,3 +103,16 @@ def test_pack_bits6_errors():
         unpack_bits6(torch.zeros(3, dtype=torch.uint8), 6)
     with pytest.raises(ValueError, match="packed: expected last-axis length 6"):
         unpack_bits6(torch.zeros(3, dtype=torch.uint8), 8)
+
+
+def test_the_rotation_as_a_gemm_is_the_butterflies_within_rounding(gen):
+    """`hadamard32_by_gemm` (the frozen base's dgrad undoes the rotation with it) applies the same
+    matrix as the butterflies: in fp32 within fp32 rounding, in bf16 within its two roundings; and
+    it undoes `hadamard32`."""
+    x = torch.randn(6, 3, 96, generator=gen) * torch.logspace(-3, 3, 96)
+    torch.testing.assert_close(hadamard32_by_gemm(x), hadamard32(x), rtol=1e-6, atol=1e-6 * x.abs().max().item())
+    got, want = hadamard32_by_gemm(x.bfloat16()), hadamard32(x.bfloat16())
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    block_max = want.abs().view(-1, 32).amax(-1, keepdim=True).expand(-1, 32).reshape(want.shape)
+    assert ((got.float() - want).abs() <= 2**-7 * block_max).all()
+    torch.testing.assert_close(hadamard32_by_gemm(hadamard32(x)), x, rtol=1e-5, atol=1e-5 * x.abs().max().item())

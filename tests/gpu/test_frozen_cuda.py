@@ -1,5 +1,5 @@
-"""The frozen MXFP6 layer of LoRA runs on CUDA: the kernels' path (the compiled weight rebuild for dgrad,
-the packers, cuBLAS) against the same layer on the CPU reference path, eager and compiled."""
+"""The frozen MXFP6 layer of LoRA runs on CUDA: the kernels' path (the compiled transposition of the
+weight's operand for dgrad, the packers, cuBLAS, the rotation of dX as a GEMM) against the same layer on the CPU reference path, eager and compiled."""
 
 from __future__ import annotations
 
@@ -35,14 +35,13 @@ def _run(layer, x, dy):
 
 
 @pytest.mark.parametrize("n, k, m", [(384, 256, 200), (3072, 3072, 512), (9216, 3072, 64)])
-def test_the_frozen_weight_and_its_rebuild_for_dgrad_are_the_references(n, k, m):
+def test_the_frozen_weight_and_its_transposition_for_dgrad_are_the_references(n, k, m):
     cuda, cpu = _frozen(n, k, "cuda"), _frozen(n, k, "cpu")
     assert torch.equal(cuda.w_data.cpu().view(torch.uint8), cpu.w_data.view(torch.uint8))  # the packer's bytes
     assert torch.equal(cuda.w_scale.cpu(), cpu.w_scale)
-    col_cuda = custom_ops.frozen_weight_col(cuda.w_data, cuda.w_scale, torch.zeros(1, dtype=torch.int64, device="cuda"),
-                                            "rowwise", True)
-    col_cpu = custom_ops.frozen_weight_col(cpu.w_data, cpu.w_scale, torch.zeros(1, dtype=torch.int64), "rowwise", True)
-    assert torch.equal(col_cuda[0].cpu().view(torch.uint8), col_cpu[0].view(torch.uint8))  # compiled rebuild + packer
+    col_cuda = custom_ops.frozen_weight_col(cuda.w_data, cuda.w_scale, "rowwise")
+    col_cpu = custom_ops.frozen_weight_col(cpu.w_data, cpu.w_scale, "rowwise")
+    assert torch.equal(col_cuda[0].cpu().view(torch.uint8), col_cpu[0].view(torch.uint8))  # compiled transposition
     assert torch.equal(col_cuda[1].cpu(), col_cpu[1])
     g = torch.Generator().manual_seed(1)
     x, dy = torch.randn(m, k, generator=g).bfloat16(), torch.randn(m, n, generator=g).bfloat16()

@@ -14,7 +14,7 @@ import torch
 
 from .constants import MX_BLOCK
 
-__all__ = ["hadamard32", "HADAMARD_SCALE"]
+__all__ = ["hadamard32", "hadamard32_by_gemm", "HADAMARD_SCALE"]
 
 # fp32(1/sqrt(32)); rounding it once here is what every implementation must use.
 HADAMARD_SCALE = float(torch.tensor(1.0 / math.sqrt(MX_BLOCK), dtype=torch.float32))
@@ -55,3 +55,26 @@ def hadamard32(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
     lead = xt.shape[:-1]
     y = _fwht32_last(xt.reshape(*lead, n // MX_BLOCK, MX_BLOCK)) * HADAMARD_SCALE
     return y.reshape(*lead, n).movedim(-1, axis).contiguous()
+
+
+def _sylvester32(dtype: torch.dtype, device) -> torch.Tensor:
+    """The unnormalised 32-point Hadamard matrix in Sylvester order, S[i, j] = (-1)^popcount(i & j):
+    the matrix the butterflies apply. Exact in any floating dtype."""
+    i = torch.arange(MX_BLOCK, device=device)
+    bits = (i[:, None] & i[None, :])
+    parity = sum((bits >> b) & 1 for b in range(5)) & 1
+    return (1 - 2 * parity).to(dtype)
+
+
+def hadamard32_by_gemm(x: torch.Tensor) -> torch.Tensor:
+    """The block rotation along the last axis, in x's dtype, as one GEMM with the ±1 Sylvester
+    matrix (exact in any dtype) and then the multiply by HADAMARD_SCALE: for a bf16 x one bf16 GEMM
+    with fp32 sums, rounded to bf16, then the scale, rounded again. Not `hadamard32`'s bits (its sums
+    are fp32 butterflies in a fixed order, and it returns fp32); where a rotation of an activation-
+    sized tensor must cost no more than reading and writing it (the frozen base's dgrad), this is the
+    form a GPU runs at that speed. The rotation is symmetric, so x·S is S applied to each block."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    if k % MX_BLOCK:
+        raise ValueError(f"x: last dimension {k} is not a multiple of {MX_BLOCK}")
+    y = x.reshape(-1, MX_BLOCK) @ _sylvester32(x.dtype, x.device)
+    return y.reshape(*lead, k) * HADAMARD_SCALE

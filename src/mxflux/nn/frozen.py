@@ -5,8 +5,8 @@ base a LoRA run trains adapters on (docs/design.md, "LoRA on a frozen MXFP6 base
 
 - every MXFP6Linear becomes a `FrozenMXFP6Linear` holding its weight's row operand (E4M3 bytes
   [N, K] and the fold's scale), 1 byte per weight element, and no weight: no fp32 master, no bf16
-  copy, no Wᵀ operand. Its forward multiplies those bytes; its backward computes dX only, packing Wᵀ
-  from the same bytes for dgrad;
+  copy, no Wᵀ operand. Its forward multiplies those bytes; its backward computes dX only, with Wᵀ's
+  operand made from the same bytes (the same values, re-scaled per column);
 - a fused MLP becomes the plain Sequential of its two linears (the fused Function multiplies the
   weight parameters themselves), so each linear can carry an adapter;
 - every other parameter (embedders, modulation, norms, bf16 linears) is cast to the compute dtype and
@@ -35,8 +35,8 @@ __all__ = ["FrozenMXFP6Linear", "base_fingerprint", "freeze_base"]
 
 class FrozenMXFP6Linear(nn.Module):
     """A linear with a frozen weight kept as its MXFP6 fprop operand (row data E4M3 [N, K], row scale)
-    and a frozen bias; Y = X·Wᵀ + b with X quantized along K, dX = dY·W in MXFP6 too (W's operand
-    for dgrad packed from the same bytes in each backward)."""
+    and a frozen bias; Y = X·Wᵀ + b with X quantized along K, dX = dY·W with dY quantized along N
+    (W's operand for dgrad made from the same bytes in each backward, exactly)."""
 
     def __init__(self, in_features: int, out_features: int, w_data: torch.Tensor, w_scale: torch.Tensor,
                  bias: torch.Tensor | None, cfg: MXConfig):

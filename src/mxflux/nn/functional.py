@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from ..mx.granularity import FoldGranularity
+from ..mx.hadamard import hadamard32_by_gemm
 from ..ops.custom_ops import (compact_operand, expand_operand, frozen_weight_col, mx_erefs, mx_operands, scaled_gemm,
                               use_kernels)
 
@@ -248,8 +249,10 @@ def mx_linear(x, weight, bias, blocks_outside_window, cfg: MXConfig, weight_oper
 
 class _FrozenMXLinear(torch.autograd.Function):
     """Y = X·Wᵀ + b for a frozen weight held only as its fprop operand (row data, row scale): forward
-    packs X's row operand alone (no dW is due, so no Xᵀ is kept), and backward packs dY's row operand
-    and Wᵀ's operand from those bytes (`frozen_weight_col`) for dgrad."""
+    packs X's row operand alone (no dW is due, so no Xᵀ is kept); backward computes dX = dY·Wq with
+    Wq the values those bytes hold, in the basis the fold rotated them into (docs/design.md, "LoRA on
+    a frozen MXFP6 base"): Wᵀ's operand is the same values re-scaled per column (`frozen_weight_col`,
+    exact), dY is packed along N unrotated, and the rotation is undone on dX (activation-sized)."""
 
     @staticmethod
     def forward(ctx, x, w_data, w_scale, bias, blocks_outside_window, cfg: MXConfig):
@@ -265,10 +268,11 @@ class _FrozenMXLinear(torch.autograd.Function):
     def backward(ctx, dy):
         w_data, w_scale = ctx.saved_tensors
         cfg = ctx.cfg
-        dy_row = _pack(dy.contiguous(), cfg, ctx.blocks_outside_window, col=False)[0]
-        w_col = Operand(*frozen_weight_col(w_data, w_scale, ctx.blocks_outside_window, cfg.granularity.value,
-                                           cfg.hadamard))
-        return _gemm(dy_row, w_col, cfg, None, dy.dtype), None, None, None, None, None
+        # hadamard=False: Wq's columns are not rotated along N, so neither may dY's rows be
+        dy_row = Operand(*mx_operands(dy.contiguous(), None, ctx.blocks_outside_window, True, False,
+                                      cfg.granularity.value, False, "none", False, inline=not cfg.recomputed)[:2])
+        dx = _gemm(dy_row, Operand(*frozen_weight_col(w_data, w_scale, cfg.granularity.value)), cfg, None, dy.dtype)
+        return hadamard32_by_gemm(dx) if cfg.hadamard else dx, None, None, None, None, None
 
 
 def frozen_mx_linear(x, w_data, w_scale, bias, blocks_outside_window, cfg: MXConfig):

@@ -52,9 +52,8 @@ from ..mx.compact import compact_operand as compact_operand_reference
 from ..mx.compact import compacted_shapes
 from ..mx.compact import expand_operand as expand_operand_reference
 from ..mx.granularity import FoldGranularity
-from ..mx.operands import mx_operands_reference, padded_rows, rowwise_erefs_reference
-from ..mx.hadamard import HADAMARD_SCALE, hadamard32
-from ..mx.scaled_gemm import dequantize_operand, scaled_gemm_reference
+from ..mx.operands import mx_operands_reference, padded_rows, rowwise_erefs_reference, transposed_operand
+from ..mx.scaled_gemm import scaled_gemm_reference
 
 __all__ = ["DEFER_MIN_DIM", "DEFER_SCALES", "FORCE_REFERENCE", "INLINE_GEMM", "INLINE_PACK", "compact_operand",
            "eref_buffer_words", "eref_rows_and_columns",
@@ -114,8 +113,7 @@ _LIB.define("scaled_gemm(Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_
 _LIB.define("mx_erefs(Tensor x, bool hadamard) -> Tensor")
 _LIB.define("compact_operand(Tensor data) -> (Tensor, Tensor)")
 _LIB.define("expand_operand(Tensor packed, Tensor shifts) -> Tensor")
-_LIB.define("frozen_weight_col(Tensor row_data, Tensor row_scale, Tensor(a!) blocks_outside_window, "
-            "str granularity, bool hadamard) -> (Tensor, Tensor)")
+_LIB.define("frozen_weight_col(Tensor row_data, Tensor row_scale, str granularity) -> (Tensor, Tensor)")
 
 
 def _register(name: str, kernel, fake):
@@ -342,52 +340,23 @@ def _expand_operand_fake(packed, shifts):
 expand_operand = _register("expand_operand", _expand_operand, _expand_operand_fake)
 
 
-def _frozen_weight_col(row_data: torch.Tensor, row_scale: torch.Tensor, blocks_outside_window: torch.Tensor,
-                       granularity: str, hadamard: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _frozen_weight_col(row_data: torch.Tensor, row_scale: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Wᵀ's operand for dgrad (col data [K, Np], col scale) of a frozen weight kept only as its fprop
-    operand (row data [N, K], row scale): the weight those bytes hold (dequantized, and rotated back
-    where the fold rotated it: the block rotation is its own inverse) packed along N as any weight
-    is for dgrad (docs/design.md, "LoRA on a frozen MXFP6 base"). Opaque, so that compiled backward
-    graphs run it as a unit; a weight-sized pass, independent of the token count."""
-    if use_kernels(row_data):  # one fused pass, bf16 out: the bytes the packer reads (it rounds fp32 so too)
-        weight = _frozen_weight_compiled()(row_data, row_scale, hadamard)
-    else:
-        weight = frozen_weight(row_data, row_scale, hadamard)
-    p = _mx_operands(weight, None, blocks_outside_window, False, True, granularity, hadamard, "none", False)
-    return p[2], p[3]
-
-
-def frozen_weight(row_data: torch.Tensor, row_scale: torch.Tensor, hadamard: bool) -> torch.Tensor:
-    """The weight a frozen fprop operand holds, fp32 [N, K]: dequantized, and rotated back where the
-    fold rotated it (the normalised block rotation is its own inverse)."""
-    weight = dequantize_operand(row_data, row_scale)
-    return hadamard32(weight, axis=-1) if hadamard else weight
-
-
-def _frozen_weight_bf16(row_data: torch.Tensor, row_scale: torch.Tensor, hadamard: bool) -> torch.Tensor:
-    """`frozen_weight` rounded to bf16, written out-of-place so that inductor makes it one kernel: the
-    same fp32 operations in the same order (dequantize, the butterflies h = 1..16, the one multiply by
-    HADAMARD_SCALE), so the same bits as the reference then rounded (tests/test_lora.py)."""
-    n, k = row_data.shape
-    groups = row_scale.shape[-1]
-    w = (row_data.float().view(n, groups, k // groups) * row_scale.float().view(n, groups, 1)).view(n, k // 32, 32)
-    if hadamard:
-        h = 1
-        while h < 32:
-            pairs = w.view(n, k // 32, 32 // (2 * h), 2, h)
-            a, b = pairs[..., 0, :], pairs[..., 1, :]
-            w = torch.stack((a + b, a - b), dim=-2).view(n, k // 32, 32)
-            h *= 2
-        w = w * HADAMARD_SCALE
-    return w.view(n, k).to(torch.bfloat16)
+    operand (row data [N, K], row scale): the same values re-scaled per column, not quantized again
+    (`mx.operands.transposed_operand`; docs/design.md, "LoRA on a frozen MXFP6 base"). Opaque, so
+    that compiled backward graphs run it as a unit; a weight-sized pass of one byte in, one out."""
+    g = FoldGranularity.from_mx_gemm(granularity)
+    if use_kernels(row_data):  # inductor's kernels for the same exact steps: the same bits
+        return _transposed_operand_compiled()(row_data, row_scale, g)
+    return transposed_operand(row_data, row_scale, g)
 
 
 @functools.cache
-def _frozen_weight_compiled():
-    return torch.compile(_frozen_weight_bf16, dynamic=False)
+def _transposed_operand_compiled():
+    return torch.compile(transposed_operand, dynamic=False)
 
 
-def _frozen_weight_col_fake(row_data, row_scale, blocks_outside_window, granularity, hadamard):
+def _frozen_weight_col_fake(row_data, row_scale, granularity):
     g = FoldGranularity.from_mx_gemm(granularity)
     n, k = row_data.shape
     np_ = padded_rows(n, g)
