@@ -132,5 +132,6 @@ def transposed_operand(row_data: torch.Tensor, row_scale: torch.Tensor,
     exponent = torch.where(top > 0, top - 127 - _TRANSPOSED_TOP_EXPONENT, 0).clamp(min=-126)
     scale = torch.ldexp(torch.ones_like(w[0]), exponent)  # [K], powers of two
     rows = padded_rows(n, granularity)
-    data = F.pad(w.t() / scale[:, None], (0, rows - n)).to(torch.float8_e4m3fn)
+    # (contiguous: compiled, inductor would otherwise write the bytes column-major, as it reads w)
+    data = F.pad(w.t() / scale[:, None], (0, rows - n)).to(torch.float8_e4m3fn).contiguous()
     return data, scale[:, None].expand(k, granularity.groups(rows)).contiguous()

@@ -347,10 +347,7 @@ def _frozen_weight_col(row_data: torch.Tensor, row_scale: torch.Tensor, granular
     that compiled backward graphs run it as a unit; a weight-sized pass of one byte in, one out."""
     g = FoldGranularity.from_mx_gemm(granularity)
     if use_kernels(row_data):  # inductor's kernels for the same exact steps: the same bits
-        data, scale = _transposed_operand_compiled()(row_data, row_scale, g)
-        # (inductor may hand the [K, N] bytes back column-major, as it computed them: the GEMM and
-        # this op's fake take them row-major)
-        return data.contiguous(), scale
+        return _transposed_operand_compiled()(row_data, row_scale, g)
     return transposed_operand(row_data, row_scale, g)
 
 
