@@ -16,8 +16,10 @@ import pytest
 pytest.importorskip("triton")
 
 TESTS = Path(__file__).resolve().parents[1]
-# the workers run the Triton kernels under the interpreter, on the CPU
-ENV = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+# the workers run the Triton kernels under the interpreter, on the CPU: no GPU visible to them (on a
+# one-GPU machine the second rank's CUDA device did not exist, and fully_shard failed on it)
+ENV = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path),
+       "CUDA_VISIBLE_DEVICES": ""}
 
 
 def _two_ranks(worker: str, port: int, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
