@@ -79,9 +79,10 @@ def _ours(args, precision: str):
         freeze_base(unit)
     freeze_base(model)
     apply_lora(model, lora_targets(model, DEFAULT_PRECISION_INCLUDE), args.rank, float(args.rank))
-    for blocks in (model.double_blocks, model.single_blocks):
+    keep = dict(zip(("double", "single"), (int(n) for n in args.keep_gemm_outputs.split(","))))
+    for kind, blocks in (("double", model.double_blocks), ("single", model.single_blocks)):
         for i, block in enumerate(blocks):
-            blocks[i] = checkpoint_block(block, "full")
+            blocks[i] = _keeping_gemm_outputs(block) if i < keep[kind] else checkpoint_block(block, "full")
             if args.compile:
                 blocks[i].compile()
     inputs = _inputs(config, args, args.device, torch.bfloat16)
@@ -92,6 +93,30 @@ def _ours(args, precision: str):
         out.float().square().mean().backward()
 
     return model, step
+
+
+def _keeping_gemm_outputs(block):
+    """`block` checkpointed as `full` does, except that the outputs of its GEMMs are kept (MUST_SAVE):
+    the checkpointed forward then does not run them again in backward. A trial of how much of the
+    24 GiB budget buys how much of the recompute (--keep-gemm-outputs), not a recipe setting."""
+    import functools
+
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from mxflux.nn.recompute import mark_recomputed
+    from mxflux.ops.custom_ops import scaled_gemm_op
+
+    # the base's GEMMs: MX (traced or opaque) and bf16 nn.Linear with its bias; not the adapters' mm,
+    # whose up-projection's output is as large as the base's
+    gemms = {torch.ops.aten._scaled_mm.default, scaled_gemm_op.default, torch.ops.aten.addmm.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in gemms else CheckpointPolicy.PREFER_RECOMPUTE
+
+    mark_recomputed(block)
+    return checkpoint_wrapper(block, context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
 
 
 def _peft(args):
@@ -185,7 +210,7 @@ def worker(args) -> dict:
     timed = times[args.warmup:]
     breakdown = _profiled_step(step, optimizer) if args.profile and cuda else None
     memory = None
-    if args.memory and cuda:  # one more step under the allocator's trace: what is alive at its peak
+    if args.memory:  # one more step: what it saves for backward, and on CUDA what is alive at its peak
         from mxflux.bench.memory import memory_breakdown, print_memory_report
 
         memory = memory_breakdown(lambda: (step(), optimizer.step(), optimizer.zero_grad(set_to_none=True)),
@@ -212,7 +237,11 @@ def main(argv=None):
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                     help="one more step under the profiler: where the device time goes (CUDA only)")
     ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
-                    help="one more step under the allocator's trace: what holds memory at its peak (CUDA only)")
+                    help="one more step: what it saves for backward, and under the allocator's trace (CUDA) what holds "
+                         "memory at its peak")
+    ap.add_argument("--keep-gemm-outputs", default="0,0", metavar="D,S",
+                    help="keep the forward GEMM outputs of the first D double and S single blocks of `mxfp6` and "
+                         "`bf16` (not recomputed in backward; the others fully checkpointed)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--timeout", type=float, default=280, help="seconds per setting")
     ap.add_argument("--out", default="benchmarks/results")

@@ -342,3 +342,12 @@ def test_lora_bench_times_every_setting_and_compares_them(tmp_path):
     assert abs(by["mxfp6"]["speedup_vs_peft"] - by["peft"]["ms_mean"] / by["mxfp6"]["ms_mean"]) < 1e-12
     # the same linears adapted: ours one adapter per fused qkv / linear1, peft one per q, k, v (, MLP in)
     assert 0 < by["mxfp6"]["trained_parameters"] == by["bf16"]["trained_parameters"] < by["peft"]["trained_parameters"]
+    # --keep-gemm-outputs: compiled (eager selective checkpointing keeps them apart from autograd's saved
+    # tensors), those blocks keep their base GEMMs' outputs for backward where the others keep only inputs
+    saved = {}
+    for keep in ("0,0", "1,1"):
+        compiled = [c for c in cmd if c != "--no-compile"]
+        subprocess.run([*compiled, "--impls", "mxfp6", "--keep-gemm-outputs", keep], check=True, cwd=tmp_path, env=env,
+                       timeout=600, capture_output=True)
+        saved[keep] = json.loads(result.read_text())["rows"][0]["memory"]["saved_for_backward"]["by_dtype"]
+    assert saved["1,1"]["bfloat16"] > saved["0,0"]["bfloat16"] > 0, saved
