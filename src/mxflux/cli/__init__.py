@@ -23,6 +23,11 @@ def _stopped_early(signum, frame):
     is loading (pybind11 then aborts the process), so the process ends at once; a Ctrl-C once `main` runs
     is Python's own KeyboardInterrupt, which `main` reports."""
     if signum == signal.SIGINT and _MAIN_RUNNING:
+        from mxflux.train.stop import deliver_again_soon, unsafe_to_raise  # torch-free
+
+        if unsafe_to_raise(frame):
+            deliver_again_soon(signum)
+            return
         raise KeyboardInterrupt
     os.write(2, f"mxflux: interrupted ({signal.Signals(signum).name}) while starting; nothing was written\n".encode())
     os._exit(128 + signum)

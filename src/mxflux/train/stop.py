@@ -7,11 +7,13 @@ is written, so the last checkpoint on disk is a good one.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from pathlib import Path
 
-__all__ = ["NonFiniteError", "TrainingInterrupted", "SignalFlag", "Interrupted", "signals_raise", "STOP_SIGNALS"]
+__all__ = ["NonFiniteError", "TrainingInterrupted", "SignalFlag", "Interrupted", "signals_raise", "STOP_SIGNALS",
+           "unsafe_to_raise"]
 
 # What asks a run to stop: Ctrl-C, `kill`, and the terminal going away (a closed ssh session).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -43,7 +45,38 @@ class Interrupted(BaseException):
         super().__init__(signal.Signals(signum).name)
 
 
+def unsafe_to_raise(frame) -> bool:
+    """Whether an exception raised by a signal handler in `frame` could unwind through C++ that cannot
+    pass it on (pybind11 then aborts the process: "terminate called after throwing an instance of
+    'pybind11::error_already_set'", seen once in CI for a SIGINT 0.3 s into `mxflux train`, raised
+    with a module's top level as the innermost Python frame): no function of the program running,
+    only a module's top level, where the interpreter is inside C code such as an extension that
+    torch or numba is loading. (Holding the signal back for every import would hold it through most
+    of the start-up, whose imports are lazy, into the training steps.)"""
+    return frame is None or frame.f_code.co_name == "<module>"
+
+
+_DEFERRED_S: dict[int, float] = {}
+
+
+def deliver_again_soon(signum: int, delay_s: float = 0.02, limit_s: float = 5.0) -> None:
+    """The signal sent to this process once more after `delay_s`, for a handler that cannot act on it
+    where it arrived: the handler then runs again wherever the program is by then. After `limit_s` of
+    such waits (an import that does not end) the process ends at once, with one line."""
+    waited = _DEFERRED_S.get(signum, 0.0)
+    if waited >= limit_s:
+        os.write(2, f"mxflux: interrupted ({signal.Signals(signum).name}) while loading; ended at once\n".encode())
+        os._exit(128 + signum)
+    _DEFERRED_S[signum] = waited + delay_s
+    timer = threading.Timer(delay_s, os.kill, (os.getpid(), signum))
+    timer.daemon = True
+    timer.start()
+
+
 def _raise(signum, frame):
+    if unsafe_to_raise(frame):
+        deliver_again_soon(signum)
+        return
     raise Interrupted(signum)
 
 
