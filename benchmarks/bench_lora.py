@@ -53,7 +53,23 @@ def _inputs(config, args, device, dtype):
                 guidance=torch.full((1,), 3.5, device=device) if config.guidance_embed else None)
 
 
-def _ours(args, precision: str):
+def _setting(name: str, default_keep: str) -> tuple[str, tuple[int, int]]:
+    """A setting's base ("mxfp6", "bf16", "peft") and how many double and single blocks keep their
+    GEMM outputs: "mxfp6-keep19-15" is mxfp6 keeping those of 19 double and 15 single blocks; without
+    the suffix, --keep-gemm-outputs."""
+    import re
+
+    m = re.fullmatch(r"(mxfp6|bf16)(?:-keep(\d+)-(\d+))?|peft", name)
+    kept = re.fullmatch(r"(\d+),(\d+)", default_keep)
+    if m is None or kept is None:
+        raise SystemExit(f"--impls: unknown setting {name!r} (mxfp6, bf16, peft; mxfp6-keepD-S, bf16-keepD-S) "
+                         f"or --keep-gemm-outputs {default_keep!r} not D,S")
+    if name == "peft":
+        return "peft", (0, 0)
+    return m[1], (int(m[2]), int(m[3])) if m[2] else (int(kept[1]), int(kept[2]))
+
+
+def _ours(args, precision: str, keep: tuple[int, int]):
     """Our Flux built on meta and materialised one block at a time with random weights, frozen as it goes
     (the LoRA recipes' streamed build, with random values instead of a file), adapters, checkpointing."""
     import torch
@@ -79,10 +95,9 @@ def _ours(args, precision: str):
         freeze_base(unit)
     freeze_base(model)
     apply_lora(model, lora_targets(model, DEFAULT_PRECISION_INCLUDE), args.rank, float(args.rank))
-    keep = dict(zip(("double", "single"), (int(n) for n in args.keep_gemm_outputs.split(","))))
-    for kind, blocks in (("double", model.double_blocks), ("single", model.single_blocks)):
+    for kept, blocks in zip(keep, (model.double_blocks, model.single_blocks)):
         for i, block in enumerate(blocks):
-            blocks[i] = _keeping_gemm_outputs(block) if i < keep[kind] else checkpoint_block(block, "full")
+            blocks[i] = _keeping_gemm_outputs(block) if i < kept else checkpoint_block(block, "full")
             if args.compile:
                 blocks[i].compile()
     inputs = _inputs(config, args, args.device, torch.bfloat16)
@@ -185,7 +200,8 @@ def worker(args) -> dict:
     import torch
 
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    model, step = _peft(args) if args.worker == "peft" else _ours(args, "mxfp6" if args.worker == "mxfp6" else "bf16")
+    base, keep = _setting(args.worker, args.keep_gemm_outputs)
+    model, step = _peft(args) if base == "peft" else _ours(args, base, keep)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=True)
     cuda = args.device.startswith("cuda")
@@ -241,7 +257,8 @@ def main(argv=None):
                          "memory at its peak")
     ap.add_argument("--keep-gemm-outputs", default="0,0", metavar="D,S",
                     help="keep the forward GEMM outputs of the first D double and S single blocks of `mxfp6` and "
-                         "`bf16` (not recomputed in backward; the others fully checkpointed)")
+                         "`bf16` (not recomputed in backward; the others fully checkpointed); per setting: "
+                         "--impls mxfp6-keep19-15,... (several in one call, each its own process)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--timeout", type=float, default=280, help="seconds per setting")
     ap.add_argument("--out", default="benchmarks/results")
@@ -252,6 +269,8 @@ def main(argv=None):
         return
     passthrough = argv if argv is not None else sys.argv[1:]
     rows = []
+    for impl in args.impls.split(","):
+        _setting(impl, args.keep_gemm_outputs)  # a misspelt setting before any is started
     for impl in args.impls.split(","):
         cmd = [sys.executable, __file__, "--worker", impl, *passthrough]
         try:

@@ -344,10 +344,11 @@ def test_lora_bench_times_every_setting_and_compares_them(tmp_path):
     assert 0 < by["mxfp6"]["trained_parameters"] == by["bf16"]["trained_parameters"] < by["peft"]["trained_parameters"]
     # --keep-gemm-outputs: compiled (eager selective checkpointing keeps them apart from autograd's saved
     # tensors), those blocks keep their base GEMMs' outputs for backward where the others keep only inputs
-    saved = {}
-    for keep in ("0,0", "1,1"):
-        compiled = [c for c in cmd if c != "--no-compile"]
-        subprocess.run([*compiled, "--impls", "mxfp6", "--keep-gemm-outputs", keep], check=True, cwd=tmp_path, env=env,
-                       timeout=600, capture_output=True)
-        saved[keep] = json.loads(result.read_text())["rows"][0]["memory"]["saved_for_backward"]["by_dtype"]
-    assert saved["1,1"]["bfloat16"] > saved["0,0"]["bfloat16"] > 0, saved
+    compiled = [c for c in cmd if c != "--no-compile"]
+    subprocess.run([*compiled, "--impls", "mxfp6,mxfp6-keep1-1"], check=True, cwd=tmp_path, env=env, timeout=900,
+                   capture_output=True)
+    plain, kept = (row["memory"]["saved_for_backward"]["by_dtype"] for row in json.loads(result.read_text())["rows"])
+    assert kept["bfloat16"] > plain["bfloat16"] > 0, (plain, kept)
+    bad = subprocess.run([*cmd, "--impls", "mxfp6-keep1"], cwd=tmp_path, env=env, timeout=60, capture_output=True,
+                         text=True)
+    assert bad.returncode != 0 and "--impls: unknown setting 'mxfp6-keep1'" in bad.stderr
