@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import subprocess
 import sys
 import time
@@ -57,8 +58,6 @@ def _setting(name: str, default_keep: str) -> tuple[str, tuple[int, int]]:
     """A setting's base ("mxfp6", "bf16", "peft") and how many double and single blocks keep their
     GEMM outputs: "mxfp6-keep19-15" is mxfp6 keeping those of 19 double and 15 single blocks; without
     the suffix, --keep-gemm-outputs."""
-    import re
-
     m = re.fullmatch(r"(mxfp6|bf16)(?:-keep(\d+)-(\d+))?|peft", name)
     kept = re.fullmatch(r"(\d+),(\d+)", default_keep)
     if m is None or kept is None:

@@ -21,7 +21,8 @@ def _stopped_early(signum, frame):
     """A stop signal before the command has its own handling: one line and 128 + its number. Nothing of
     the command's is open yet, and raising here could unwind through a C++ extension that torch or numba
     is loading (pybind11 then aborts the process), so the process ends at once; a Ctrl-C once `main` runs
-    is Python's own KeyboardInterrupt, which `main` reports."""
+    is Python's own KeyboardInterrupt, which `main` reports (held back a moment where it is unsafe to
+    raise: `mxflux.train.stop.unsafe_to_raise`)."""
     if signum == signal.SIGINT and _MAIN_RUNNING:
         from mxflux.train.stop import deliver_again_soon, unsafe_to_raise  # torch-free
 

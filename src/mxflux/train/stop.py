@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 __all__ = ["NonFiniteError", "TrainingInterrupted", "SignalFlag", "Interrupted", "signals_raise", "STOP_SIGNALS",
-           "unsafe_to_raise"]
+           "deliver_again_soon", "unsafe_to_raise"]
 
 # What asks a run to stop: Ctrl-C, `kill`, and the terminal going away (a closed ssh session).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
