@@ -5,20 +5,25 @@ diffusers' FluxTransformer2DModel with peft adapters, each in its own process of
         [--impls mxfp6,bf16,peft] [--steps 5] [--warmup 3] [--rank 16] [--out DIR]
 
 One step: micro-batch 1, a 1024x1024 image (4096 latent tokens) and 512 text tokens, activation
-checkpointing on every block, forward and backward under bf16 autocast and AdamW over the adapters
+checkpointing on every block (ours as the LoRA recipe sets it: `model.activation_checkpointing` and
+`blocks_keeping_gemm_outputs`, which fit its 24 GiB; peft's: diffusers' gradient checkpointing, every
+block recomputed whole), forward and backward under bf16 autocast and AdamW over the adapters
 (rank 16, alpha 16; fp32 masters). Random weights of the real shapes (the speed and memory of a step do
 not depend on the values; correctness comes from tests/test_lora.py). Settings:
 
 - `mxfp6`: the LoRA recipes' model: the MX linears frozen as their 1-byte operands
   (`mxflux.nn.frozen`), the rest bf16, adapters on the MX linears, blocks compiled;
 - `bf16`: the same model and adapters with the base frozen in bf16 (no precision), blocks compiled;
+- `mxfp6-full`, `mxfp6-attention-keep0-26`, ... (`bf16-...` too): the same with other checkpointing
+  (a suffix -full or -attention, the mode; -keepD-S, the first D double and S single blocks keeping
+  their GEMM outputs), to measure what the recipe's costs and buys;
 - `peft`: diffusers' FluxTransformer2DModel in bf16 with peft's LoRA on the same linears (diffusers'
   Flux LoRA example's target modules), its gradient checkpointing, blocks compiled the same way.
 
 Writes bench_lora_<date>.json (per setting: ms per step, mean and min over the timed steps, peak
 allocated GiB over the timed steps and over the warm-up (compiling, autotuning) apart, peak reserved;
 one profiled step's device time by category; one more step's memory at its peak by what holds it
-(`mxflux.bench.memory`); ratios to `peft` and `bf16`; provenance) to --out.
+(`mxflux.bench.memory`); ratios to `peft` and `bf16` by the median step and by the mean; provenance) to --out.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import argparse
 import datetime
 import json
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -54,21 +60,23 @@ def _inputs(config, args, device, dtype):
                 guidance=torch.full((1,), 3.5, device=device) if config.guidance_embed else None)
 
 
-def _setting(name: str, default_keep: str) -> tuple[str, tuple[int, int]]:
-    """A setting's base ("mxfp6", "bf16", "peft") and how many double and single blocks keep their
-    GEMM outputs: "mxfp6-keep19-15" is mxfp6 keeping those of 19 double and 15 single blocks; without
-    the suffix, --keep-gemm-outputs."""
-    m = re.fullmatch(r"(mxfp6|bf16)(?:-keep(\d+)-(\d+))?|peft", name)
-    kept = re.fullmatch(r"(\d+),(\d+)", default_keep)
-    if m is None or kept is None:
-        raise SystemExit(f"--impls: unknown setting {name!r} (mxfp6, bf16, peft; mxfp6-keepD-S, bf16-keepD-S) "
-                         f"or --keep-gemm-outputs {default_keep!r} not D,S")
+def _setting(name: str) -> tuple[str, str | None, tuple[int, int] | None]:
+    """A setting's base ("mxfp6", "bf16", "peft"), its activation checkpointing mode and how many
+    double and single blocks keep their GEMM outputs: "mxfp6-attention-keep0-26" is mxfp6 under
+    `activation_checkpointing: attention` with the first 26 single blocks keeping them. Without a
+    suffix (None, None), the LoRA recipe's; with one, what it leaves out is "full" and 0, 0."""
+    m = re.fullmatch(r"(mxfp6|bf16)(?:-(full|attention))?(?:-keep(\d+)-(\d+))?|peft", name)
+    if m is None:
+        raise SystemExit(f"--impls: unknown setting {name!r} (mxfp6, bf16, peft; a suffix -full or -attention "
+                         "and/or -keepD-S after mxfp6 or bf16)")
     if name == "peft":
-        return "peft", (0, 0)
-    return m[1], (int(m[2]), int(m[3])) if m[2] else (int(kept[1]), int(kept[2]))
+        return "peft", None, None
+    if name in ("mxfp6", "bf16"):
+        return name, None, None
+    return m[1], m[2] or "full", (int(m[3]), int(m[4])) if m[3] else (0, 0)
 
 
-def _ours(args, precision: str, keep: tuple[int, int]):
+def _ours(args, precision: str, mode: str | None, keep: tuple[int, int] | None):
     """Our Flux built on meta and materialised one block at a time with random weights, frozen as it goes
     (the LoRA recipes' streamed build, with random values instead of a file), adapters, checkpointing."""
     import torch
@@ -78,6 +86,7 @@ def _ours(args, precision: str, keep: tuple[int, int]):
     from mxflux.nn.frozen import freeze_base
     from mxflux.nn.lora import apply_lora, lora_targets
     from mxflux.nn.precision.default_layers import DEFAULT_PRECISION_INCLUDE
+    from mxflux.train.config import load_recipe
     from mxflux.train.parallelize import checkpoint_block
 
     config = flux_config(args.model)
@@ -94,9 +103,13 @@ def _ours(args, precision: str, keep: tuple[int, int]):
         freeze_base(unit)
     freeze_base(model)
     apply_lora(model, lora_targets(model, DEFAULT_PRECISION_INCLUDE), args.rank, float(args.rank))
+    recipe = load_recipe("flux12b-mxfp6-lora-dev").model  # its checkpointing unless the setting names one
+    mode = mode or recipe.activation_checkpointing
+    keep = keep if keep is not None else (recipe.blocks_keeping_gemm_outputs.double,
+                                          recipe.blocks_keeping_gemm_outputs.single)
     for kept, blocks in zip(keep, (model.double_blocks, model.single_blocks)):
         for i, block in enumerate(blocks):
-            blocks[i] = _keeping_gemm_outputs(block) if i < kept else checkpoint_block(block, "full")
+            blocks[i] = checkpoint_block(block, mode, keep_gemm_outputs=i < kept)
             if args.compile:
                 blocks[i].compile()
     inputs = _inputs(config, args, args.device, torch.bfloat16)
@@ -107,30 +120,6 @@ def _ours(args, precision: str, keep: tuple[int, int]):
         out.float().square().mean().backward()
 
     return model, step
-
-
-def _keeping_gemm_outputs(block):
-    """`block` checkpointed as `full` does, except that the outputs of its GEMMs are kept (MUST_SAVE):
-    the checkpointed forward then does not run them again in backward. A trial of how much of the
-    24 GiB budget buys how much of the recompute (--keep-gemm-outputs), not a recipe setting."""
-    import functools
-
-    import torch
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    from mxflux.nn.recompute import mark_recomputed
-    from mxflux.ops.custom_ops import scaled_gemm_op
-
-    # the base's GEMMs: MX (traced or opaque) and bf16 nn.Linear with its bias; not the adapters' mm,
-    # whose up-projection's output is as large as the base's
-    gemms = {torch.ops.aten._scaled_mm.default, scaled_gemm_op.default, torch.ops.aten.addmm.default}
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in gemms else CheckpointPolicy.PREFER_RECOMPUTE
-
-    mark_recomputed(block)
-    return checkpoint_wrapper(block, context_fn=functools.partial(create_selective_checkpoint_contexts, policy))
 
 
 def _peft(args):
@@ -199,8 +188,8 @@ def worker(args) -> dict:
     import torch
 
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    base, keep = _setting(args.worker, args.keep_gemm_outputs)
-    model, step = _peft(args) if base == "peft" else _ours(args, base, keep)
+    base, mode, keep = _setting(args.worker)
+    model, step = _peft(args) if base == "peft" else _ours(args, base, mode, keep)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=True)
     cuda = args.device.startswith("cuda")
@@ -254,10 +243,6 @@ def main(argv=None):
     ap.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                     help="one more step: what it saves for backward, and under the allocator's trace (CUDA) what holds "
                          "memory at its peak")
-    ap.add_argument("--keep-gemm-outputs", default="0,0", metavar="D,S",
-                    help="keep the forward GEMM outputs of the first D double and S single blocks of `mxfp6` and "
-                         "`bf16` (not recomputed in backward; the others fully checkpointed); per setting: "
-                         "--impls mxfp6-keep19-15,... (several in one call, each its own process)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--timeout", type=float, default=280, help="seconds per setting")
     ap.add_argument("--out", default="benchmarks/results")
@@ -269,7 +254,7 @@ def main(argv=None):
     passthrough = argv if argv is not None else sys.argv[1:]
     rows = []
     for impl in args.impls.split(","):
-        _setting(impl, args.keep_gemm_outputs)  # a misspelt setting before any is started
+        _setting(impl)  # a misspelt setting before any is started
     for impl in args.impls.split(","):
         cmd = [sys.executable, __file__, "--worker", impl, *passthrough]
         try:
@@ -284,7 +269,9 @@ def main(argv=None):
     for r in rows:
         for base in ("peft", "bf16"):
             if "ms_mean" in r and base in by and r["setting"] != base:
-                r[f"speedup_vs_{base}"] = by[base]["ms_mean"] / r["ms_mean"]
+                # by the median step: peft's timed steps carry outliers (one of 900-1050 ms among ~540)
+                r[f"speedup_vs_{base}"] = statistics.median(by[base]["ms_all"]) / statistics.median(r["ms_all"])
+                r[f"speedup_vs_{base}_by_mean"] = by[base]["ms_mean"] / r["ms_mean"]
     from mxflux.bench.provenance import provenance
 
     out = Path(args.out)

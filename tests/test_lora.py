@@ -132,6 +132,10 @@ def test_the_transposed_operand_holds_the_row_operands_values(gen):
     got = compiled(frozen.w_data, frozen.w_scale, FoldGranularity.ROWWISE)
     assert torch.equal(got[0].view(torch.uint8), data.view(torch.uint8)) and torch.equal(got[1], scale)
     assert got[0].is_contiguous()  # row-major, as the GEMM takes it (inductor's own choice was column-major)
+    # the column scale the frozen layer found once is the one a backward would find: the same bits from it
+    assert torch.equal(frozen.w_column_scale, scale[:, 0])
+    given = compiled(frozen.w_data, frozen.w_scale, FoldGranularity.ROWWISE, frozen.w_column_scale)
+    assert torch.equal(given[0].view(torch.uint8), data.view(torch.uint8)) and torch.equal(given[1], scale)
     # a row 20 binades below the others: its values round, within 2^-17 of their column's largest
     w_data, w_scale = frozen.w_data.clone(), frozen.w_scale.clone()
     w_scale[5] *= 2.0**-20

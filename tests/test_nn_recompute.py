@@ -203,6 +203,27 @@ def test_a_compiled_fully_checkpointed_block_keeps_only_its_inputs(gen, kind):
     assert sum(saved.by_dtype.values()) <= inputs + 64, (dict(saved.by_dtype), inputs)
 
 
+@pytest.mark.parametrize("kind", ["double", "single"])
+def test_attention_checkpointing_keeps_inputs_and_attention_and_the_kept_blocks_their_gemms(gen, kind):
+    """`activation_checkpointing: attention` keeps a block's inputs and attention's output (bf16, one
+    value per token and channel) with its log-sum-exp (fp32, one per token and head), nothing else;
+    `keep_gemm_outputs` adds the linears' outputs. Outputs, gradients and counts bit-identical to
+    the plain compiled block in both."""
+    plain, wrapped, xs, vec, pe = _blocks(kind, gen, "attention")
+    _, saved = _both_steps(plain, wrapped, xs, vec, pe, gen)
+    inputs = sum(t.numel() * t.element_size() for t in (*xs, vec, pe))
+    tokens, d, heads = xs[0].shape[0] * sum(x.shape[1] for x in xs), plain.hidden_size, plain.num_heads
+    attention = tokens * d * 2 + tokens * heads * 4
+    assert inputs + attention <= sum(saved.by_dtype.values()) <= inputs + attention + 64, (dict(saved.by_dtype),
+                                                                                         inputs, attention)
+    plain, _, xs, vec, pe = _blocks(kind, gen, "attention")
+    kept = checkpoint_block(copy.deepcopy(plain), "attention", keep_gemm_outputs=True)
+    _, kept_saved = _both_steps(plain, kept, xs, vec, pe, gen)
+    # the GEMM outputs per token (bf16): double qkv 3 + proj 1 + fc1 4 + fc2 1; single linear1 3 + 4, linear2 1
+    gemms = tokens * d * 2 * (9 if kind == "double" else 8)
+    assert sum(kept_saved.by_dtype.values()) >= inputs + attention + gemms - 64, dict(kept_saved.by_dtype)
+
+
 def test_the_policy_refuses_eager_mode(gen):
     """Eager, a recomputed packer call would add its fold-window count a second time."""
     layer = MXFP6Linear(64, 32)
@@ -230,8 +251,18 @@ def test_mx_packers_config_takes_the_old_booleans_and_needs_compile():
     with pytest.raises(RecipeError, match="activation_checkpointing: elementwise needs model.compile: true"):
         load_recipe("tiny-mxfp6", ["model.activation_checkpointing=elementwise"])
     with pytest.raises(RecipeError, match="model.activation_checkpointing: Input should be 'none', 'full', "
-                                          "'mx_packers' or 'elementwise'"):
+                                          "'attention', 'mx_packers' or 'elementwise'"):
         load_recipe("tiny-mxfp6", ["model.activation_checkpointing=packers"])
+    # blocks_keeping_gemm_outputs: under full or attention, and no more blocks than the model has
+    kept = load_recipe("tiny-mxfp6", ["model.activation_checkpointing=attention",
+                                      "model.blocks_keeping_gemm_outputs={double: 1, single: 2}"]).model
+    assert (kept.blocks_keeping_gemm_outputs.double, kept.blocks_keeping_gemm_outputs.single) == (1, 2)
+    with pytest.raises(RecipeError, match="blocks_keeping_gemm_outputs: applies under activation_checkpointing "
+                                          "full or attention, got 'none'"):
+        load_recipe("tiny-mxfp6", ["model.blocks_keeping_gemm_outputs={double: 1, single: 0}"])
+    with pytest.raises(RecipeError, match="blocks_keeping_gemm_outputs.single: 9 is more than the model's 2 single"):
+        load_recipe("tiny-mxfp6", ["model.activation_checkpointing=full",
+                                   "model.blocks_keeping_gemm_outputs={double: 0, single: 9}"])
     # the built-in recipes that checkpoint (written as `true`) still load, as full checkpointing
     assert load_recipe("flux12b-mxfp6-mlperf").model.activation_checkpointing == "full"
     # every benchmark setting is valid on the compiled proxy it runs on

@@ -39,8 +39,8 @@ def test_the_frozen_weight_and_its_transposition_for_dgrad_are_the_references(n,
     cuda, cpu = _frozen(n, k, "cuda"), _frozen(n, k, "cpu")
     assert torch.equal(cuda.w_data.cpu().view(torch.uint8), cpu.w_data.view(torch.uint8))  # the packer's bytes
     assert torch.equal(cuda.w_scale.cpu(), cpu.w_scale)
-    col_cuda = custom_ops.frozen_weight_col(cuda.w_data, cuda.w_scale, "rowwise")
-    col_cpu = custom_ops.frozen_weight_col(cpu.w_data, cpu.w_scale, "rowwise")
+    col_cuda = custom_ops.frozen_weight_col(cuda.w_data, cuda.w_scale, cuda.w_column_scale, "rowwise")
+    col_cpu = custom_ops.frozen_weight_col(cpu.w_data, cpu.w_scale, cpu.w_column_scale, "rowwise")
     assert col_cuda[0].is_contiguous()
     assert torch.equal(col_cuda[0].cpu().view(torch.uint8), col_cpu[0].view(torch.uint8))  # compiled transposition
     assert torch.equal(col_cuda[1].cpu(), col_cpu[1])

@@ -31,7 +31,7 @@ from .quantize import quantize
 from .scaled_gemm import dequantize_operand
 
 __all__ = ["MXOperands", "PROLOGUES", "apply_prologue", "mx_operands_reference", "padded_rows", "rowwise_erefs_reference",
-           "transposed_operand"]
+           "transposed_column_scale", "transposed_operand"]
 
 PROLOGUES = ("none", "gelu_tanh", "gelu_tanh_grad")
 
@@ -113,24 +113,33 @@ def rowwise_erefs_reference(x: torch.Tensor, *, hadamard: bool = True, fmt: str 
 _TRANSPOSED_TOP_EXPONENT = 7
 
 
-def transposed_operand(row_data: torch.Tensor, row_scale: torch.Tensor,
-                       granularity: FoldGranularity) -> tuple[torch.Tensor, torch.Tensor]:
+def transposed_column_scale(row_data: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """The power of two per column k of W (fp32 [K]) by which `transposed_operand` divides that
+    column: the one that puts its largest magnitude in [2^7, 2^8) (1 for a zero column). A
+    property of the weight alone: a frozen weight computes it once (`FrozenMXFP6Linear`), and
+    each backward's transposition is then a single pass over the bytes, not a reduction first."""
+    w = dequantize_operand(row_data, row_scale)  # fp32 [N, K], exact: E4M3 times a power of two
+    top = ((w.view(torch.int32) >> 23) & 0xFF).amax(dim=0)  # fp32's exponent field: the binade, 0 for zero
+    exponent = torch.where(top > 0, top - 127 - _TRANSPOSED_TOP_EXPONENT, 0).clamp(min=-126)
+    return torch.ldexp(torch.ones_like(w[0]), exponent)
+
+
+def transposed_operand(row_data: torch.Tensor, row_scale: torch.Tensor, granularity: FoldGranularity,
+                       column_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The operand of Wᵀ (data E4M3 [K, Np], scale [K, groups(Np)]) that holds the values of the row
     operand (`row_data` E4M3 [N, K], `row_scale` [N, groups(K)]) of W, re-scaled per column of W.
 
     The values move, they are not quantized again: each column k gets the power of two 2^e_k that
-    puts its largest magnitude in [2^7, 2^8), and every value of the column is divided by it, an
-    exact operation, then stored as E4M3. The bytes hold E2M3 significands (3 bits), so the store is
-    exact for every value within 2^-13 of its column's largest (E4M3's normal range); a smaller one
-    rounds to E4M3's subnormal grid, an error below 2^-17 of the column's largest. The same scale is
+    puts its largest magnitude in [2^7, 2^8) (`transposed_column_scale`, or `column_scale` where it
+    was computed before), and every value of the column is divided by it, an exact operation, then
+    stored as E4M3. The bytes hold E2M3 significands (3 bits), so the store is exact for every
+    value within 2^-13 of its column's largest (E4M3's normal range); a smaller one rounds to
+    E4M3's subnormal grid, an error below 2^-17 of the column's largest. The same scale is
     repeated over a row's groups, whatever the granularity. Only exact operations and one rounding
     cast: any implementation of these steps gives the same bits (the CUDA path compiles this)."""
     n, k = row_data.shape
-    w = dequantize_operand(row_data, row_scale)  # fp32 [N, K], exact: E4M3 times a power of two
-    biased = (w.view(torch.int32) >> 23) & 0xFF  # fp32's exponent field: the binade, 0 for zero
-    top = biased.amax(dim=0)
-    exponent = torch.where(top > 0, top - 127 - _TRANSPOSED_TOP_EXPONENT, 0).clamp(min=-126)
-    scale = torch.ldexp(torch.ones_like(w[0]), exponent)  # [K], powers of two
+    scale = transposed_column_scale(row_data, row_scale) if column_scale is None else column_scale
+    w = dequantize_operand(row_data, row_scale)
     rows = padded_rows(n, granularity)
     # (contiguous: compiled, inductor would otherwise write the bytes column-major, as it reads w)
     data = F.pad(w.t() / scale[:, None], (0, rows - n)).to(torch.float8_e4m3fn).contiguous()

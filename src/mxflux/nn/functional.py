@@ -255,30 +255,33 @@ class _FrozenMXLinear(torch.autograd.Function):
     exact), dY is packed along N unrotated, and the rotation is undone on dX (activation-sized)."""
 
     @staticmethod
-    def forward(ctx, x, w_data, w_scale, bias, blocks_outside_window, cfg: MXConfig):
+    def forward(ctx, x, w_data, w_scale, w_column_scale, bias, blocks_outside_window, cfg: MXConfig):
         counter = _forward_counter(blocks_outside_window, cfg)
         x_row = _pack(x, cfg, counter, col=False)[0]
         _add_forward_count(blocks_outside_window, counter)
         y = _gemm(x_row, Operand(w_data, w_scale), cfg, _compute(bias, x.dtype), x.dtype)
-        ctx.save_for_backward(w_data, w_scale)
+        ctx.save_for_backward(w_data, w_scale, w_column_scale)
         ctx.cfg, ctx.blocks_outside_window = cfg, blocks_outside_window
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        w_data, w_scale = ctx.saved_tensors
+        w_data, w_scale, w_column_scale = ctx.saved_tensors
         cfg = ctx.cfg
         # hadamard=False: Wq's columns are not rotated along N, so neither may dY's rows be
         dy_row = Operand(*mx_operands(dy.contiguous(), None, ctx.blocks_outside_window, True, False,
                                       cfg.granularity.value, False, "none", False, inline=not cfg.recomputed)[:2])
-        dx = _gemm(dy_row, Operand(*frozen_weight_col(w_data, w_scale, cfg.granularity.value)), cfg, None, dy.dtype)
-        return hadamard32_by_gemm(dx) if cfg.hadamard else dx, None, None, None, None, None
+        w_col = frozen_weight_col(w_data, w_scale, w_column_scale, cfg.granularity.value)
+        dx = _gemm(dy_row, Operand(*w_col), cfg, None, dy.dtype)
+        return hadamard32_by_gemm(dx) if cfg.hadamard else dx, None, None, None, None, None, None
 
 
-def frozen_mx_linear(x, w_data, w_scale, bias, blocks_outside_window, cfg: MXConfig):
+def frozen_mx_linear(x, w_data, w_scale, w_column_scale, bias, blocks_outside_window, cfg: MXConfig):
     """Y = X·Wᵀ + b in MXFP6 for bf16 2-D `x` and a frozen weight held as its fprop operand (`w_data`
-    E4M3 [N, K], `w_scale`); only dX is computed in backward (`bias` is a frozen tensor too)."""
-    return _FrozenMXLinear.apply(x, w_data, w_scale, bias, blocks_outside_window, cfg)
+    E4M3 [N, K], `w_scale`) and the power of two per column its dgrad operand divides by
+    (`w_column_scale`, `mx.operands.transposed_column_scale`); only dX is computed in backward
+    (`bias` is a frozen tensor too)."""
+    return _FrozenMXLinear.apply(x, w_data, w_scale, w_column_scale, bias, blocks_outside_window, cfg)
 
 
 class _FusedMXMLP(torch.autograd.Function):

@@ -124,13 +124,29 @@ def mx_packer_checkpoint_context(rebuilt: Collection[torch._ops.OpOverload] = ()
                              MXPackerRecompute(rebuilt, elementwise=elementwise))
 
 
-def _recompute_every_op(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.PREFER_RECOMPUTE
+# What `keep_attention` and `keep_gemms` keep (`full_recompute_context`): attention's outputs; the
+# outputs of the linears' GEMMs (MX, FP8 and bf16 with a bias), not a bare matmul's: a LoRA
+# adapter's up-projection (`aten.mm`) makes a tensor as large as its base's output for a sliver of
+# its FLOPs, so it is run again.
+_ATTENTION = frozenset(op for op in _GEMM_AND_ATTENTION if "attention" in op.name())
+_LINEAR_GEMMS = frozenset({_aten.addmm.default, _aten._scaled_mm.default, scaled_gemm_op.default})
 
 
-def full_recompute_context():
-    """A `context_fn` for full activation checkpointing of a block with MX linears: every op marked
-    for recompute by the op, as the plain checkpoint means.
+class _RecomputeAllBut:
+    """Selective-checkpointing policy: MUST_SAVE for the ops in `kept`, PREFER_RECOMPUTE (run
+    again in backward) for every other op."""
+
+    def __init__(self, kept: frozenset):
+        self.kept = kept
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in self.kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def full_recompute_context(*, keep_attention: bool = False, keep_gemms: bool = False):
+    """The `context_fn` for full activation checkpointing of a block (`checkpoint_wrapper`'s
+    argument): every op marked for recompute by the op, as the plain checkpoint means, but those
+    `keep_attention` and `keep_gemms` name.
 
     Why not the plain checkpoint. Compiled, the plain checkpoint marks the ops of its region in
     dynamo's graph; the ops inside an autograd.Function's forward (every MX linear's) sit in a
@@ -138,8 +154,17 @@ def full_recompute_context():
     never recomputes a GEMM, so it kept the outputs of every MX GEMM that backward reads (qkv, fc1,
     linear1: 10 GiB of a 12B LoRA step at 1024², tests/test_nn_recompute.py shows it on 2.11 CPU;
     torch 2.13 marks them). A selective-checkpoint policy marks each op as it is dispatched, inside
-    autograd.Functions too. Eager, recomputing every op is what the plain checkpoint does."""
-    return create_selective_checkpoint_contexts(_recompute_every_op)
+    autograd.Functions too. Eager, recomputing every op is what the plain checkpoint does.
+
+    `keep_attention` keeps attention's outputs (its output and log-sum-exp: 2 B per token and
+    channel), so backward does not run attention's forward again: at FLUX.1-dev's 4608 tokens
+    that is 28 MB per block for about 0.4 ms of an H100's time (attention's forward is ~45 ms of
+    the 12B LoRA step, run twice over 57 blocks), the cheapest recompute there is to buy back.
+    `keep_gemms` keeps the linears' GEMM outputs too (about 7 times more bytes per block for a
+    block's forward GEMMs). Both hold eager and compiled: what the policy saves is saved, every
+    other op runs again."""
+    kept = (_ATTENTION if keep_attention else frozenset()) | (_LINEAR_GEMMS if keep_gemms else frozenset())
+    return functools.partial(create_selective_checkpoint_contexts, _RecomputeAllBut(kept))
 
 
 def mark_recomputed(module: nn.Module, *, selective: bool = False) -> None:

@@ -113,7 +113,7 @@ _LIB.define("scaled_gemm(Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_
 _LIB.define("mx_erefs(Tensor x, bool hadamard) -> Tensor")
 _LIB.define("compact_operand(Tensor data) -> (Tensor, Tensor)")
 _LIB.define("expand_operand(Tensor packed, Tensor shifts) -> Tensor")
-_LIB.define("frozen_weight_col(Tensor row_data, Tensor row_scale, str granularity) -> (Tensor, Tensor)")
+_LIB.define("frozen_weight_col(Tensor row_data, Tensor row_scale, Tensor column_scale, str granularity) -> (Tensor, Tensor)")
 
 
 def _register(name: str, kernel, fake):
@@ -340,15 +340,18 @@ def _expand_operand_fake(packed, shifts):
 expand_operand = _register("expand_operand", _expand_operand, _expand_operand_fake)
 
 
-def _frozen_weight_col(row_data: torch.Tensor, row_scale: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _frozen_weight_col(row_data: torch.Tensor, row_scale: torch.Tensor, column_scale: torch.Tensor,
+                       granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Wᵀ's operand for dgrad (col data [K, Np], col scale) of a frozen weight kept only as its fprop
-    operand (row data [N, K], row scale): the same values re-scaled per column, not quantized again
-    (`mx.operands.transposed_operand`; docs/design.md, "LoRA on a frozen MXFP6 base"). Opaque, so
-    that compiled backward graphs run it as a unit; a weight-sized pass of one byte in, one out."""
+    operand (row data [N, K], row scale) and its power-of-two scale per column (fp32 [K],
+    `mx.operands.transposed_column_scale`): the same values re-scaled per column, not quantized
+    again (`mx.operands.transposed_operand`; docs/design.md, "LoRA on a frozen MXFP6 base").
+    Opaque, so that compiled backward graphs run it as a unit; a weight-sized pass of one byte in,
+    one out."""
     g = FoldGranularity.from_mx_gemm(granularity)
     if use_kernels(row_data):  # inductor's kernels for the same exact steps: the same bits
-        return _transposed_operand_compiled()(row_data, row_scale, g)
-    return transposed_operand(row_data, row_scale, g)
+        return _transposed_operand_compiled()(row_data, row_scale, g, column_scale)
+    return transposed_operand(row_data, row_scale, g, column_scale)
 
 
 @functools.cache
@@ -356,7 +359,7 @@ def _transposed_operand_compiled():
     return torch.compile(transposed_operand, dynamic=False)
 
 
-def _frozen_weight_col_fake(row_data, row_scale, granularity):
+def _frozen_weight_col_fake(row_data, row_scale, column_scale, granularity):
     g = FoldGranularity.from_mx_gemm(granularity)
     n, k = row_data.shape
     np_ = padded_rows(n, g)

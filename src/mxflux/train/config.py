@@ -27,6 +27,12 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class KeptBlocks(_Section):
+    """How many blocks of each kind, counted from the first, `blocks_keeping_gemm_outputs` names."""
+    double: int = Field(0, ge=0)
+    single: int = Field(0, ge=0)
+
+
 class ModelSection(_Section):
     name: str = "flux-tiny"  # a name from mxflux.model.FLUX_CONFIGS
     # Fields of that FluxConfig to replace, e.g. {depth: 4, depth_single_blocks: 8} (studies, benchmarks)
@@ -37,7 +43,9 @@ class ModelSection(_Section):
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
     # Activation checkpointing of the transformer blocks (docs/design.md, "The three GEMMs and their
     # operands"): "none" keeps every block's activations for backward; "full" keeps only each
-    # block's inputs and runs the block's forward again in backward; "mx_packers" (needs
+    # block's inputs and runs the block's forward again in backward; "attention" is "full" keeping
+    # attention's outputs too (2 B per token and channel), so backward runs everything again but
+    # attention (mxflux.nn.recompute.full_recompute_context); "mx_packers" (needs
     # compile: true) keeps what the compiled block keeps except the FP8 column operands Xᵀ of its
     # MX linears' activations, whose packer calls run again in backward from bf16 tensors kept
     # anyway (a single block's linear2 input is rebuilt for it; mxflux.nn.recompute): with
@@ -46,7 +54,11 @@ class ModelSection(_Section):
     # and recomputes everything else in backward, the MX packer calls, norms, RoPE, GELU and the
     # gates included: less memory than mx_packers, in any precision, for more recompute.
     # The booleans of older recipes still work: true is "full", false "none".
-    activation_checkpointing: Literal["none", "full", "mx_packers", "elementwise"] = "none"
+    activation_checkpointing: Literal["none", "full", "attention", "mx_packers", "elementwise"] = "none"
+    # Under "full" or "attention", the first `double` double and `single` single blocks also keep
+    # their linears' GEMM outputs, so backward does not run those GEMMs again: memory a card has
+    # left bought back as speed (a single block's, per byte, buys back the most: the LoRA recipes)
+    blocks_keeping_gemm_outputs: KeptBlocks = KeptBlocks()
     # Released weights to start from (mxflux.model.load_flux_weights): a BFL .safetensors file, a
     # diffusers transformer/ folder or pipeline folder; None: the MLPerf random initialisation.
     # `mxflux check-config` checks it against this section's FluxConfig from the file headers.
@@ -83,6 +95,19 @@ class ModelSection(_Section):
             raise ValueError(f"activation_checkpointing: {mode} needs model.compile: true (the "
                              "selective recompute is the compiled partitioner's); set "
                              "model.compile=true or use activation_checkpointing: full")
+        return self
+
+    @model_validator(mode="after")
+    def _kept_blocks_exist(self) -> "ModelSection":
+        kept, config = self.blocks_keeping_gemm_outputs, self.flux_config()
+        if (kept.double or kept.single) and self.activation_checkpointing not in ("full", "attention"):
+            raise ValueError(f"blocks_keeping_gemm_outputs: applies under activation_checkpointing full or "
+                             f"attention, got {self.activation_checkpointing!r} (set it to 0, 0 or change the mode)")
+        for field, n, depth in (("double", kept.double, config.depth), ("single", kept.single,
+                                                                          config.depth_single_blocks)):
+            if n > depth:
+                raise ValueError(f"blocks_keeping_gemm_outputs.{field}: {n} is more than the model's {depth} "
+                                 f"{field} blocks")
         return self
 
     @field_validator("name")

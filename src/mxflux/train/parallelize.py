@@ -5,7 +5,8 @@ benchmark times exactly the model a training run trains (docs/design.md, "Distri
 training"). The order is the one that composes:
 
 1. Activation checkpointing wraps each transformer block (`checkpoint_wrapper`): with "full"
-   the block's activations are recomputed in backward instead of kept; with "mx_packers" the
+   the block's activations are recomputed in backward instead of kept ("attention": but
+   attention's outputs; `blocks_keeping_gemm_outputs`: the GEMMs' in the first blocks); with "mx_packers" the
    block runs under a selective-checkpointing policy by which the compiled partitioner recomputes
    the MX packer calls on activations instead of keeping their FP8 column operands
    (`mxflux.nn.recompute`; `mx_packer_rebuilt_ops` says what else, and why); with "elementwise"
@@ -57,9 +58,10 @@ def parallelize(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> nn.Module
     if m.compile and m.compile_mode == "reduce-overhead" and ctx.world_size > 1:
         raise ValueError(BLOCK_GRAPHS_ONE_PROCESS.format(world_size=ctx.world_size))
     if m.activation_checkpointing != "none":
-        for blocks in (model.double_blocks, model.single_blocks):
+        kept = m.blocks_keeping_gemm_outputs
+        for blocks, n_kept in ((model.double_blocks, kept.double), (model.single_blocks, kept.single)):
             for i, block in enumerate(blocks):
-                blocks[i] = checkpoint_block(block, m.activation_checkpointing)
+                blocks[i] = checkpoint_block(block, m.activation_checkpointing, keep_gemm_outputs=i < n_kept)
     if m.compile:
         static_kernel_launch()  # where the packers are inlined (MXFLUX_INLINE_PACK=1), inductor launches them
         for block in _blocks(model):
@@ -100,20 +102,28 @@ def mx_packer_rebuilt_ops(block: nn.Module) -> tuple[torch._ops.OpOverload, ...]
     raise TypeError(f"activation_checkpointing=mx_packers: no recompute choice for a {type(block).__name__}")
 
 
-def checkpoint_block(block: nn.Module, mode: str) -> nn.Module:
-    """`block` wrapped for `model.activation_checkpointing` `mode` ("full", "mx_packers" or
-    "elementwise"), in a non-reentrant `torch.utils.checkpoint` (`checkpoint_wrapper`: the
-    parameter names do not change)."""
+def checkpoint_block(block: nn.Module, mode: str, *, keep_gemm_outputs: bool = False) -> nn.Module:
+    """`block` wrapped for `model.activation_checkpointing` `mode` ("full", "attention",
+    "mx_packers" or "elementwise"), in a non-reentrant `torch.utils.checkpoint`
+    (`checkpoint_wrapper`: the parameter names do not change); `keep_gemm_outputs` (full and
+    attention): the block keeps its linears' GEMM outputs too."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    if mode not in ("full", "mx_packers", "elementwise"):
-        raise ValueError(f"activation_checkpointing: expected 'full', 'mx_packers' or 'elementwise', got {mode!r}")
+    if mode not in ("full", "attention", "mx_packers", "elementwise"):
+        raise ValueError("activation_checkpointing: expected 'full', 'attention', 'mx_packers' or 'elementwise', "
+                         f"got {mode!r}")
+    if keep_gemm_outputs and mode not in ("full", "attention"):
+        raise ValueError(f"blocks_keeping_gemm_outputs: applies under 'full' or 'attention', not {mode!r}")
     # In every mode forward's packer calls run again in backward; marked, they count their
     # fold-window blocks once (`mxflux.nn.functional._forward_counter`).
-    mark_recomputed(block, selective=mode != "full")
-    if mode == "full":  # every op recomputed, inside the MX linears' autograd.Functions too
+    selective = mode in ("mx_packers", "elementwise")
+    mark_recomputed(block, selective=selective)
+    if not selective:  # every op recomputed, inside the MX linears' autograd.Functions too, but those kept
         mx = any(isinstance(m, (MXFP6Linear, FrozenMXFP6Linear, FusedMXFP6MLP)) for m in block.modules())
-        return checkpoint_wrapper(block, context_fn=full_recompute_context) if mx else checkpoint_wrapper(block)
+        if not (mx or keep_gemm_outputs or mode == "attention"):
+            return checkpoint_wrapper(block)
+        return checkpoint_wrapper(block, context_fn=full_recompute_context(
+            keep_attention=mode == "attention", keep_gemms=keep_gemm_outputs))
     return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context(
         mx_packer_rebuilt_ops(block), elementwise=mode == "elementwise"))
 
