@@ -224,6 +224,31 @@ def test_attention_checkpointing_keeps_inputs_and_attention_and_the_kept_blocks_
     assert sum(kept_saved.by_dtype.values()) >= inputs + attention + gemms - 64, dict(kept_saved.by_dtype)
 
 
+@pytest.mark.parametrize("mode", ["full", "attention", "mx_packers"])
+def test_blocks_of_one_kind_share_their_compiled_code(gen, mode):
+    """Dynamo guards a compiled block on its `context_fn`'s identity: one made per block recompiled
+    every block, and past dynamo's cache limit (8) Flux-12B's blocks ran eagerly, at half speed.
+    Ten single blocks checkpointed alike compile once (twice: the first input needs no gradient)."""
+    torch.manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    model = Flux(flux_config("flux-tiny", depth=1, depth_single_blocks=10))
+    apply_precision(model, load_recipe("tiny-mxfp6").precision)
+    blocks = model.single_blocks
+    for i, block in enumerate(blocks):
+        blocks[i] = checkpoint_block(block, mode, keep_gemm_outputs=mode != "mx_packers" and i < 5)
+        blocks[i].compile()
+    torch._dynamo.reset()
+    counters.clear()
+    b, d = 2, model.hidden_size
+    x = torch.randn(b, N_TXT + SIDE * SIDE, d, generator=gen).requires_grad_()
+    pe = model.pe_embedder(torch.cat([text_ids(b, N_TXT), image_ids(b, SIDE, SIDE)], 1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for block in blocks:
+            x = block(x, torch.randn(b, d, generator=gen), pe)
+    x.float().sum().backward()
+    # the kept blocks' policy differs from the others': one compile each, the first block's input aside
+    assert counters["stats"]["unique_graphs"] <= (2 if mode == "mx_packers" else 3), dict(counters["stats"])
+
+
 def test_the_policy_refuses_eager_mode(gen):
     """Eager, a recomputed packer call would add its fold-window count a second time."""
     layer = MXFP6Linear(64, 32)

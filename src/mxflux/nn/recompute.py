@@ -119,9 +119,18 @@ class MXPackerRecompute:
 def mx_packer_checkpoint_context(rebuilt: Collection[torch._ops.OpOverload] = (), *, elementwise: bool = False):
     """A `context_fn` for non-reentrant `torch.utils.checkpoint.checkpoint` (or `checkpoint_wrapper`)
     that recomputes the MX packer calls on activations and the `rebuilt` ops (with `elementwise`,
-    every op but the GEMMs and attention); see `MXPackerRecompute`."""
-    return functools.partial(create_selective_checkpoint_contexts,
-                             MXPackerRecompute(rebuilt, elementwise=elementwise))
+    every op but the GEMMs and attention); see `MXPackerRecompute`. The same object for the same
+    arguments (`_context_fn`)."""
+    return _context_fn(MXPackerRecompute, frozenset(rebuilt), elementwise=elementwise)
+
+
+@functools.cache
+def _context_fn(policy_type, *args, **kwargs):
+    """One `context_fn` per policy: dynamo guards the compiled block on the identity of the
+    `context_fn` it was traced with, so blocks of one kind share their compiled code only if they
+    share that object; a new one per block recompiled every block (57 in Flux-12B, past dynamo's
+    cache limit of 8, after which the blocks ran eagerly: 2x the 12B LoRA step on an H100)."""
+    return functools.partial(create_selective_checkpoint_contexts, policy_type(*args, **kwargs))
 
 
 # What `keep_attention` and `keep_gemms` keep (`full_recompute_context`): attention's outputs; the
@@ -164,7 +173,7 @@ def full_recompute_context(*, keep_attention: bool = False, keep_gemms: bool = F
     block's forward GEMMs). Both hold eager and compiled: what the policy saves is saved, every
     other op runs again."""
     kept = (_ATTENTION if keep_attention else frozenset()) | (_LINEAR_GEMMS if keep_gemms else frozenset())
-    return functools.partial(create_selective_checkpoint_contexts, _RecomputeAllBut(kept))
+    return _context_fn(_RecomputeAllBut, kept)
 
 
 def mark_recomputed(module: nn.Module, *, selective: bool = False) -> None:
