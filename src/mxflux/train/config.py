@@ -102,7 +102,8 @@ class ModelSection(_Section):
         kept, config = self.blocks_keeping_gemm_outputs, self.flux_config()
         if (kept.double or kept.single) and self.activation_checkpointing not in ("full", "attention"):
             raise ValueError(f"blocks_keeping_gemm_outputs: applies under activation_checkpointing full or "
-                             f"attention, got {self.activation_checkpointing!r} (set it to 0, 0 or change the mode)")
+                             f"attention, got {self.activation_checkpointing!r} (set it to "
+                             "{double: 0, single: 0} or change the mode)")
         for field, n, depth in (("double", kept.double, config.depth), ("single", kept.single,
                                                                           config.depth_single_blocks)):
             if n > depth:
