@@ -357,3 +357,25 @@ def test_lora_bench_times_every_setting_and_compares_them(tmp_path):
     bad = subprocess.run([*cmd, "--impls", "mxfp6-keep1"], cwd=tmp_path, env=env, timeout=60, capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "--impls: unknown setting 'mxfp6-keep1'" in bad.stderr
+
+
+def test_user_loop_bench_times_each_setting_with_its_optimizer(tmp_path):
+    """benchmarks/bench_user_loop.py on the CPU (tiny recipe, eager): each setting in its own process,
+    torch's AdamW for the precisions, mxflux.optim.AdamW for the last; ratios by the median; a misspelt
+    setting refused before any starts."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_user_loop.py"), "--recipe", "tiny-mxfp6", "--device", "cpu",
+           "--no-compile", "--mbs", "2", "--image", "64", "--txt", "8", "--steps", "2", "--warmup", "1",
+           "--out", str(tmp_path)]
+    subprocess.run([*cmd, "--settings", "bf16,mxfp6-mxflux-adamw"], check=True, cwd=tmp_path, env=env, timeout=300,
+                   capture_output=True)
+    (result,) = tmp_path.glob("bench_user_loop_mbs2_*.json")
+    r = json.loads(result.read_text())
+    assert r["provenance"]["commit"] and [row["setting"] for row in r["rows"]] == ["bf16", "mxfp6-mxflux-adamw"]
+    bf16, ours = r["rows"]
+    assert bf16["optimizer"] == "torch.optim.adamw.AdamW" and ours["optimizer"] == "mxflux.optim.AdamW"
+    assert len(ours["ms_all"]) == 2 and ours["ms_median"] == statistics.median(ours["ms_all"])
+    assert abs(ours["speedup_vs_bf16"] - bf16["ms_median"] / ours["ms_median"]) < 1e-12
+    bad = subprocess.run([*cmd, "--settings", "mxfp6-adamw"], cwd=tmp_path, env=env, timeout=60, capture_output=True,
+                         text=True)
+    assert bad.returncode != 0 and "--settings: unknown 'mxfp6-adamw'" in bad.stderr

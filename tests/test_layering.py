@@ -23,7 +23,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "mxflux"
 # of mxflux and may be imported from anywhere, as may the package root's own names (`__version__`);
 # `cli` is the command line on top.
 LAYER = {"_lazy": 0, "argtypes": 0, "recipes": 0, "mx": 1, "kernels": 2, "ops": 3, "nn": 4, "model": 5, "data": 5, "train": 6,
-         "bench": 7, "cli": 8}
+         "optim": 7, "bench": 7, "cli": 8}
 # Below `train`, only `ops` reaches the kernels.
 KERNEL_IMPORTERS = {"kernels", "ops"}
 
