@@ -33,10 +33,11 @@ import datetime
 import json
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from own_processes import run_settings
 
 # diffusers' Flux LoRA example's target modules, in the blocks only (a bare "proj_out" would also take the
 # final layer): the same linears as mxflux's default (qkv, proj, MLPs, linear1 = q, k, v, proj_mlp; linear2)
@@ -252,19 +253,10 @@ def main(argv=None):
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return
     passthrough = argv if argv is not None else sys.argv[1:]
-    rows = []
-    for impl in args.impls.split(","):
+    impls = args.impls.split(",")
+    for impl in impls:
         _setting(impl)  # a misspelt setting before any is started
-    for impl in args.impls.split(","):
-        cmd = [sys.executable, __file__, "--worker", impl, *passthrough]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            rows.append({"setting": impl, "error": f"timed out after {args.timeout:.0f} s"})
-            continue
-        found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        rows.append(json.loads(found[0]) if found else {"setting": impl, "error": proc.stderr[-3000:]})
-        print(json.dumps(rows[-1])[:400], flush=True)
+    rows = run_settings(__file__, impls, passthrough, args.timeout)
     by = {r["setting"]: r for r in rows if "ms_mean" in r}
     for r in rows:
         for base in ("peft", "bf16"):

@@ -24,10 +24,11 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from own_processes import run_settings
 
 SETTINGS = ("bf16", "fp8-tensorwise", "mxfp6", "mxfp6-mxflux-adamw")
 
@@ -131,17 +132,7 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"--settings: unknown {', '.join(map(repr, unknown))} (expected some of {', '.join(SETTINGS)})")
     passthrough = argv if argv is not None else sys.argv[1:]
-    rows = []
-    for setting in settings:
-        cmd = [sys.executable, __file__, "--worker", setting, *passthrough]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            rows.append({"setting": setting, "error": f"timed out after {args.timeout:.0f} s"})
-            continue
-        found = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        rows.append(json.loads(found[0]) if found else {"setting": setting, "error": proc.stderr[-3000:]})
-        print(json.dumps(rows[-1])[:300], flush=True)
+    rows = run_settings(__file__, settings, passthrough, args.timeout)
     by = {r["setting"]: r for r in rows if "ms_median" in r}
     for r in rows:
         for base in ("bf16", "fp8-tensorwise"):
