@@ -25,6 +25,9 @@
 #              DEEP_ARGS adds arguments. The step without graphs, device idle time profiled, the eager bare loop:
 #              DEEP_SETTINGS=bf16,fp8-tensorwise,mxfp6 DEEP_ROUNDS=1 DEEP_ARGS="--profile-steps 1 --bare-loop"
 #              (mxfp6-inline-pack: the opt-in inline packers, MXFLUX_INLINE_PACK=1)
+# lora         benchmarks/bench_lora.py: the 12B LoRA step at 1024², LORA_IMPLS (mxfp6,peft) each in its own process
+# userloop     benchmarks/bench_user_loop.py: the proxy in a loop of one's own at USERLOOP_MBS (64): bf16, torchao FP8
+#              and MXFP6 with torch's AdamW, MXFP6 with mxflux.optim.AdamW; JSON $OUT/bench_user_loop_mbs*.json
 # fp8seq       benchmarks/probe_fp8_in_process.py: torchao tensorwise then rowwise in one process
 # host         benchmarks/bench_host.py: host time per MX op call (op dispatch, our Python, Triton launch), and
 #              benchmarks/bench_host_linear.py: per compiled linear fwd+bwd against nn.Linear and torchao FP8
@@ -115,6 +118,12 @@ for stage in "$@"; do
         --settings ${DEEP_SETTINGS:-bf16-graph,mxfp6-graph} --rounds ${DEEP_ROUNDS:-3} --setting-timeout ${SETTING_TIMEOUT:-150} \
         --steps 8 --warmup 3 ${DEEP_ARGS:-} --json "$OUT/deep_mbs$mbs.json" > "$OUT/deep_mbs$mbs.log" 2>&1
       grep -v "^\[" "$OUT/deep_mbs$mbs.log" | grep -v "^W11" | tail -40 ;;
+    lora)  # benchmarks/bench_lora.py: the 12B LoRA step, ours (the recipe's checkpointing) against diffusers + peft
+      timeout ${LORA_TIMEOUT:-500} python3 benchmarks/bench_lora.py --impls ${LORA_IMPLS:-mxfp6,peft} --steps 8 \
+        --timeout 150 --out "$OUT" > "$OUT/lora.log" 2>&1; grep -v "^W11" "$OUT/lora.log" | grep -v device_time | tail -20 ;;
+    userloop)  # benchmarks/bench_user_loop.py: a loop of one's own, torch's AdamW against mxflux.optim.AdamW
+      timeout ${USERLOOP_TIMEOUT:-550} python3 benchmarks/bench_user_loop.py --mbs ${USERLOOP_MBS:-64} --timeout 130 \
+        --out "$OUT" > "$OUT/userloop.log" 2>&1; grep -v "^W11" "$OUT/userloop.log" | tail -20 ;;
     fp8seq)  # torchao tensorwise then rowwise in ONE process, launches blocking (issue: the in-process crash)
       CUDA_LAUNCH_BLOCKING=1 timeout ${FP8SEQ_TIMEOUT:-300} python3 benchmarks/probe_fp8_in_process.py ${FP8SEQ_ARGS:-} \
         > "$OUT/fp8seq.log" 2>&1; echo "rc $?"; grep -vE "W11|I11" "$OUT/fp8seq.log" | tail -40 ;;
