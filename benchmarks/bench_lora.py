@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from own_processes import run_settings
+from own_processes import add_arguments, answered_as_worker, run_settings
 
 # diffusers' Flux LoRA example's target modules, in the blocks only (a bare "proj_out" would also take the
 # final layer): the same linears as mxflux's default (qkv, proj, MLPs, linear1 = q, k, v, proj_mlp; linear2)
@@ -245,12 +245,9 @@ def main(argv=None):
                     help="one more step: what it saves for backward, and under the allocator's trace (CUDA) what holds "
                          "memory at its peak")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--timeout", type=float, default=280, help="seconds per setting")
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    add_arguments(ap, timeout=280)
     args = ap.parse_args(argv)
-    if args.worker:
-        print("RESULT " + json.dumps(worker(args)), flush=True)
+    if answered_as_worker(args, worker):
         return
     passthrough = argv if argv is not None else sys.argv[1:]
     impls = args.impls.split(",")

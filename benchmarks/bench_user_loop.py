@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from own_processes import run_settings
+from own_processes import add_arguments, answered_as_worker, run_settings
 
 SETTINGS = ("bf16", "fp8-tensorwise", "mxfp6", "mxfp6-mxflux-adamw")
 
@@ -120,12 +120,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--timeout", type=float, default=150, help="seconds per setting")
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    add_arguments(ap, timeout=150)
     args = ap.parse_args(argv)
-    if args.worker:
-        print("RESULT " + json.dumps(worker(args)), flush=True)
+    if answered_as_worker(args, worker):
         return
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     unknown = [s for s in settings if s not in SETTINGS]
