@@ -40,6 +40,24 @@ def test_deferred_scales_give_the_row_scaled_bits(out_dtype, shape, gains):
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_deferred_scales_with_a_bias_give_the_row_scaled_bits(out_dtype):
+    """With a bias (MXFLUX_DEFER_SCALES=bias) the unit-scaled sums stay fp32, the scales and the bias
+    are applied to them and the result is rounded once: the row-scaled GEMM's epilogue with its bias,
+    bit for bit (where the CPU's `_scaled_mm` runs both forms). The bias added after the rounding
+    ("bias-rounded") is the bias-free GEMM's bits plus the bias, which differs."""
+    a, sa, b, sb = _operands(64, 96, 256, seed=3)
+    bias = (torch.randn(96, generator=torch.Generator().manual_seed(4)) * 4).bfloat16()
+    rowwise = torch._scaled_mm(a, b.t(), sa, sb.t(), bias=bias, out_dtype=out_dtype)
+    got = deferred_scale_gemm(a, sa, b, sb, out_dtype, bias)
+    assert got.dtype == out_dtype and torch.equal(got, rowwise)
+    rounded = deferred_scale_gemm(a, sa, b, sb, out_dtype, bias, bias_after_rounding=True)
+    no_bias = torch._scaled_mm(a, b.t(), sa, sb.t(), out_dtype=out_dtype)
+    assert torch.equal(rounded, (no_bias.float() + bias.float()).to(out_dtype))
+    if out_dtype == torch.bfloat16:
+        assert not torch.equal(rounded, rowwise)
+
+
 def test_deferred_scales_are_needed():
     """Guard: the unit-scaled GEMM without the scales is not the result (the test above would
     catch a deferred GEMM that dropped or misapplied them)."""
@@ -63,5 +81,8 @@ def test_which_gemms_defer_their_scales():
     assert not defers_scales(small, small, False, "auto")  # proj: row-scaled ties there
     assert not defers_scales(big, big, True, "auto")  # a bias is added before the one rounding
     assert not defers_scales(big, big, True, "all")
+    for trial in ("bias", "bias-rounded"):
+        assert defers_scales(big, small, True, trial) and defers_scales(small, big, False, trial)
+        assert not defers_scales(small, small, True, trial)  # proj: the shape rule still holds
     assert defers_scales(small, small, False, "all")
     assert not defers_scales(big, big, False, "none")

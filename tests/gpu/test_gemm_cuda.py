@@ -178,3 +178,22 @@ def test_deferred_scales_equal_the_row_scaled_gemm_bit_for_bit(shape, out_dtype,
     want = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, G.ROWWISE, None, out_dtype)
     got = deferred_scale_gemm(a.row_data, a.row_scale, b.row_data, b.row_scale, out_dtype)
     assert torch.equal(got, want)
+    want = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, G.ROWWISE, None, out_dtype)
+    got = deferred_scale_gemm(a.row_data, a.row_scale, b.row_data, b.row_scale, out_dtype)
+    assert torch.equal(got, want)
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_deferred_scales_with_a_bias_equal_the_row_scaled_gemm_bit_for_bit(shape, gen):
+    """With a bias (MXFLUX_DEFER_SCALES=bias): the unit-scaled sums in fp32, scaled, the bias added and
+    rounded once give the row-scaled GEMM's bias epilogue bit for bit."""
+    from mxflux.kernels.gemm import deferred_scale_gemm
+
+    a, b, _ = operands(*shape, G.ROWWISE, gen)
+    bias = (torch.randn(shape[1], generator=gen) * 2).to("cuda", torch.bfloat16)
+    want = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, G.ROWWISE, bias, torch.bfloat16)
+    got = deferred_scale_gemm(a.row_data, a.row_scale, b.row_data, b.row_scale, torch.bfloat16, bias)
+    assert torch.equal(got, want)

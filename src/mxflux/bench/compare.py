@@ -90,10 +90,16 @@ SETTINGS["mxfp6-inline-pack-block-graphs"] = SETTINGS["mxfp6-block-graphs"]
 # A/B of the deferred scales: mxfp6 with every compiled MX GEMM on cuBLAS's row-scaled kernels
 # (MXFLUX_DEFER_SCALES=none; bit-identical numerics, `kernels.gemm.deferred_scale_gemm`)
 SETTINGS["mxfp6-rowscaled"] = SETTINGS["mxfp6"]
+# trials of the GEMMs with a bias unit-scaled too (`kernels.gemm.defers_scales`): their sums in fp32
+# (the same bits), or rounded before the bias is added (torchao's FP8 linears' order, not our contract)
+SETTINGS["mxfp6-defer-bias"] = SETTINGS["mxfp6"]
+SETTINGS["mxfp6-bias-rounded"] = SETTINGS["mxfp6"]
 # Environment variables a setting's process runs with (the switches read at import, not recipe fields)
 SETTING_ENV = {"mxfp6-inline-pack": {"MXFLUX_INLINE_PACK": "1"},
                "mxfp6-inline-pack-block-graphs": {"MXFLUX_INLINE_PACK": "1"},
-               "mxfp6-rowscaled": {"MXFLUX_DEFER_SCALES": "none"}}
+               "mxfp6-rowscaled": {"MXFLUX_DEFER_SCALES": "none"},
+               "mxfp6-defer-bias": {"MXFLUX_DEFER_SCALES": "bias"},
+               "mxfp6-bias-rounded": {"MXFLUX_DEFER_SCALES": "bias-rounded"}}
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 
 # The throughput proxy of flux-12b (`--proxy`): its width (3072) and attention heads, 2 double + 4

@@ -285,8 +285,11 @@ def _contiguous(copies, *operands):
 # Where compiled code runs a row-granularity GEMM as the unit-scaled (tensor-wise) FP8 GEMM with its
 # row and column scales applied by the code that reads the output (`deferred_scale_gemm`): "auto" (the
 # default) by `defers_scales`' shape rule, "all" every bias-free GEMM, "none" never (cuBLAS's row-scaled
-# GEMM, as before; A/B runs). Read once, at import: MXFLUX_DEFER_SCALES.
-DEFER_SCALES_MODES = ("auto", "all", "none")
+# GEMM, as before; A/B runs). Two trial modes take the GEMMs with a bias too, by auto's shape rule: "bias"
+# writes their unit-scaled sums in fp32 (the contract's one rounding kept, twice the output's bytes), and
+# "bias-rounded" writes them in the output dtype and adds the bias after that rounding (torchao's FP8
+# linears do so; outside this GEMM's contract). Read once, at import: MXFLUX_DEFER_SCALES.
+DEFER_SCALES_MODES = ("auto", "all", "bias", "bias-rounded", "none")
 DEFER_SCALES = os.environ.get("MXFLUX_DEFER_SCALES", "auto")
 if DEFER_SCALES not in DEFER_SCALES_MODES:
     raise ValueError(f"MXFLUX_DEFER_SCALES: expected one of {', '.join(DEFER_SCALES_MODES)}, got {DEFER_SCALES!r}")
@@ -300,19 +303,26 @@ DEFER_MIN_DIM = 8192
 
 def defers_scales(n: int, k: int, has_bias: bool, mode: str | None = None) -> bool:
     """Whether a compiled row-granularity GEMM with N output columns and contraction K runs as
-    `deferred_scale_gemm`. Never with a bias: the bias belongs before the one rounding, inside the
-    epilogue that only the row-scaled kernel offers (adding it to the unit-scaled result would round
-    twice). `mode` defaults to `DEFER_SCALES`."""
+    `deferred_scale_gemm`. With a bias only in the trial modes "bias" and "bias-rounded": the bias
+    belongs before the one rounding, inside the epilogue that only the row-scaled kernel offers, unless
+    the unit-scaled sums are written in fp32 ("bias"; adding it to the rounded result, "bias-rounded",
+    rounds twice). `mode` defaults to `DEFER_SCALES`."""
     mode = DEFER_SCALES if mode is None else mode
-    if has_bias or mode == "none":
+    if mode == "none" or (has_bias and mode not in ("bias", "bias-rounded")):
         return False
     return mode == "all" or max(n, k) >= DEFER_MIN_DIM
 
 
 def deferred_scale_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
-                        out_dtype: torch.dtype) -> torch.Tensor:
+                        out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+                        bias_after_rounding: bool = False) -> torch.Tensor:
     """(A ⊙ a_scale)(B ⊙ b_scale)ᵀ for row-granularity operands (a_scale [M, 1], b_scale [N, 1], powers
     of two), as the unit-scaled FP8 GEMM, rounded to `out_dtype`, times a_scale · b_scaleᵀ.
+
+    With a `bias`: the unit-scaled sums in fp32 (the accumulator as it is), times the scales (exact),
+    plus the bias in fp32, rounded once to `out_dtype`: the row-scaled kernel's bias epilogue, step by
+    step. With `bias_after_rounding` the sums are rounded to `out_dtype` as without a bias and the
+    bias is added to that (in fp32, rounded again): half the bytes, not the GEMM contract's bits.
 
     Bit-identical to the row-scaled GEMM wherever the output is a normal number of `out_dtype`:
     rounding commutes with multiplication by a power of two, so round(acc) · 2^e = round(acc · 2^e).
@@ -324,8 +334,12 @@ def deferred_scale_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: tor
     gradient's cast): the GEMM runs cuBLAS's tensor-wise kernels, which pick larger tiles than its
     row-scaled ones."""
     one = torch.ones((), dtype=torch.float32, device=a_data.device)
+    if bias is not None and not bias_after_rounding:
+        acc = torch._scaled_mm(a_data, b_data.t(), one, one, out_dtype=torch.float32, use_fast_accum=False)
+        return (acc * (a_scale * b_scale.t()) + bias.float()).to(out_dtype)
     acc = torch._scaled_mm(a_data, b_data.t(), one, one, out_dtype=out_dtype, use_fast_accum=False)
-    return (acc.float() * (a_scale * b_scale.t())).to(out_dtype)
+    out = (acc.float() * (a_scale * b_scale.t())).to(out_dtype)
+    return out if bias is None else (out.float() + bias.float()).to(out_dtype)
 
 
 def scaled_gemm_cuda_traceable(
@@ -354,7 +368,7 @@ def scaled_gemm_cuda_traceable(
         return None
     a_data, a_scale, b_data, b_scale = _contiguous(copies, a_data, a_scale, b_data, b_scale)
     if defers_scales(b_data.shape[0], a_data.shape[1], bias is not None):
-        return deferred_scale_gemm(a_data, a_scale, b_data, b_scale, out_dtype)
+        return deferred_scale_gemm(a_data, a_scale, b_data, b_scale, out_dtype, bias, DEFER_SCALES == "bias-rounded")
     sb = b_scale.t()
     if out_dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
         return torch._scaled_mm(a_data, b_data.t(), a_scale, sb, bias=bias, out_dtype=out_dtype,

@@ -59,6 +59,10 @@ def step_path(trainer) -> dict:
             "auto": (f"; bias-free GEMMs with N or K >= {DEFER_MIN_DIM} tensor-wise, their scales applied by the "
                      "next op"),
             "all": "; bias-free GEMMs tensor-wise, their scales applied by the next op (MXFLUX_DEFER_SCALES=all)",
+            "bias": (f"; GEMMs with N or K >= {DEFER_MIN_DIM} tensor-wise, bias ones with fp32 sums "
+                     "(MXFLUX_DEFER_SCALES=bias)"),
+            "bias-rounded": (f"; GEMMs with N or K >= {DEFER_MIN_DIM} tensor-wise, the bias added after rounding "
+                             "(MXFLUX_DEFER_SCALES=bias-rounded)"),
             "none": "; row-scaled (MXFLUX_DEFER_SCALES=none)"}[DEFER_SCALES]
     if not mx or not m.compile or not kernels:
         packers = gemm  # for the same reason
