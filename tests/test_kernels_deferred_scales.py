@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxflux.kernels.gemm import DEFER_MIN_DIM, defers_scales, deferred_scale_gemm
+from mxflux.kernels.gemm import DEFER_BIAS_MAX_N, DEFER_MIN_DIM, defers_scales, deferred_scale_gemm
 from mxflux.mx import FoldGranularity as G
 from mxflux.mx import mx_operands_reference, scaled_gemm_reference
 
@@ -84,5 +84,7 @@ def test_which_gemms_defer_their_scales():
     for trial in ("bias", "bias-rounded"):
         assert defers_scales(big, small, True, trial) and defers_scales(small, big, False, trial)
         assert not defers_scales(small, small, True, trial)  # proj: the shape rule still holds
+        assert not defers_scales(DEFER_BIAS_MAX_N + 32, small, True, trial)  # linear1: read in four parts
+        assert defers_scales(DEFER_BIAS_MAX_N + 32, small, False, trial)
     assert defers_scales(small, small, False, "all")
     assert not defers_scales(big, big, False, "none")

@@ -35,7 +35,7 @@ if HAS_TRITON:
 
     _BLOCK = tl.constexpr(MX_BLOCK)
 
-__all__ = ["DEFER_SCALES", "DEFER_SCALES_MODES", "GEMM_SHAPE_RULES", "defers_scales", "deferred_scale_gemm",
+__all__ = ["DEFER_BIAS_MAX_N", "DEFER_SCALES", "DEFER_SCALES_MODES", "GEMM_SHAPE_RULES", "defers_scales", "deferred_scale_gemm",
            "scaled_gemm_cuda", "scaled_gemm_cuda_traceable"]
 
 # What cuBLAS (through torch 2.11 + CUDA 13 on an H200) needs; see benchmarks/RESULTS.md.
@@ -300,15 +300,21 @@ if DEFER_SCALES not in DEFER_SCALES_MODES:
 # (proj). The step it gives: benchmarks/RESULTS.md, "Current headline".
 DEFER_MIN_DIM = 8192
 
+# In the "bias" trial modes a GEMM with a bias and more output columns than this keeps the row-scaled
+# kernel. Flux has one: a single block's linear1 (N = 21504), whose output four readers take apart (q, k,
+# v, the MLP input); deferred, inductor wrote its scaled output in a pass of its own (a standalone
+# `to_copy_add_mul` kernel, 4.5 ms of the proxy's MBS-64 step on an H100, more than its faster tiles saved).
+DEFER_BIAS_MAX_N = 16384
+
 
 def defers_scales(n: int, k: int, has_bias: bool, mode: str | None = None) -> bool:
     """Whether a compiled row-granularity GEMM with N output columns and contraction K runs as
     `deferred_scale_gemm`. With a bias only in the trial modes "bias" and "bias-rounded": the bias
     belongs before the one rounding, inside the epilogue that only the row-scaled kernel offers, unless
     the unit-scaled sums are written in fp32 ("bias"; adding it to the rounded result, "bias-rounded",
-    rounds twice). `mode` defaults to `DEFER_SCALES`."""
+    rounds twice), and then only up to `DEFER_BIAS_MAX_N` output columns. `mode` defaults to `DEFER_SCALES`."""
     mode = DEFER_SCALES if mode is None else mode
-    if mode == "none" or (has_bias and mode not in ("bias", "bias-rounded")):
+    if mode == "none" or (has_bias and (mode not in ("bias", "bias-rounded") or n > DEFER_BIAS_MAX_N)):
         return False
     return mode == "all" or max(n, k) >= DEFER_MIN_DIM
 
