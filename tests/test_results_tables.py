@@ -31,7 +31,8 @@ def _copy(tmp_path: Path) -> Path:
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     for rel in ("benchmarks/claims.yaml", "benchmarks/RESULTS.md", "README.md",
                 *{f"benchmarks/{c['file']}" for c in spec["claims"]},
-                *(f"benchmarks/{f}" for key in ("cpu_threads", "convergence", "lora") for f in spec.get(key, ()))):
+                *(f"benchmarks/{f}" for key in ("cpu_threads", "convergence", "lora", "user_loop") for f in spec.get(key, ())),
+                *(f"benchmarks/{call['file']}" for call in spec.get("settings", ()))):
         shutil.copy(ROOT / rel, tmp_path / rel)
     assert tables.main(["--base", str(tmp_path)]) == 0  # regenerated there ("code unknown to git here")
     return tmp_path
@@ -66,6 +67,29 @@ def _edit_results(base: Path, claim_id: str, edit) -> None:
     results = json.loads(path.read_text())
     edit(results)
     path.write_text(json.dumps(results))
+
+
+def test_a_trial_or_user_loop_number_edited_by_hand_fails_the_check(tmp_path):
+    """The settings table (trials, memory settings) and the user-loop table are generated too."""
+    base = _copy(tmp_path)
+    path = base / "benchmarks" / "RESULTS.md"
+    text = path.read_text()
+    for prefix in ("| [e74194a]", "| 64 | mxfp6-mxflux-adamw"):
+        row = next(line for line in text.splitlines() if line.startswith(prefix))
+        vs_fp8 = row.split("|")[4].strip() if prefix.startswith("| [") else row.split("|")[5].strip()
+        path.write_text(text.replace(row, row.replace(vs_fp8, "1.100x")))
+        assert tables.main(["--check", "--base", str(base)]) == 1
+    path.write_text(text)
+    assert tables.main(["--check", "--base", str(base)]) == 0
+
+
+def test_a_trial_call_without_fp8_is_refused(tmp_path, capsys):
+    base = _copy(tmp_path)
+    rel = yaml.safe_load((base / "benchmarks" / "claims.yaml").read_text())["settings"][0]["file"]
+    path = base / "benchmarks" / rel
+    path.write_text(json.dumps([r for r in json.loads(path.read_text()) if r["label"] != "fp8-tensorwise"]))
+    assert tables.main(["--check", "--base", str(base)]) == 2
+    assert "no torchao FP8 tensor-wise setting" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("edit, message", [
