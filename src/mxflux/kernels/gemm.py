@@ -35,8 +35,8 @@ if HAS_TRITON:
 
     _BLOCK = tl.constexpr(MX_BLOCK)
 
-__all__ = ["DEFER_BIAS_MAX_N", "DEFER_SCALES", "DEFER_SCALES_MODES", "GEMM_SHAPE_RULES", "defers_scales", "deferred_scale_gemm",
-           "scaled_gemm_cuda", "scaled_gemm_cuda_traceable"]
+__all__ = ["DEFER_BIAS_MAX_N", "DEFER_SCALES", "DEFER_SCALES_MODES", "GEMM_SHAPE_RULES", "defers_scales",
+           "deferred_scale_gemm", "scaled_gemm_cuda", "scaled_gemm_cuda_traceable"]
 
 # What cuBLAS (through torch 2.11 + CUDA 13 on an H200) needs; see benchmarks/RESULTS.md.
 GEMM_SHAPE_RULES = {

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from ..kernels.gemm import DEFER_BIAS_MAX_N
 from ..ops.custom_ops import DEFER_MIN_DIM, DEFER_SCALES, FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK, static_launch_on
 from .build import weight_state_off
 from .optimizer import STEP_KERNELS
@@ -59,10 +60,10 @@ def step_path(trainer) -> dict:
             "auto": (f"; bias-free GEMMs with N or K >= {DEFER_MIN_DIM} tensor-wise, their scales applied by the "
                      "next op"),
             "all": "; bias-free GEMMs tensor-wise, their scales applied by the next op (MXFLUX_DEFER_SCALES=all)",
-            "bias": (f"; GEMMs with N or K >= {DEFER_MIN_DIM} tensor-wise, bias ones with fp32 sums "
-                     "(MXFLUX_DEFER_SCALES=bias)"),
-            "bias-rounded": (f"; GEMMs with N or K >= {DEFER_MIN_DIM} tensor-wise, the bias added after rounding "
-                             "(MXFLUX_DEFER_SCALES=bias-rounded)"),
+            "bias": (f"; GEMMs with N or K >= {DEFER_MIN_DIM} tensor-wise, those with a bias (N <= "
+                     f"{DEFER_BIAS_MAX_N}) with fp32 sums (MXFLUX_DEFER_SCALES=bias)"),
+            "bias-rounded": (f"; GEMMs with N or K >= {DEFER_MIN_DIM} tensor-wise, those with a bias (N <= "
+                             f"{DEFER_BIAS_MAX_N}) rounded before it is added (MXFLUX_DEFER_SCALES=bias-rounded)"),
             "none": "; row-scaled (MXFLUX_DEFER_SCALES=none)"}[DEFER_SCALES]
     if not mx or not m.compile or not kernels:
         packers = gemm  # for the same reason
