@@ -28,6 +28,10 @@ from mxflux.train.clipping import clip_and_step
 from mxflux.train.distributed import cleanup
 from mxflux.train.optimizer import ClippingAdamW
 
+import triton_interpreter_fix  # beside this script: numpy 2.4 under Triton 3.6's interpreter
+
+triton_interpreter_fix.apply()
+
 
 def model() -> nn.Module:
     torch.manual_seed(0)

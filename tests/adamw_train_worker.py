@@ -16,6 +16,10 @@ import sys
 from mxflux.cli import main
 from mxflux.train import adamw_cuda
 
+import triton_interpreter_fix  # beside this script: numpy 2.4 under Triton 3.6's interpreter
+
+triton_interpreter_fix.apply()
+
 if __name__ == "__main__":
     adamw_cuda.on_kernel_device = lambda t: t.device.type == "cpu"
     adamw_cuda.LARGE = 1024

@@ -7,6 +7,10 @@ import os
 
 import pytest
 import torch
+import triton_interpreter_fix
+
+# tests run under TRITON_INTERPRET=1 (`make test-kernels`) with any numpy (the module says why)
+triton_interpreter_fix.apply()
 
 # Under pytest-xdist (`make test`: one worker per core) each worker and every process it starts runs
 # torch, MKL and numba on one thread. Two workers of two threads each on two cores oversubscribe them,
