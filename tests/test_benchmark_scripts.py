@@ -379,3 +379,36 @@ def test_user_loop_bench_times_each_setting_with_its_optimizer(tmp_path):
     bad = subprocess.run([*cmd, "--settings", "mxfp6-adamw"], cwd=tmp_path, env=env, timeout=60, capture_output=True,
                          text=True)
     assert bad.returncode != 0 and "--settings: unknown 'mxfp6-adamw'" in bad.stderr
+
+
+def _cute_dsl_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("cutlass") is not None
+
+
+@pytest.mark.skipif(_cute_dsl_installed(), reason="CuTe DSL is installed here")
+def test_cute_rowwise_probe_says_what_it_needs_without_cute_dsl(tmp_path):
+    """benchmarks/probe_cute_rowwise_gemm.py where nvidia-cutlass-dsl is not installed (CI): one line naming
+    it, exit 2, no traceback and no JSON."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_cute_rowwise_gemm.py"), "--compile-only",
+                        "--json", str(tmp_path / "x.json")], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == "probe_cute_rowwise_gemm: needs nvidia-cutlass-dsl (CuTe DSL; pip install nvidia-cutlass-dsl)"
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.skipif(not _cute_dsl_installed(), reason="needs nvidia-cutlass-dsl")
+def test_cute_rowwise_gemm_builds_for_sm90_without_a_gpu(tmp_path):
+    """The CuTe-DSL row-scaled GEMM compiles for sm_90a from fake tensors in every configuration, with and
+    without its bias (what can be checked without a GPU; the probe's GPU run checks its numbers)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_cute_rowwise_gemm.py"), "--compile-only",
+                        "--json", str(tmp_path / "x.json")], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "x.json").read_text())["rows"]
+    probe = _benchmark_module("probe_cute_rowwise_gemm")
+    assert {(row["config"], row["bias"]) for row in rows if row["compiled"]} == {
+        (c, b) for c in probe.CONFIGS for b in (True, False)}

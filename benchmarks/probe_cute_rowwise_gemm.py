@@ -1,0 +1,198 @@
+"""Does a row-scaled FP8 GEMM with the tensor-wise kernels' tiles beat cuBLAS's row-scaled one?
+
+MXFP6's forward GEMMs run cuBLAS's only row-scaled algorithm (128x128 tiles, no clusters, the bias in
+its epilogue): 40 ms of the proxy's MBS-64 step against ~30 for torchao's tensor-wise ones, the GEMM
+gap of issue 48 (benchmarks/RESULTS.md, NOTES.md "The fprop GEMMs unit-scaled"). Deferring the scales
+to the next op does not pay (the partitioner then writes the scaled output whole), so the scales have
+to be applied where the accumulator is. `cute_rowwise_gemm.py` is such a GEMM in CuTe DSL (CUTLASS's
+persistent warp-specialized Hopper FP8 GEMM with the row granularity's scales and the bias in its
+epilogue). This probe, per tile configuration and per Flux GEMM with a bf16 output (fprop with its
+bias, dgrad without), checks its output within the GEMM contract against cuBLAS's row-scaled one
+(every element written, each within the fp32 summation bound: `probe_scaled_mm_autotune._within_contract`)
+and times it beside cuBLAS row-scaled (what MXFP6 runs) and cuBLAS tensor-wise (unit scales: the
+tiles torchao's GEMMs get).
+
+    PYTHONPATH=src python3 benchmarks/probe_cute_rowwise_gemm.py --json $OUT/cute_rowwise_gemm.json
+    python3 benchmarks/probe_cute_rowwise_gemm.py --compile-only   # no GPU: builds each configuration for sm_90a
+
+Needs nvidia-cutlass-dsl (`pip install nvidia-cutlass-dsl`, with the `cu13` extra for CUDA 13); the
+wgrad GEMM (fp32 output) is not covered: the kernel's epilogue stores 16-bit outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+# tile (M, N) and cluster (M, N) of each configuration tried
+# (the kernel takes tile M 64 or 128, tile N 64, 128 or 256, at most 4 CTAs to a cluster)
+CONFIGS = {"128x256-2x1": ((128, 256), (2, 1)), "128x256-1x1": ((128, 256), (1, 1)),
+           "128x128-2x1": ((128, 128), (2, 1)), "128x128-1x2": ((128, 128), (1, 2))}
+SM90_SMS = 132  # an H100 SXM's SMs: the persistent grid's size where no device is there to ask
+
+
+def _problems(m_tokens: int):
+    """(linear, kind, M, N, K, has_bias) of each Flux linear's bf16-output GEMMs at m_tokens tokens."""
+    from bench_kernels import LINEARS  # (name, K, N)
+
+    out = []
+    for name, k, n in LINEARS:
+        out += [(name, "fprop", m_tokens, n, k, True), (name, "dgrad", m_tokens, k, n, False)]
+    return out
+
+
+def _kernel(config: str):
+    import cutlass
+
+    from cute_rowwise_gemm import RowScaledFP8Gemm
+
+    tile, cluster = CONFIGS[config]
+    return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, 1, True)
+
+
+def compile_only(configs: list[str]) -> list[dict]:
+    """Build each configuration, with and without the bias, for sm_90a from fake tensors (no GPU)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    m, n, k = 32768, 3072, 12288
+    rows = []
+    for config in configs:
+        for has_bias in (True, False):
+            fake = dict(
+                a=make_fake_compact_tensor(cutlass.Float8E4M3FN, (m, k, 1), stride_order=(1, 0, 2), assumed_align=16),
+                b=make_fake_compact_tensor(cutlass.Float8E4M3FN, (n, k, 1), stride_order=(1, 0, 2), assumed_align=16),
+                c=make_fake_compact_tensor(cutlass.BFloat16, (m, n, 1), stride_order=(1, 0, 2), assumed_align=16),
+                sa=make_fake_compact_tensor(cutlass.Float32, (m,), assumed_align=16),
+                sb=make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=16),
+                bias=make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=16))
+            cluster = CONFIGS[config][1]
+            t = time.perf_counter()
+            cute.compile(_kernel(config), *fake.values(), has_bias, SM90_SMS // (cluster[0] * cluster[1]),
+                         make_fake_stream())
+            rows.append(dict(config=config, bias=has_bias, compiled=True, compile_s=round(time.perf_counter() - t, 2)))
+            print(f"{config:12s} bias={has_bias!s:5s} compiled in {rows[-1]['compile_s']} s", flush=True)
+    return rows
+
+
+class _CuteGemm:
+    """One configuration compiled once (dynamic layouts) and called on torch tensors."""
+
+    def __init__(self, config: str, has_bias: bool):
+        self.config, self.has_bias, self.compiled = config, has_bias, None
+
+    @staticmethod
+    def _tensor(t, dtype, leading_dim: int):
+        from cutlass.cute.runtime import from_dlpack
+
+        ct = from_dlpack(t.view(__import__("torch").uint8) if t.element_size() == 1 else t, assumed_align=16)
+        ct.element_type = dtype
+        return ct.mark_layout_dynamic(leading_dim=leading_dim)
+
+    def __call__(self, a, b, sa, sb, bias, out):
+        """out [M, N] bf16 = (a ⊙ sa)(b ⊙ sb)ᵀ + bias: a [M, K], b [N, K] E4M3; sa [M, 1], sb [1, N], bias [N]."""
+        import cuda.bindings.driver as cuda
+        import cutlass
+        import cutlass.cute as cute
+        import torch
+
+        args = (self._tensor(a.unsqueeze(-1), cutlass.Float8E4M3FN, 1), self._tensor(b.unsqueeze(-1), cutlass.Float8E4M3FN, 1),
+                self._tensor(out.unsqueeze(-1), cutlass.BFloat16, 1),
+                self._tensor(sa.reshape(-1).contiguous(), cutlass.Float32, 0),
+                self._tensor(sb.reshape(-1).contiguous(), cutlass.Float32, 0),
+                self._tensor((bias if bias is not None else torch.zeros(b.shape[0], device=a.device)).float().contiguous(),
+                             cutlass.Float32, 0))
+        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        if self.compiled is None:
+            cluster = CONFIGS[self.config][1]
+            clusters = cutlass.utils.HardwareInfo().get_max_active_clusters(cluster[0] * cluster[1])
+            self.compiled = cute.compile(_kernel(self.config), *args, self.has_bias, clusters, stream)
+        self.compiled(*args, stream)
+        return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    ap.add_argument("--m", type=int, default=32768, help="tokens (the GEMMs' M)")
+    ap.add_argument("--compile-only", action="store_true", help="build for sm_90a from fake tensors; no GPU needed")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        ap.error(f"unknown configuration: {', '.join(bad)}")
+    if args.compile_only:  # the DSL reads its target when it is imported
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    try:
+        import cutlass  # noqa: F401
+    except ImportError:
+        print("probe_cute_rowwise_gemm: needs nvidia-cutlass-dsl (CuTe DSL; pip install nvidia-cutlass-dsl)",
+              file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, run from anywhere
+    if args.compile_only:
+        rows = compile_only(configs)
+    else:
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+            print("probe_cute_rowwise_gemm: needs a CUDA device of sm_90 (--compile-only builds without one)",
+                  file=sys.stderr)
+            return 2
+        import triton.testing
+
+        from probe_scaled_mm_autotune import _operands, _within_contract
+
+        def bench(fn) -> float:
+            return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        kernels = {(c, bias): _CuteGemm(c, bias) for c in configs for bias in (True, False)}
+        rows = []
+        for name, kind, m, n, k, has_bias in _problems(args.m):
+            a, b, sa, sb, bias = _operands(m, k, n, gen)
+            bias = bias if has_bias else None
+            one = torch.ones((), device="cuda")
+            rowwise = lambda: torch._scaled_mm(a, b.t(), sa, sb, bias=bias, out_dtype=torch.bfloat16)  # noqa: E731
+            tensorwise = lambda: torch._scaled_mm(a, b.t(), one, one, bias=bias, out_dtype=torch.bfloat16)  # noqa: E731
+            want = rowwise()
+            row = dict(linear=name, kind=kind, m=m, n=n, k=k, bias=has_bias, cublas_rowwise_ms=bench(rowwise),
+                       cublas_tensorwise_ms=bench(tensorwise))
+            for config in configs:
+                gemm = kernels[(config, has_bias)]
+                out = torch.full_like(want, float("nan"))  # every element must be written
+                try:
+                    gemm(a, b, sa, sb, bias, out)
+                    torch.cuda.synchronize()
+                except Exception as e:  # a configuration the DSL or the device refuses: say so, go on
+                    row[config] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                    continue
+                ok, equal, worst = _within_contract(out, want, a, b, sa, sb)
+                ms = bench(lambda: gemm(a, b, sa, sb, bias, out))
+                row[config] = dict(ms=ms, within_contract=ok, bit_equal=equal, worst_over_bound=worst,
+                                   vs_cublas_rowwise=row["cublas_rowwise_ms"] / ms,
+                                   vs_cublas_tensorwise=row["cublas_tensorwise_ms"] / ms)
+            rows.append(row)
+            best = max((c for c in configs if "ms" in row.get(c, {})), key=lambda c: row[c]["vs_cublas_rowwise"],
+                       default=None)
+            print(f"{name:8s} {kind:6s} M={m} N={n} K={k}: cuBLAS row {row['cublas_rowwise_ms']:.3f} ms, "
+                  f"tensor-wise {row['cublas_tensorwise_ms']:.3f} ms; " +
+                  (f"best {best} {row[best]['ms']:.3f} ms ({row[best]['vs_cublas_rowwise']:.2f}x row, "
+                   f"contract {row[best]['within_contract']})" if best else "no configuration ran"), flush=True)
+    if args.json:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+        from mxflux.bench.provenance import provenance
+
+        with open(args.json, "w") as f:
+            json.dump({"provenance": provenance(), "configs": {c: CONFIGS[c] for c in configs}, "rows": rows}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
