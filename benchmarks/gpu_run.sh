@@ -46,7 +46,7 @@
 # cutedsl      installs CuTe DSL from .cutedsl/a or .cutedsl/b (whichever is there) into /tmp/site-cute;
 #              benchmarks/cutedsl_carry.sh says how the two parts come over in two calls
 # cuterow      benchmarks/probe_cute_rowwise_gemm.py: the CuTe-DSL row-scaled FP8 GEMM against cuBLAS's
-#              row-scaled and tensor-wise GEMMs at the Flux fprop and dgrad shapes, contract checked
+#              row-scaled and tensor-wise GEMMs at the Flux fprop, dgrad and wgrad shapes, contract checked
 #              (CUTEROW_ARGS, e.g. "--configs 128x256-2x1"); needs the `cutedsl` stage's two parts
 # Two GPUs, one call (background job + `wait`, never a pgrep on a pattern the command line contains):
 #   export OUT; CUDA_VISIBLE_DEVICES=1 bash benchmarks/gpu_run.sh convergence >$OUT/conv.log 2>&1 &

@@ -6,8 +6,8 @@ gap of issue 48 (benchmarks/RESULTS.md, NOTES.md "The fprop GEMMs unit-scaled").
 to the next op does not pay (the partitioner then writes the scaled output whole), so the scales have
 to be applied where the accumulator is. `cute_rowwise_gemm.py` is such a GEMM in CuTe DSL (CUTLASS's
 persistent warp-specialized Hopper FP8 GEMM with the row granularity's scales and the bias in its
-epilogue). This probe, per tile configuration and per Flux GEMM with a bf16 output (fprop with its
-bias, dgrad without), checks its output within the GEMM contract against cuBLAS's row-scaled one
+epilogue). This probe, per tile configuration and per Flux GEMM (fprop with its bias and dgrad, bf16
+out; wgrad, fp32 out), checks its output within the GEMM contract against cuBLAS's row-scaled one
 (every element written, each within the fp32 summation bound: `probe_scaled_mm_autotune._within_contract`)
 and times it beside cuBLAS row-scaled (what MXFP6 runs) and cuBLAS tensor-wise (unit scales: the
 tiles torchao's GEMMs get).
@@ -15,8 +15,7 @@ tiles torchao's GEMMs get).
     PYTHONPATH=src python3 benchmarks/probe_cute_rowwise_gemm.py --json $OUT/cute_rowwise_gemm.json
     python3 benchmarks/probe_cute_rowwise_gemm.py --compile-only   # no GPU: builds each configuration for sm_90a
 
-Needs nvidia-cutlass-dsl (`pip install nvidia-cutlass-dsl`, with the `cu13` extra for CUDA 13); the
-wgrad GEMM (fp32 output) is not covered: the kernel's epilogue stores 16-bit outputs.
+Needs nvidia-cutlass-dsl (`pip install nvidia-cutlass-dsl`, with the `cu13` extra for CUDA 13).
 """
 
 from __future__ import annotations
@@ -35,12 +34,13 @@ SM90_SMS = 132  # an H100 SXM's SMs: the persistent grid's size where no device 
 
 
 def _problems(m_tokens: int):
-    """(linear, kind, M, N, K, has_bias) of each Flux linear's bf16-output GEMMs at m_tokens tokens."""
+    """(linear, kind, M, N, K, has_bias, fp32 output) of each Flux linear's three GEMMs at m_tokens tokens."""
     from bench_kernels import LINEARS  # (name, K, N)
 
     out = []
     for name, k, n in LINEARS:
-        out += [(name, "fprop", m_tokens, n, k, True), (name, "dgrad", m_tokens, k, n, False)]
+        out += [(name, "fprop", m_tokens, n, k, True, False), (name, "dgrad", m_tokens, k, n, False, False),
+                (name, "wgrad", n, k, m_tokens, False, True)]
     return out
 
 
@@ -54,7 +54,8 @@ def _kernel(config: str):
 
 
 def compile_only(configs: list[str]) -> list[dict]:
-    """Build each configuration, with and without the bias, for sm_90a from fake tensors (no GPU)."""
+    """Build each configuration for sm_90a from fake tensors (no GPU): bf16 out with and without the bias
+    (fprop, dgrad), fp32 out without (wgrad)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -62,11 +63,12 @@ def compile_only(configs: list[str]) -> list[dict]:
     m, n, k = 32768, 3072, 12288
     rows = []
     for config in configs:
-        for has_bias in (True, False):
+        for has_bias, fp32_out in ((True, False), (False, False), (False, True)):
             fake = dict(
                 a=make_fake_compact_tensor(cutlass.Float8E4M3FN, (m, k, 1), stride_order=(1, 0, 2), assumed_align=16),
                 b=make_fake_compact_tensor(cutlass.Float8E4M3FN, (n, k, 1), stride_order=(1, 0, 2), assumed_align=16),
-                c=make_fake_compact_tensor(cutlass.BFloat16, (m, n, 1), stride_order=(1, 0, 2), assumed_align=16),
+                c=make_fake_compact_tensor(cutlass.Float32 if fp32_out else cutlass.BFloat16, (m, n, 1),
+                                           stride_order=(1, 0, 2), assumed_align=16),
                 sa=make_fake_compact_tensor(cutlass.Float32, (m,), assumed_align=16),
                 sb=make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=16),
                 bias=make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=16))
@@ -74,16 +76,18 @@ def compile_only(configs: list[str]) -> list[dict]:
             t = time.perf_counter()
             cute.compile(_kernel(config), *fake.values(), has_bias, SM90_SMS // (cluster[0] * cluster[1]),
                          make_fake_stream())
-            rows.append(dict(config=config, bias=has_bias, compiled=True, compile_s=round(time.perf_counter() - t, 2)))
-            print(f"{config:12s} bias={has_bias!s:5s} compiled in {rows[-1]['compile_s']} s", flush=True)
+            rows.append(dict(config=config, bias=has_bias, fp32_out=fp32_out, compiled=True,
+                             compile_s=round(time.perf_counter() - t, 2)))
+            print(f"{config:12s} bias={has_bias!s:5s} fp32 out={fp32_out!s:5s} compiled in {rows[-1]['compile_s']} s",
+                  flush=True)
     return rows
 
 
 class _CuteGemm:
     """One configuration compiled once (dynamic layouts) and called on torch tensors."""
 
-    def __init__(self, config: str, has_bias: bool):
-        self.config, self.has_bias, self.compiled = config, has_bias, None
+    def __init__(self, config: str, has_bias: bool, fp32_out: bool):
+        self.config, self.has_bias, self.fp32_out, self.compiled = config, has_bias, fp32_out, None
 
     @staticmethod
     def _tensor(t, dtype, leading_dim: int):
@@ -94,7 +98,7 @@ class _CuteGemm:
         return ct.mark_layout_dynamic(leading_dim=leading_dim)
 
     def prepare(self, a, b, sa, sb, bias, out):
-        """A call with no arguments that writes out [M, N] bf16 = (a ⊙ sa)(b ⊙ sb)ᵀ + bias: a [M, K], b [N, K]
+        """A call with no arguments that writes out [M, N] (bf16 or fp32) = (a ⊙ sa)(b ⊙ sb)ᵀ + bias: a [M, K], b [N, K]
         E4M3; sa [M, 1], sb [1, N], bias [N] or None. Its tensors are wrapped here, once, so that the
         timed call is the launch alone."""
         import cuda.bindings.driver as cuda
@@ -106,7 +110,7 @@ class _CuteGemm:
         vectors = (sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous(),
                    (bias if bias is not None else torch.zeros(b.shape[0], device=a.device)).float().contiguous())
         args = (self._tensor(a.unsqueeze(-1), cutlass.Float8E4M3FN, 1), self._tensor(b.unsqueeze(-1), cutlass.Float8E4M3FN, 1),
-                self._tensor(out.unsqueeze(-1), cutlass.BFloat16, 1),
+                self._tensor(out.unsqueeze(-1), cutlass.Float32 if self.fp32_out else cutlass.BFloat16, 1),
                 *(self._tensor(v, cutlass.Float32, 0) for v in vectors))
         stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         if self.compiled is None:
@@ -154,19 +158,20 @@ def main() -> int:
             return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
         gen = torch.Generator(device="cuda").manual_seed(0)
-        kernels = {(c, bias): _CuteGemm(c, bias) for c in configs for bias in (True, False)}
+        kernels = {}
         rows = []
-        for name, kind, m, n, k, has_bias in _problems(args.m):
+        for name, kind, m, n, k, has_bias, fp32_out in _problems(args.m):
             a, b, sa, sb, bias = _operands(m, k, n, gen)
             bias = bias if has_bias else None
+            out_dtype = torch.float32 if fp32_out else torch.bfloat16
             one = torch.ones((), device="cuda")
-            rowwise = lambda: torch._scaled_mm(a, b.t(), sa, sb, bias=bias, out_dtype=torch.bfloat16)  # noqa: E731
-            tensorwise = lambda: torch._scaled_mm(a, b.t(), one, one, bias=bias, out_dtype=torch.bfloat16)  # noqa: E731
+            rowwise = lambda: torch._scaled_mm(a, b.t(), sa, sb, bias=bias, out_dtype=out_dtype)  # noqa: E731
+            tensorwise = lambda: torch._scaled_mm(a, b.t(), one, one, bias=bias, out_dtype=out_dtype)  # noqa: E731
             want = rowwise()
             row = dict(linear=name, kind=kind, m=m, n=n, k=k, bias=has_bias, cublas_rowwise_ms=bench(rowwise),
                        cublas_tensorwise_ms=bench(tensorwise))
             for config in configs:
-                gemm = kernels[(config, has_bias)]
+                gemm = kernels.setdefault((config, has_bias, fp32_out), _CuteGemm(config, has_bias, fp32_out))
                 out = torch.full_like(want, float("nan"))  # every element must be written
                 try:
                     call = gemm.prepare(a, b, sa, sb, bias, out)

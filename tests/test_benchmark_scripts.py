@@ -401,8 +401,9 @@ def test_cute_rowwise_probe_says_what_it_needs_without_cute_dsl(tmp_path):
 
 @pytest.mark.skipif(not _cute_dsl_installed(), reason="needs nvidia-cutlass-dsl")
 def test_cute_rowwise_gemm_builds_for_sm90_without_a_gpu(tmp_path):
-    """The CuTe-DSL row-scaled GEMM compiles for sm_90a from fake tensors in every configuration, with and
-    without its bias (what can be checked without a GPU; the probe's GPU run checks its numbers)."""
+    """The CuTe-DSL row-scaled GEMM compiles for sm_90a from fake tensors in every configuration, for each of
+    the three GEMMs (bf16 out with and without the bias, fp32 out): what can be checked without a GPU; the
+    probe's GPU run checks its numbers."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
            "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_cute_rowwise_gemm.py"), "--compile-only",
@@ -410,5 +411,5 @@ def test_cute_rowwise_gemm_builds_for_sm90_without_a_gpu(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads((tmp_path / "x.json").read_text())["rows"]
     probe = _benchmark_module("probe_cute_rowwise_gemm")
-    assert {(row["config"], row["bias"]) for row in rows if row["compiled"]} == {
-        (c, b) for c in probe.CONFIGS for b in (True, False)}
+    assert {(row["config"], row["bias"], row["fp32_out"]) for row in rows if row["compiled"]} == {
+        (c, *v) for c in probe.CONFIGS for v in ((True, False), (False, False), (False, True))}
