@@ -60,8 +60,9 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 class RowScaledFP8Gemm:
     """
-    This class implements batched matrix multiplication (C = A x B) with support for various data types
-    and architectural features specific to Hopper GPUs.
+    C = (A ⊙ a_scale)(B ⊙ b_scale)ᵀ (+ bias) on Hopper: A [M, K], B [N, K] in E4M3 (K-major), a_scale [M] and
+    b_scale [N] fp32, bias [N] fp32, the accumulator fp32, C bf16 or fp32 (the class keeps the example's
+    wider type support; the probe uses E4M3 operands only).
 
     :param acc_dtype: Data type for accumulation during computation
     :type acc_dtype: type[cutlass.Numeric]
@@ -96,7 +97,7 @@ class RowScaledFP8Gemm:
         ...     tile_shape_mn=(128, 256),
         ...     cluster_shape_mn=(1, 1)
         ... )
-        >>> gemm(a_tensor, b_tensor, c_tensor, stream)
+        >>> gemm(a, b, c, a_scale, b_scale, bias, has_bias, max_active_clusters, stream)  # under cute.compile
     """
 
     def __init__(
