@@ -4,7 +4,7 @@ MXFP6's forward GEMMs run cuBLAS's only row-scaled algorithm (128x128 tiles, no 
 its epilogue): 40 ms of the proxy's MBS-64 step against ~30 for torchao's tensor-wise ones, the GEMM
 gap of issue 48 (benchmarks/RESULTS.md, NOTES.md "The fprop GEMMs unit-scaled"). Deferring the scales
 to the next op does not pay (the partitioner then writes the scaled output whole), so the scales have
-to be applied where the accumulator is. `cute_rowwise_gemm.py` is such a GEMM in CuTe DSL (CUTLASS's
+to be applied where the accumulator is. `mxflux.kernels.cute_rowwise_gemm` is such a GEMM in CuTe DSL (CUTLASS's
 persistent warp-specialized Hopper FP8 GEMM with the row granularity's scales and the bias in its
 epilogue). This probe, per tile configuration and per Flux GEMM (fprop with its bias and dgrad, bf16
 out; wgrad, fp32 out), checks its output within the GEMM contract against cuBLAS's row-scaled one
@@ -47,7 +47,7 @@ def _problems(m_tokens: int):
 def _kernel(config: str):
     import cutlass
 
-    from cute_rowwise_gemm import RowScaledFP8Gemm
+    from mxflux.kernels.cute_rowwise_gemm import RowScaledFP8Gemm
 
     tile, cluster = CONFIGS[config]
     return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, 1, True)

@@ -197,3 +197,50 @@ def test_deferred_scales_with_a_bias_equal_the_row_scaled_gemm_bit_for_bit(shape
     want = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, G.ROWWISE, bias, torch.bfloat16)
     got = deferred_scale_gemm(a.row_data, a.row_scale, b.row_data, b.row_scale, torch.bfloat16, bias)
     assert torch.equal(got, want)
+
+
+def _cute_available() -> bool:
+    from mxflux.kernels import gemm_cute
+
+    return gemm_cute.available()
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.skipif(not _cute_available(), reason="needs CuTe DSL (nvidia-cutlass-dsl) and a Hopper GPU")
+@pytest.mark.parametrize("out_dtype,with_bias", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)])
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+def test_cute_gemm_meets_the_contract(shape, out_dtype, with_bias, gen):
+    """The CuTe-DSL row-scaled GEMM (MXFLUX_CUTE_GEMM): every element written and within the fp32
+    summation bound of the reference, as cuBLAS's is (fprop: bf16 with bias; dgrad: bf16; wgrad: fp32)."""
+    from mxflux.kernels.gemm_cute import cute_scaled_gemm
+
+    m, n, k = shape
+    a, b, bias = operands(m, n, k, G.ROWWISE, gen)
+    bias = bias if with_bias else None
+    junk = torch.full((m * n * 2,), float("nan"), device="cuda")  # an unwritten element would show as NaN
+    del junk
+    got = cute_scaled_gemm(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, out_dtype)
+    want = scaled_gemm_reference(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, out_dtype)
+    assert got.shape == (m, n) and got.dtype == out_dtype and not got.isnan().any()
+    av, bv = dequantize_operand(a.row_data, a.row_scale), dequantize_operand(b.row_data, b.row_scale)
+    bound = k * 2.0**-24 * (av.double().abs() @ bv.double().abs().t()) + want.double().abs() * 2.0**-8
+    assert bool(((got.double() - want.double()).abs() <= bound).all())
+
+
+def test_the_cute_gemm_takes_only_whole_tiles(monkeypatch):
+    """Its epilogue reads each row's and column's scale unguarded: M and N must be whole tiles."""
+    from mxflux.kernels import gemm_cute
+
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", "all")
+    monkeypatch.setattr(gemm_cute, "available", lambda: True)
+    (tm, tn), _ = gemm_cute.CONFIG
+    a = torch.empty(tm * 2, 64, dtype=torch.float8_e4m3fn, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # meta tensors stand in for CUDA ones
+    assert gemm_cute.takes(a, torch.empty(tn, 64, device="meta"), False)
+    assert not gemm_cute.takes(a, torch.empty(tn + 32, 64, device="meta"), False)
+    assert not gemm_cute.takes(torch.empty(tm + 8, 64, device="meta"), torch.empty(tn, 64, device="meta"), False)
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", "bias")
+    assert not gemm_cute.takes(a, torch.empty(tn, 64, device="meta"), False)
+    assert gemm_cute.takes(a, torch.empty(tn, 64, device="meta"), True)

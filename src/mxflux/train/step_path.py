@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..kernels.gemm import DEFER_BIAS_MAX_N
+from ..kernels.gemm_cute import CUTE_GEMM
+from ..kernels.gemm_cute import available as cute_available
 from ..ops.custom_ops import DEFER_MIN_DIM, DEFER_SCALES, FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK, static_launch_on
 from .build import weight_state_off
 from .optimizer import STEP_KERNELS
@@ -79,6 +81,9 @@ def step_path(trainer) -> dict:
         packers = "inline: the packer kernel launched from inductor's code"
         if cfg.precision.fused_mlp != "off":
             packers += " (the fused MLP's GELU prologues: the opaque op)"
+    if mx and kernels and CUTE_GEMM != "off" and cfg.precision.mx_gemm == "rowwise":  # eager and compiled alike
+        gemm += (f"; {'those with a bias' if CUTE_GEMM == 'bias' else 'every one'} of whole tiles on the CuTe-DSL "
+                 f"row-scaled GEMM (MXFLUX_CUTE_GEMM={CUTE_GEMM}{'' if cute_available() else ', not available here'})")
     state = getattr(trainer.optimizer, "weight_state", None)
     if not mx:
         weights = f"none ({cfg.precision.name})"
