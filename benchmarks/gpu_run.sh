@@ -43,11 +43,11 @@
 #              `git show BRANCH:src/mxflux/kernels/operands_cuda.py > ab_x.py` here), each in its own
 #              process, the tree's before and after them ($OUT/pack_passes_*.json)
 # sweepcomm    benchmarks/sweep_comm.py: FSDP2 blocks per unit for SWEEP_RECIPE on every visible GPU
-# cutedsl      installs CuTe DSL from .cutedsl/a or .cutedsl/b (whichever is there) into /tmp/site-cute;
-#              benchmarks/cutedsl_carry.sh says how the two parts come over in two calls
+# cutedsl      installs CuTe DSL from .cutedsl/a, b or c (whichever are there) into /tmp/site-cute;
+#              benchmarks/cutedsl_carry.sh says how the three parts come over in three calls
 # cuterow      benchmarks/probe_cute_rowwise_gemm.py: the CuTe-DSL row-scaled FP8 GEMM against cuBLAS's
 #              row-scaled and tensor-wise GEMMs at the Flux fprop, dgrad and wgrad shapes, contract checked
-#              (CUTEROW_ARGS, e.g. "--configs 128x256-2x1"); needs the `cutedsl` stage's two parts
+#              (CUTEROW_ARGS, e.g. "--configs 128x256-2x1"); needs the `cutedsl` stage's three parts
 # Two GPUs, one call (background job + `wait`, never a pgrep on a pattern the command line contains):
 #   export OUT; CUDA_VISIBLE_DEVICES=1 bash benchmarks/gpu_run.sh convergence >$OUT/conv.log 2>&1 &
 #   CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_run.sh bench16 >$OUT/bench16.log 2>&1; wait
@@ -132,14 +132,16 @@ for stage in "$@"; do
     userloop)  # benchmarks/bench_user_loop.py: a loop of one's own, torch's AdamW against mxflux.optim.AdamW
       timeout ${USERLOOP_TIMEOUT:-550} python3 benchmarks/bench_user_loop.py --mbs ${USERLOOP_MBS:-64} --timeout 130 \
         --out "$OUT" > "$OUT/userloop.log" 2>&1; grep -v "^W11" "$OUT/userloop.log" | tail -20 ;;
-    cutedsl)  # part a: the small wheels; part b: the CUDA-13 library's files (benchmarks/cutedsl_carry.sh)
+    cutedsl)  # a: the small wheels; b, c: the CUDA-13 library wheel's files (benchmarks/cutedsl_carry.sh)
       if ls .cutedsl/a/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-cute .cutedsl/a/*.whl
       fi
-      [ -f .cutedsl/b/libs-cu13.tar.xz ] && mkdir -p /tmp/site-cute && tar -xJf .cutedsl/b/libs-cu13.tar.xz -C /tmp/site-cute
+      for part in .cutedsl/b/*.tar.xz .cutedsl/c/*.tar.xz; do
+        [ -f "$part" ] && mkdir -p /tmp/site-cute && tar -xJf "$part" -C /tmp/site-cute
+      done
       export PYTHONPATH=$PYTHONPATH:/tmp/site-cute:/tmp/site-cute/nvidia_cutlass_dsl/dsl_packages
       python3 -c "import cutlass.cute; print('CuTe DSL', cutlass.__version__ if hasattr(cutlass, '__version__') else '')" \
-        || echo "CuTe DSL not complete yet: carry the other part (.cutedsl/a or .cutedsl/b) in the next call" ;;
+        || echo "CuTe DSL not complete yet: carry the next part (.cutedsl/a, b, c) in the next call" ;;
     cuterow)
       python3 benchmarks/probe_cute_rowwise_gemm.py --json "$OUT/cute_rowwise_gemm.json" ${CUTEROW_ARGS:-} 2>&1 \
         | grep -v "^W11" | tail -40 ;;
