@@ -91,9 +91,10 @@ class _CuteGemm:
 
     @staticmethod
     def _tensor(t, dtype, leading_dim: int):
+        import torch
         from cutlass.cute.runtime import from_dlpack
 
-        ct = from_dlpack(t.view(__import__("torch").uint8) if t.element_size() == 1 else t, assumed_align=16)
+        ct = from_dlpack(t.view(torch.uint8) if t.element_size() == 1 else t, assumed_align=16)
         ct.element_type = dtype
         return ct.mark_layout_dynamic(leading_dim=leading_dim)
 

@@ -46,13 +46,14 @@ class ClaimError(ValueError):
     """A claim the generator refuses; the message names the claim and what is wrong."""
 
 
-def _load_results(claim: dict, base: Path) -> list[dict]:
-    path = base / "benchmarks" / claim["file"]
+def _load_results(rel: str, base: Path, who: str) -> list[dict]:
+    """A `mxflux bench step` result list under benchmarks/; `who` names the claim or table in a refusal."""
+    path = base / "benchmarks" / rel
     if not path.is_file():
-        raise ClaimError(f"claim {claim['id']}: result file {claim['file']} not found")
+        raise ClaimError(f"{who}: result file {rel} not found")
     results = json.loads(path.read_text())
     if not isinstance(results, list):
-        raise ClaimError(f"claim {claim['id']}: {claim['file']} is not a `mxflux bench step` result list")
+        raise ClaimError(f"{who}: {rel} is not a `mxflux bench step` result list")
     return results
 
 
@@ -124,14 +125,19 @@ def _peak(r: dict, loop: str) -> float:
     return (r["bare_loop"] if loop == "bare" else r)["memory"]["max_allocated_gib"]
 
 
-def _gemm_ms(r: dict, loop: str):
-    bd = (r.get("bare_loop") or {}).get("breakdown") if loop == "bare" else r.get("breakdown")
-    return None if not bd else bd["categories"]["gemm"]["ms_per_step"]
+def _breakdown(r: dict, loop: str = "trainer") -> dict | None:
+    """The profiled step's device-time split of the trainer's step or of the bare loop (None if not profiled)."""
+    return (r.get("bare_loop") or {}).get("breakdown") if loop == "bare" else r.get("breakdown")
+
+
+def _category_ms(r: dict, name: str, loop: str = "trainer"):
+    bd = _breakdown(r, loop)
+    return None if not bd else bd["categories"][name]["ms_per_step"]
 
 
 def claim_row(claim: dict, base: Path = ROOT) -> dict:
     """One claim's numbers, each computed from its result file."""
-    results = _load_results(claim, base)
+    results = _load_results(claim["file"], base, f"claim {claim['id']}")
     r, bf16, fp8 = _pick(results, claim)
     loop = claim.get("loop", "trainer")
     # a correction added by hand names its reason in the JSON; the table marks the commit with "*"
@@ -145,9 +151,9 @@ def claim_row(claim: dict, base: Path = ROOT) -> dict:
         "peak_vs_fp8": _peak(r, loop) / _peak(fp8, loop),
         "file": claim["file"],
     }
-    g, gf = _gemm_ms(r, loop), _gemm_ms(fp8, loop)
+    g, gf = _category_ms(r, "gemm", loop), _category_ms(fp8, "gemm", loop)
     row["gemm_vs_fp8"] = None if g is None or gf is None else g / gf
-    bd = r.get("breakdown") if loop == "trainer" else (r.get("bare_loop") or {}).get("breakdown")
+    bd = _breakdown(r, loop)
     row["quant_share"] = None if not bd else bd["categories"]["mx_quant"]["ms_per_step"] / bd["busy_ms_per_step"]
     changed = _changed_since(prov["commit"], claim["code"], base)
     row["current"] = ("code unknown to git here" if changed is None else "current" if not changed
@@ -243,11 +249,6 @@ def lora_table(files: list[str], base: Path) -> str:
     return "\n".join(lines)
 
 
-def _category_ms(r: dict, name: str):
-    bd = r.get("breakdown")
-    return None if not bd else bd["categories"][name]["ms_per_step"]
-
-
 def settings_table(calls: list[dict], base: Path) -> str:
     """`mxflux bench step` calls read setting by setting (trials, memory settings): each setting's step,
     its speed against the torchao FP8 tensor-wise setting of the same call, and the profiled step's GEMM,
@@ -256,7 +257,7 @@ def settings_table(calls: list[dict], base: Path) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for call in calls:
         rel = call["file"]
-        by_label = {r.get("label"): r for r in _load_results({"id": rel, "file": rel}, base)}
+        by_label = {r.get("label"): r for r in _load_results(rel, base, "settings table")}
         fp8 = next((r for r in by_label.values() if is_fp8_tensorwise(r)), None)
         if fp8 is None:
             raise ClaimError(f"{rel}: no torchao FP8 tensor-wise setting in the call to compare with")
