@@ -26,10 +26,13 @@ import os
 import sys
 import time
 
-# tile (M, N) and cluster (M, N) of each configuration tried
-# (the kernel takes tile M 64 or 128, tile N 64, 128 or 256, at most 4 CTAs to a cluster)
-CONFIGS = {"128x256-2x1": ((128, 256), (2, 1)), "128x256-1x1": ((128, 256), (1, 1)),
-           "128x128-2x1": ((128, 128), (2, 1)), "128x128-1x2": ((128, 128), (1, 2))}
+# tile (M, N), cluster (M, N) and the most tile-column clusters to a band of the tile order (1: no bands,
+# each tile column walked down M in turn) of each configuration tried (the kernel takes tile M 64 or 128,
+# tile N 64, 128 or 256, at most 4 CTAs to a cluster)
+CONFIGS = {"128x256-2x1": ((128, 256), (2, 1), 1), "128x256-2x1-s4": ((128, 256), (2, 1), 4),
+           "128x256-2x1-s8": ((128, 256), (2, 1), 8), "128x256-1x2-s4": ((128, 256), (1, 2), 4),
+           "128x256-1x1": ((128, 256), (1, 1), 1), "128x128-2x1": ((128, 128), (2, 1), 1),
+           "128x128-1x2": ((128, 128), (1, 2), 1)}
 SM90_SMS = 132  # an H100 SXM's SMs: the persistent grid's size where no device is there to ask
 
 
@@ -44,13 +47,15 @@ def _problems(m_tokens: int):
     return out
 
 
-def _kernel(config: str):
+def _kernel(config: str, n: int):
+    """The configuration's kernel for N output columns (the band no wider than divides them)."""
     import cutlass
 
     from mxflux.kernels.cute_rowwise_gemm import RowScaledFP8Gemm
+    from mxflux.kernels.gemm_cute import swizzle_for
 
-    tile, cluster = CONFIGS[config]
-    return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, 1, True)
+    tile, cluster, most = CONFIGS[config]
+    return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, swizzle_for(n // (tile[1] * cluster[1]), most), True)
 
 
 def compile_only(configs: list[str]) -> list[dict]:
@@ -74,7 +79,7 @@ def compile_only(configs: list[str]) -> list[dict]:
                 bias=make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=16))
             cluster = CONFIGS[config][1]
             t = time.perf_counter()
-            cute.compile(_kernel(config), *fake.values(), has_bias, SM90_SMS // (cluster[0] * cluster[1]),
+            cute.compile(_kernel(config, n), *fake.values(), has_bias, SM90_SMS // (cluster[0] * cluster[1]),
                          make_fake_stream())
             rows.append(dict(config=config, bias=has_bias, fp32_out=fp32_out, compiled=True,
                              compile_s=round(time.perf_counter() - t, 2)))
@@ -84,10 +89,11 @@ def compile_only(configs: list[str]) -> list[dict]:
 
 
 class _CuteGemm:
-    """One configuration compiled once (dynamic layouts) and called on torch tensors."""
+    """One configuration compiled once per N (dynamic layouts; the band width follows N) and called on torch
+    tensors."""
 
     def __init__(self, config: str, has_bias: bool, fp32_out: bool):
-        self.config, self.has_bias, self.fp32_out, self.compiled = config, has_bias, fp32_out, None
+        self.config, self.has_bias, self.fp32_out, self.compiled = config, has_bias, fp32_out, {}
 
     @staticmethod
     def _tensor(t, dtype, leading_dim: int):
@@ -114,11 +120,12 @@ class _CuteGemm:
                 self._tensor(out.unsqueeze(-1), cutlass.Float32 if self.fp32_out else cutlass.BFloat16, 1),
                 *(self._tensor(v, cutlass.Float32, 0) for v in vectors))
         stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        if self.compiled is None:
+        n = b.shape[0]
+        if n not in self.compiled:  # the band width depends on N
             cluster = CONFIGS[self.config][1]
             clusters = cutlass.utils.HardwareInfo().get_max_active_clusters(cluster[0] * cluster[1])
-            self.compiled = cute.compile(_kernel(self.config), *args, self.has_bias, clusters, stream)
-        compiled = self.compiled
+            self.compiled[n] = cute.compile(_kernel(self.config, n), *args, self.has_bias, clusters, stream)
+        compiled = self.compiled[n]
         return lambda vectors=vectors: compiled(*args, stream)
 
 

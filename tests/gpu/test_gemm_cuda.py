@@ -210,7 +210,8 @@ def _cute_available() -> bool:
 @needs_triton
 @pytest.mark.skipif(not _cute_available(), reason="needs CuTe DSL (nvidia-cutlass-dsl) and a Hopper GPU")
 @pytest.mark.parametrize("out_dtype,with_bias", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)])
-@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [*SHAPES[:3], (512, 12288, 3072), (256, 3328, 3072)],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_cute_gemm_meets_the_contract(shape, out_dtype, with_bias, gen):
     """The CuTe-DSL row-scaled GEMM (MXFLUX_CUTE_GEMM): every element written and within the fp32
     summation bound of the reference, as cuBLAS's is (fprop: bf16 with bias; dgrad: bf16; wgrad: fp32)."""
@@ -229,18 +230,34 @@ def test_cute_gemm_meets_the_contract(shape, out_dtype, with_bias, gen):
     assert bool(((got.double() - want.double()).abs() <= bound).all())
 
 
-def test_the_cute_gemm_takes_only_whole_tiles(monkeypatch):
-    """Its epilogue reads each row's and column's scale unguarded: M and N must be whole tiles."""
+def test_the_cute_gemm_takes_only_whole_tiles_of_the_kinds_named(monkeypatch):
+    """Its epilogue reads each row's and column's scale unguarded: M and N must be whole tiles; and it takes
+    only the kinds MXFLUX_CUTE_GEMM names (bias: bf16 with a bias; bf16; fp32 out)."""
     from mxflux.kernels import gemm_cute
 
-    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", "all")
+    bf16, fp32 = torch.bfloat16, torch.float32
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute._kinds("all"))
     monkeypatch.setattr(gemm_cute, "available", lambda: True)
-    (tm, tn), _ = gemm_cute.CONFIG
+    (tm, tn), (cm, cn) = gemm_cute.CONFIG
+    tm, tn = tm * cm, tn * cn  # whole clusters
     a = torch.empty(tm * 2, 64, dtype=torch.float8_e4m3fn, device="meta")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # meta tensors stand in for CUDA ones
-    assert gemm_cute.takes(a, torch.empty(tn, 64, device="meta"), False)
-    assert not gemm_cute.takes(a, torch.empty(tn + 32, 64, device="meta"), False)
-    assert not gemm_cute.takes(torch.empty(tm + 8, 64, device="meta"), torch.empty(tn, 64, device="meta"), False)
-    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", "bias")
-    assert not gemm_cute.takes(a, torch.empty(tn, 64, device="meta"), False)
-    assert gemm_cute.takes(a, torch.empty(tn, 64, device="meta"), True)
+    assert gemm_cute.takes(a, torch.empty(tn, 64, device="meta"), False, bf16)
+    assert not gemm_cute.takes(a, torch.empty(tn + 32, 64, device="meta"), False, bf16)
+    assert not gemm_cute.takes(torch.empty(tm + 8, 64, device="meta"), torch.empty(tn, 64, device="meta"), False, bf16)
+    assert not gemm_cute.takes(torch.empty(tm * 3 // 2, 64, device="meta"), torch.empty(tn, 64, device="meta"), False,
+                               bf16) or cm == 1  # half a cluster
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute._kinds("bias,fp32"))
+    b = torch.empty(tn, 64, device="meta")
+    assert gemm_cute.takes(a, b, True, bf16) and gemm_cute.takes(a, b, False, fp32)
+    assert not gemm_cute.takes(a, b, False, bf16)
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute._kinds("off"))
+    assert not gemm_cute.takes(a, b, True, bf16)
+
+
+def test_the_cute_gemm_bands_divide_the_tile_columns():
+    """A band past the last tile column would read column scales past the end: the band width divides."""
+    from mxflux.kernels.gemm_cute import swizzle_for
+
+    assert [swizzle_for(n, 8) for n in (12, 36, 48, 84, 60, 7, 16)] == [4, 4, 8, 4, 4, 1, 8]
+    assert swizzle_for(48, 1) == 1 and swizzle_for(48, 2) == 2

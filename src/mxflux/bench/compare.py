@@ -94,8 +94,10 @@ SETTINGS["mxfp6-rowscaled"] = SETTINGS["mxfp6"]
 # (the same bits), or rounded before the bias is added (torchao's FP8 linears' order, not our contract)
 SETTINGS["mxfp6-defer-bias"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-bias-rounded"] = SETTINGS["mxfp6"]
-# the CuTe-DSL row-scaled GEMM (`kernels.gemm_cute`, needs nvidia-cutlass-dsl): for the GEMMs with a bias, or all
+# the CuTe-DSL row-scaled GEMM (`kernels.gemm_cute`, needs nvidia-cutlass-dsl): for the GEMMs with a bias
+# (fprop), those and the fp32-out ones (wgrad), or all
 SETTINGS["mxfp6-cute-bias"] = SETTINGS["mxfp6"]
+SETTINGS["mxfp6-cute-bias-fp32"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-cute-all"] = SETTINGS["mxfp6"]
 # Environment variables a setting's process runs with (the switches read at import, not recipe fields)
 SETTING_ENV = {"mxfp6-inline-pack": {"MXFLUX_INLINE_PACK": "1"},
@@ -104,6 +106,7 @@ SETTING_ENV = {"mxfp6-inline-pack": {"MXFLUX_INLINE_PACK": "1"},
                "mxfp6-defer-bias": {"MXFLUX_DEFER_SCALES": "bias"},
                "mxfp6-bias-rounded": {"MXFLUX_DEFER_SCALES": "bias-rounded"},
                "mxfp6-cute-bias": {"MXFLUX_CUTE_GEMM": "bias"},
+               "mxfp6-cute-bias-fp32": {"MXFLUX_CUTE_GEMM": "bias,fp32"},
                "mxfp6-cute-all": {"MXFLUX_CUTE_GEMM": "all"}}
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 

@@ -582,14 +582,6 @@ class RowScaledFP8Gemm:
         tCrB = tiled_mma.make_fragment_B(tCsB)
 
         tCgC = thr_mma.partition_C(gC_mnl)
-        # each accumulator element's coordinate (m, n, l), partitioned as the accumulator is: the
-        # epilogue reads its row's and its column's scale (and the column's bias) by it
-        gcC_mnl = cute.local_tile(
-            cute.make_identity_tensor(mC_mnl.shape),
-            cute.slice_(self.tile_shape_mnk, (None, None, 0)),
-            (None, None, None),
-        )
-        tCcC = thr_mma.partition_C(gcC_mnl)
         acc_shape = tCgC.shape[:3]
         accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
 
@@ -674,6 +666,20 @@ class RowScaledFP8Gemm:
             )
 
             num_k_blocks = cute.size(tCrA, mode=[2])
+
+            # Each accumulator element's coordinate (m, n, l), partitioned as this thread's accumulator
+            # is: the epilogue reads its row's and its column's scale (and the column's bias) by it.
+            # The slice is this thread's, not its warp group's (`thr_mma` is the warp group's, which
+            # is what WGMMA's A and B operands need but would give every thread of a warp group its
+            # first thread's coordinates).
+            gcC_mnl = cute.local_tile(
+                cute.make_identity_tensor(mC_mnl.shape),
+                cute.slice_(self.tile_shape_mnk, (None, None, 0)),
+                (None, None, None),
+            )
+            tCcC = tiled_mma.get_slice(
+                tidx - self.num_dma_warp_groups * self.num_threads_per_warp_group
+            ).partition_C(gcC_mnl)
 
             # Partition for epilogue
             copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(

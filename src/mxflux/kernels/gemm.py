@@ -129,7 +129,7 @@ def _finish(out32: torch.Tensor, bias, out_dtype):
 
 
 def _rowwise(a_data, a_scale, b_data, b_scale, bias, out_dtype):
-    if gemm_cute.takes(a_data, b_data, bias is not None):  # opt-in: MXFLUX_CUTE_GEMM
+    if gemm_cute.takes(a_data, b_data, bias is not None, out_dtype):  # opt-in: MXFLUX_CUTE_GEMM
         return gemm_cute.cute_scaled_gemm(a_data, a_scale, b_data, b_scale, bias, out_dtype)
     caps = _caps(a_data)
     sb = b_scale.t()  # [1, N]
@@ -373,7 +373,7 @@ def scaled_gemm_cuda_traceable(
     fp32-output form that `_rowwise` probes for is taken as present, as it is on every CUDA build of
     the torch versions this package supports (>= 2.11)."""
     fn, copies = _gemm_plan(a_data, a_scale, b_data, b_scale, granularity, bias, out_dtype)
-    if fn is not _rowwise or gemm_cute.takes(a_data, b_data, bias is not None):  # the op runs the CuTe GEMM
+    if fn is not _rowwise or gemm_cute.takes(a_data, b_data, bias is not None, out_dtype):  # the op runs the CuTe GEMM
         return None
     a_data, a_scale, b_data, b_scale = _contiguous(copies, a_data, a_scale, b_data, b_scale)
     if defers_scales(b_data.shape[0], a_data.shape[1], bias is not None):

@@ -1,6 +1,8 @@
 """The row-granularity MX GEMM on CuTe DSL's kernel (`cute_rowwise_gemm`: CUTLASS's persistent Hopper FP8
 GEMM with the row and column scales and the bias in its epilogue), opt-in while it is measured:
-MXFLUX_CUTE_GEMM=bias (the GEMMs with a bias: fprop) or all (fprop, dgrad, wgrad); off by default.
+MXFLUX_CUTE_GEMM names the GEMMs it takes, by what they compute: `bias` (bf16 out with a bias: the
+forward GEMMs), `bf16` (bf16 out, no bias: the input gradients), `fp32` (fp32 out: the weight
+gradients), a comma-separated list of them, `all`, or `off` (the default).
 
 Why: cuBLAS offers one row-scaled FP8 algorithm (128x128 tiles, no clusters), slower in the step than its
 tensor-wise kernels, and the scales cannot be deferred to the next op without the partitioner writing the
@@ -9,6 +11,10 @@ the accumulator is, with the tensor-wise kernels' tiles. Its numbers are the GEM
 accumulation, the power-of-two scales exact, the bias added in fp32, one rounding), within the fp32
 summation bound of cuBLAS's (a different order of the same sums), so eager and compiled calls both take it
 for the GEMMs it is on for, and a run names it (`train.step_path`).
+
+Tiles are visited in bands of SWIZZLE tile columns (MXFLUX_CUTE_SWIZZLE, at most; the largest power of
+two that divides the problem's tile columns): within a band the persistent CTAs walk down M, so A is read
+from memory once per band rather than once per tile column, while the band's B stays in L2.
 """
 
 from __future__ import annotations
@@ -18,11 +24,37 @@ import os
 
 import torch
 
-CUTE_GEMM_MODES = ("off", "bias", "all")
-CUTE_GEMM = os.environ.get("MXFLUX_CUTE_GEMM", "off")
-if CUTE_GEMM not in CUTE_GEMM_MODES:
-    raise ValueError(f"MXFLUX_CUTE_GEMM: expected one of {', '.join(CUTE_GEMM_MODES)}, got {CUTE_GEMM!r}")
+CUTE_GEMM_KINDS = ("bias", "bf16", "fp32")
+
+
+def _kinds(value: str) -> frozenset:
+    if value == "off":
+        return frozenset()
+    if value == "all":
+        return frozenset(CUTE_GEMM_KINDS)
+    kinds = frozenset(value.split(","))
+    if not kinds <= set(CUTE_GEMM_KINDS):
+        raise ValueError(f"MXFLUX_CUTE_GEMM: expected off, all or a comma-separated list of "
+                         f"{', '.join(CUTE_GEMM_KINDS)}; got {value!r}")
+    return kinds
+
+
+CUTE_GEMM = _kinds(os.environ.get("MXFLUX_CUTE_GEMM", "off"))
 CONFIG = ((128, 256), (2, 1))  # tile (M, N), cluster (M, N): the tensor-wise kernels' class
+SWIZZLE = int(os.environ.get("MXFLUX_CUTE_SWIZZLE", "8"))
+
+
+def swizzle_for(tiles_n: int, most: int) -> int:
+    """The band width in tile columns: the largest power of two <= `most` that divides `tiles_n` (the
+    scheduler rounds the band count up, and a band past the last column would read scales past the end)."""
+    s = 1
+    while s * 2 <= most and tiles_n % (s * 2) == 0:
+        s *= 2
+    return s
+
+
+def kind(has_bias: bool, out_dtype: torch.dtype) -> str:
+    return "bias" if has_bias else "fp32" if out_dtype == torch.float32 else "bf16"
 
 
 @functools.cache
@@ -35,13 +67,14 @@ def available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def takes(a_data: torch.Tensor, b_data: torch.Tensor, has_bias: bool) -> bool:
-    """Whether this row-granularity GEMM runs here: `CUTE_GEMM` asks for it, and M and N are whole tiles
-    (the epilogue reads each row's and column's scale unguarded; K needs 16 bytes, as cuBLAS's FP8 GEMMs)."""
-    if CUTE_GEMM == "off" or (CUTE_GEMM == "bias" and not has_bias) or not a_data.is_cuda or not available():
+def takes(a_data: torch.Tensor, b_data: torch.Tensor, has_bias: bool, out_dtype: torch.dtype) -> bool:
+    """Whether this row-granularity GEMM runs here: `CUTE_GEMM` names its kind, and M and N are whole
+    clusters of tiles (the epilogue reads each row's and column's scale unguarded; K needs 16 bytes, as cuBLAS's FP8 GEMMs)."""
+    if kind(has_bias, out_dtype) not in CUTE_GEMM or not a_data.is_cuda or not available():
         return False
-    (tile_m, tile_n), _ = CONFIG
-    return a_data.shape[0] % tile_m == 0 and b_data.shape[0] % tile_n == 0 and a_data.shape[1] % 16 == 0
+    (tile_m, tile_n), (cluster_m, cluster_n) = CONFIG  # a cluster's CTAs all run: whole clusters
+    return (a_data.shape[0] % (tile_m * cluster_m) == 0 and b_data.shape[0] % (tile_n * cluster_n) == 0
+            and a_data.shape[1] % 16 == 0)
 
 
 def _tensor(t: torch.Tensor, dtype, leading_dim: int):
@@ -72,11 +105,12 @@ def cute_scaled_gemm(a_data, a_scale, b_data, b_scale, bias, out_dtype) -> torch
             _tensor(out.unsqueeze(-1), cutlass.Float32 if out_dtype == torch.float32 else cutlass.BFloat16, 1),
             *(_tensor(v, cutlass.Float32, 0) for v in vectors))
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    key = (bias is not None, out_dtype)
+    tile, cluster = CONFIG
+    swizzle = swizzle_for(n // (tile[1] * cluster[1]), SWIZZLE)
+    key = (bias is not None, out_dtype, swizzle)
     if key not in _COMPILED:
-        tile, cluster = CONFIG
         clusters = cutlass.utils.HardwareInfo().get_max_active_clusters(cluster[0] * cluster[1])
-        _COMPILED[key] = cute.compile(RowScaledFP8Gemm(cutlass.Float32, tile, cluster, 1, True), *args,
+        _COMPILED[key] = cute.compile(RowScaledFP8Gemm(cutlass.Float32, tile, cluster, swizzle, True), *args,
                                       bias is not None, clusters, stream)
     _COMPILED[key](*args, stream)
     return out

@@ -81,9 +81,10 @@ def step_path(trainer) -> dict:
         packers = "inline: the packer kernel launched from inductor's code"
         if cfg.precision.fused_mlp != "off":
             packers += " (the fused MLP's GELU prologues: the opaque op)"
-    if mx and kernels and CUTE_GEMM != "off" and cfg.precision.mx_gemm == "rowwise":  # eager and compiled alike
-        gemm += (f"; {'those with a bias' if CUTE_GEMM == 'bias' else 'every one'} of whole tiles on the CuTe-DSL "
-                 f"row-scaled GEMM (MXFLUX_CUTE_GEMM={CUTE_GEMM}{'' if cute_available() else ', not available here'})")
+    if mx and kernels and CUTE_GEMM and cfg.precision.mx_gemm == "rowwise":  # eager and compiled alike
+        kinds = ",".join(sorted(CUTE_GEMM))
+        gemm += (f"; those of whole tiles that compute {kinds} on the CuTe-DSL row-scaled GEMM "
+                 f"(MXFLUX_CUTE_GEMM={kinds}{'' if cute_available() else ', not available here'})")
     state = getattr(trainer.optimizer, "weight_state", None)
     if not mx:
         weights = f"none ({cfg.precision.name})"
