@@ -200,6 +200,16 @@ def main() -> int:
                   f"tensor-wise {row['cublas_tensorwise_ms']:.3f} ms; " +
                   (f"best {best} {row[best]['ms']:.3f} ms ({row[best]['vs_cublas_rowwise']:.2f}x row, "
                    f"contract {row[best]['within_contract']})" if best else "no configuration ran"), flush=True)
+    if not args.compile_only:  # per kind, the sums over the Flux linears: what a step would see
+        for kind in ("fprop", "dgrad", "wgrad"):
+            these = [r for r in rows if r["kind"] == kind]
+            line = (f"{kind}: cuBLAS row-scaled {sum(r['cublas_rowwise_ms'] for r in these):.2f} ms, tensor-wise "
+                    f"{sum(r['cublas_tensorwise_ms'] for r in these):.2f}")
+            for config in configs:
+                if all("ms" in r.get(config, {}) for r in these):
+                    ok = all(r[config]["within_contract"] for r in these)
+                    line += f"; {config} {sum(r[config]['ms'] for r in these):.2f} (contract {'kept' if ok else 'BROKEN'})"
+            print(line, flush=True)
     if args.json:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
         from mxflux.bench.provenance import provenance
