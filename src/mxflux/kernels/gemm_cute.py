@@ -41,7 +41,10 @@ def _kinds(value: str) -> frozenset:
 
 CUTE_GEMM = _kinds(os.environ.get("MXFLUX_CUTE_GEMM", "off"))
 CONFIG = ((128, 256), (2, 1))  # tile (M, N), cluster (M, N): the tensor-wise kernels' class
-SWIZZLE = int(os.environ.get("MXFLUX_CUTE_SWIZZLE", "8"))
+SWIZZLE = os.environ.get("MXFLUX_CUTE_SWIZZLE", "8")
+if not SWIZZLE.isdigit() or int(SWIZZLE) < 1:
+    raise ValueError(f"MXFLUX_CUTE_SWIZZLE: expected a positive whole number of tile columns, got {SWIZZLE!r}")
+SWIZZLE = int(SWIZZLE)
 
 
 def swizzle_for(tiles_n: int, most: int) -> int:
@@ -69,7 +72,8 @@ def available() -> bool:
 
 def takes(a_data: torch.Tensor, b_data: torch.Tensor, has_bias: bool, out_dtype: torch.dtype) -> bool:
     """Whether this row-granularity GEMM runs here: `CUTE_GEMM` names its kind, and M and N are whole
-    clusters of tiles (the epilogue reads each row's and column's scale unguarded; K needs 16 bytes, as cuBLAS's FP8 GEMMs)."""
+    clusters of tiles (the epilogue reads each row's and column's scale unguarded; K needs 16 bytes, as
+    cuBLAS's FP8 GEMMs)."""
     if kind(has_bias, out_dtype) not in CUTE_GEMM or not a_data.is_cuda or not available():
         return False
     (tile_m, tile_n), (cluster_m, cluster_n) = CONFIG  # a cluster's CTAs all run: whole clusters
