@@ -6,6 +6,8 @@
 #   make test-slow  only the slow compiled and distributed end-to-end tests
 #   make test-kernels  the Triton kernels' tests on a CPU: tests/gpu under Triton's interpreter, then
 #               their ahead-of-time sm_90 compiles (not part of `make test`: ~15 min on 2 cores)
+#   make test-cute  the CuTe-DSL GEMM's CPU tests: its epilogue's layouts and its sm_90a builds (not part of
+#               `make test`: nvidia-cutlass-dsl is a ~100 MB download; ~1 min)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -19,7 +21,7 @@ TESTING := $(VENV)/.installed-test
 # replace it with a multi-GB CUDA build when it resolves the package's dependencies.
 TORCH  := torch==2.13.0
 
-.PHONY: setup setup-test run test test-slow test-kernels clean
+.PHONY: setup setup-test run test test-slow test-kernels test-cute clean
 
 setup: $(RUNTIME)
 
@@ -61,5 +63,16 @@ test-kernels: $(KERNEL_DEPS)/.installed
 	TRITON_INTERPRET=1 PYTHONPATH=$(KERNEL_DEPS) $(BIN)/python -m pytest -q tests/gpu
 	PYTHONPATH=$(KERNEL_DEPS) $(BIN)/python -m pytest -q tests/gpu/test_triton_compile.py
 
+# CuTe DSL (the opt-in row-scaled GEMM, mxflux.kernels.gemm_cute) in a folder of its own, as Triton above;
+# its packages sit one level down (the wheel adds them by a .pth file, which --target skips).
+CUTE_DEPS := .cute-deps
+$(CUTE_DEPS)/.installed: $(TESTING)
+	$(BIN)/pip install --target $(CUTE_DEPS) "nvidia-cutlass-dsl==4.8.1"
+	touch $@
+
+test-cute: $(CUTE_DEPS)/.installed
+	PYTHONPATH=$(CUTE_DEPS):$(CUTE_DEPS)/nvidia_cutlass_dsl/dsl_packages $(BIN)/python -m pytest -q \
+	  tests/test_cute_gemm_layout.py tests/test_benchmark_scripts.py -k "cute"
+
 clean:
-	rm -rf $(VENV) $(KERNEL_DEPS) build src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(KERNEL_DEPS) $(CUTE_DEPS) build src/*.egg-info .pytest_cache .hypothesis

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# CuTe DSL (nvidia-cutlass-dsl) for the device machine, which has no network, in three parts that each fit
-# one call's 64 MiB (the working tree, ~4 MiB, counts too): its CUDA-13 library alone is a 92 MB wheel.
+# CuTe DSL (nvidia-cutlass-dsl) for the device machine, which has no network, in three parts carried by two
+# calls, each within a call's 64 MiB (the working tree, ~4 MiB, counts too): its CUDA-13 library alone is a
+# 92 MB wheel.
 #
 #   bash benchmarks/cutedsl_carry.sh     # here (network, ~3 min): writes .cutedsl/a, b, c (git-ignored)
-#   # device, three calls back to back (the machine stays warm ~30 s after each):
-#   #   carry [".whl", ".cutedsl/a"]: bash benchmarks/gpu_run.sh cutedsl
-#   #   carry [".cutedsl/b"]:         bash benchmarks/gpu_run.sh cutedsl
-#   #   carry [".cutedsl/c"]:         bash benchmarks/gpu_run.sh cutedsl cuterow ...
+#   # device, two calls back to back (the machine stays warm ~30 s after each; a later call finds a fresh one):
+#   #   carry [".whl", ".cutedsl/a", ".cutedsl/c"]: bash benchmarks/gpu_run.sh cutedsl ...   (~45 MiB)
+#   #   carry [".cutedsl/b"]:                       bash benchmarks/gpu_run.sh cutedsl cuterow ...
+#   # (.whl without bench_lora's wheels, which go in .whl-lora: gpu_run.sh installs both folders)
 #
 # .cutedsl/a: the small wheels (nvidia-cutlass-dsl, -libs-base, -libs-core, cuda-bindings, cuda-pathfinder,
 # protobuf) for CPython 3.12 on x86-64, 12 MiB; b: nvidia-cutlass-dsl-libs-cu13's compiler library as an xz
-# tarball, 48 MiB; c: the rest of that wheel (its runtime library), 13 MiB. `gpu_run.sh cutedsl` installs
-# whichever parts are there into /tmp/site-cute.
+# tarball, 48 MiB; c: the rest of that wheel (its runtime library, which the JIT's execution engine loads),
+# 13 MiB. `gpu_run.sh cutedsl` installs whichever parts are there into /tmp/site-cute.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION=${CUTEDSL_VERSION:-4.8.1}

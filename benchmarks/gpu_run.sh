@@ -44,7 +44,7 @@
 #              process, the tree's before and after them ($OUT/pack_passes_*.json)
 # sweepcomm    benchmarks/sweep_comm.py: FSDP2 blocks per unit for SWEEP_RECIPE on every visible GPU
 # cutedsl      installs CuTe DSL from .cutedsl/a, b or c (whichever are there) into /tmp/site-cute;
-#              benchmarks/cutedsl_carry.sh says how the three parts come over in three calls
+#              benchmarks/cutedsl_carry.sh says how the three parts come over in two calls
 # cuterow      benchmarks/probe_cute_rowwise_gemm.py: the CuTe-DSL row-scaled FP8 GEMM against cuBLAS's
 #              row-scaled and tensor-wise GEMMs at the Flux fprop, dgrad and wgrad shapes, contract checked
 #              (CUTEROW_ARGS, e.g. "--configs 128x256-2x1"); needs the `cutedsl` stage's three parts
@@ -54,12 +54,17 @@
 #   bash benchmarks/gpu_run.sh fsdp12b >$OUT/fsdp12b.log 2>&1
 # The results record the commit they measured (mxflux.bench.provenance); the device's copy of the tree may
 # carry a stale .git (the session's first commit), so pass the commit sent: MXFLUX_GIT_COMMIT=$(git rev-parse HEAD) MXFLUX_GIT_DIRTY=$(git diff --quiet HEAD && echo 0 || echo 1)
-# Wheels in .whl/ (pydantic for torch 2.11's Python 3.12, torchao) are installed to /tmp/site.
+# Wheels in .whl/ (pydantic for torch 2.11's Python 3.12, torchao, ...: ~15 MiB) are installed to /tmp/site,
+# and those in .whl-lora/ (diffusers, transformers, tokenizers, hf_xet: ~31 MiB, only `lora` needs them) when
+# carried: apart, .whl fits beside CuTe DSL's first part (benchmarks/cutedsl_carry.sh).
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/pydantic ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+if ls .whl-lora/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/diffusers ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-lora/*.whl
 fi
 [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site  # every invocation, not only the installing one
 # CuTe DSL's packages sit one level down (its wheel adds them by a .pth file, which a --target folder skips)

@@ -58,6 +58,15 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 
+def accumulator_coordinates(tiled_mma, mma_thread, shape_mnl, tile_mn):
+    """This MMA thread's accumulator elements' coordinates (m, n, l) in C, every tile's: C's identity tensor
+    tiled as the output is, partitioned by the thread's own slice of the tiled MMA, so that element i of
+    the result is the coordinate of accumulator register i. (The warp group's slice, by which WGMMA's A and
+    B operands are partitioned, would give every thread of a warp group its first thread's coordinates.)"""
+    tiles = cute.local_tile(cute.make_identity_tensor(shape_mnl), tile_mn, (None, None, None))
+    return tiled_mma.get_slice(mma_thread).partition_C(tiles)
+
+
 class RowScaledFP8Gemm:
     """
     C = (A ⊙ a_scale)(B ⊙ b_scale)ᵀ (+ bias) on Hopper: A [M, K], B [N, K] in E4M3 (K-major), a_scale [M] and
@@ -667,19 +676,14 @@ class RowScaledFP8Gemm:
 
             num_k_blocks = cute.size(tCrA, mode=[2])
 
-            # Each accumulator element's coordinate (m, n, l), partitioned as this thread's accumulator
-            # is: the epilogue reads its row's and its column's scale (and the column's bias) by it.
-            # The slice is this thread's, not its warp group's (`thr_mma` is the warp group's, which
-            # is what WGMMA's A and B operands need but would give every thread of a warp group its
-            # first thread's coordinates).
-            gcC_mnl = cute.local_tile(
-                cute.make_identity_tensor(mC_mnl.shape),
+            # the epilogue reads each accumulator element's row and column scale (and column bias)
+            # by its coordinate
+            tCcC = accumulator_coordinates(
+                tiled_mma,
+                tidx - self.num_dma_warp_groups * self.num_threads_per_warp_group,
+                mC_mnl.shape,
                 cute.slice_(self.tile_shape_mnk, (None, None, 0)),
-                (None, None, None),
             )
-            tCcC = tiled_mma.get_slice(
-                tidx - self.num_dma_warp_groups * self.num_threads_per_warp_group
-            ).partition_C(gcC_mnl)
 
             # Partition for epilogue
             copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(
