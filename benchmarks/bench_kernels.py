@@ -5,8 +5,9 @@ One run measures, at the Flux-12B linear shapes (K -> N) with M = 16384 and 3276
 - copy bandwidth (device-to-device, bytes read + written): the ceiling for the packers;
 - mx_operands_cuda achieved GB/s for X [M, K] and dY [M, N] (both orientations; dY with its column
   sums), per granularity, counting bytes = bf16 read + 1 B per element per orientation + scales;
-- GEMM TFLOP/s per mode (rowwise / blockwise / exact) on packed operands, next to bf16 torch.mm
-  and FP8 row-wise torch._scaled_mm on plain casts.
+- GEMM TFLOP/s of each linear's fprop, dgrad and wgrad per mode (rowwise / blockwise / exact) on packed
+  operands, next to bf16, cuBLAS FP8 tensor-wise (what torchao's recipe runs) and row-scaled on plain
+  casts, and the CuTe-DSL row-scaled GEMM where nvidia-cutlass-dsl is installed.
 
 Times are medians of triton.testing.do_bench after warm-up; packer inputs rotate over several
 buffers larger than L2 together. Prints a short table and writes JSON to $OUT (or --out).
@@ -91,28 +92,52 @@ def bench_pack(m, k, gran, colsum, copy_gbs, prologue="none"):
     return {"ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs}
 
 
-def bench_gemms(m, k, n):
-    from mxflux.kernels import mx_operands_cuda, scaled_gemm_cuda
+# Each Flux linear's three GEMMs as (A rows, B rows, contraction) of out = A Bᵀ, with out dtype and bias:
+# fprop Y = X Wᵀ (+ bias), dgrad dX = dY (Wᵀ)ᵀ, wgrad dW = dYᵀ (Xᵀ)ᵀ in fp32 (what the MX linears run).
+GEMM_KINDS = ("fprop", "dgrad", "wgrad")
 
-    flop = 2 * m * n * k
-    x = torch.randn(m, k, device="cuda").bfloat16()
-    w = (0.02 * torch.randn(n, k, device="cuda")).bfloat16()
-    bias = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
-    out = {}
-    out["bf16_mm"] = flop / (_bench(lambda: torch.nn.functional.linear(x, w, bias)) * 1e-3) / 1e12
-    xf, wf = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
-    one_m, one_n = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
-    out["fp8_rowwise_cast"] = flop / (_bench(lambda: torch._scaled_mm(
-        xf, wf.t(), one_m, one_n, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=False)) * 1e-3) / 1e12
+
+def gemm_problem(kind: str, m: int, k: int, n: int) -> tuple[int, int, int, bool, torch.dtype]:
+    """(A rows, B rows, contraction, bias, out dtype) of a linear K -> N's `kind` GEMM at M tokens."""
+    return {"fprop": (m, n, k, True, torch.bfloat16), "dgrad": (m, k, n, False, torch.bfloat16),
+            "wgrad": (n, k, m, False, torch.float32)}[kind]
+
+
+def bench_gemms(kind, m, k, n):
+    """TFLOP/s of one GEMM of the linear K -> N at M tokens: bf16 (torch), cuBLAS FP8 tensor-wise (unit
+    scalar scales: the tiles torchao's recipe gets), cuBLAS FP8 row-scaled on plain casts, our MX GEMM per
+    fold granularity on packed operands (`exact` for fprop only), and the CuTe-DSL row-scaled GEMM
+    (`kernels.gemm_cute`) where CuTe DSL is installed."""
+    from mxflux.kernels import gemm_cute, mx_operands_cuda, scaled_gemm_cuda
+
+    rows_a, rows_b, kk, with_bias, out_dtype = gemm_problem(kind, m, k, n)
+    flop = 2 * rows_a * rows_b * kk
+    a = torch.randn(rows_a, kk, device="cuda").bfloat16()
+    b = (0.02 * torch.randn(rows_b, kk, device="cuda")).bfloat16()
+    bias = torch.zeros(rows_b, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    tflops = lambda fn: flop / (_bench(fn) * 1e-3) / 1e12  # noqa: E731
+    out = {"kind": kind}
+    out["bf16_mm"] = tflops(lambda: torch.nn.functional.linear(a, b, bias))  # bf16 out, as bf16 training
+    af, bf = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    out["fp8_tensorwise"] = tflops(lambda: torch._scaled_mm(af, bf.t(), one, one, bias=bias, out_dtype=out_dtype))
+    one_a, one_b = torch.ones(rows_a, 1, device="cuda"), torch.ones(1, rows_b, device="cuda")
+    out["fp8_rowwise_cast"] = tflops(lambda: torch._scaled_mm(af, bf.t(), one_a, one_b, bias=bias, out_dtype=out_dtype,
+                                                              use_fast_accum=False))
     for gran in FoldGranularity:
         mode = gran.value
-        a = mx_operands_cuda(x, col=False, granularity=gran)
-        b = mx_operands_cuda(w, col=False, granularity=gran)
+        if gran == FoldGranularity.EXACT and kind != "fprop":
+            continue
+        pa = mx_operands_cuda(a, col=False, granularity=gran)
+        pb = mx_operands_cuda(b, col=False, granularity=gran)
         try:
-            ms = _bench(lambda: scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, gran, bias))
-            out[mode] = flop / (ms * 1e-3) / 1e12
+            out[mode] = tflops(lambda: scaled_gemm_cuda(pa.row_data, pa.row_scale, pb.row_data, pb.row_scale, gran,
+                                                        bias, out_dtype))
         except Exception as e:  # record, keep measuring the rest
             out[mode] = f"error: {type(e).__name__}: {str(e)[:120]}"
+        if gran == FoldGranularity.ROWWISE and gemm_cute.available():
+            out["cute"] = tflops(lambda: gemm_cute.cute_scaled_gemm(pa.row_data, pa.row_scale, pb.row_data,
+                                                                    pb.row_scale, bias, out_dtype))
     return out
 
 
@@ -340,15 +365,18 @@ def main():
             res["prologue"].append({"prologue": pro, "M": MS[0], "cols": 12288, "gran": g.value, **r})
             print(f"prologue {pro} [{MS[0]}x12288] {g.value}: {r['ms']:.3f} ms {r['GBps']:.0f} GB/s {r['pct_copy']:.1f}%",
                   flush=True)
-    print(f"\n{'GEMM (TFLOP/s)':26s} {'bf16':>6s} {'fp8rw':>6s} {'rowwise':>8s} {'block':>6s} {'exact':>6s}")
+    cols = ("bf16_mm", "fp8_tensorwise", "fp8_rowwise_cast", "rowwise", "cute", "blockwise", "exact")
+    print(f"\n{'GEMM (TFLOP/s)':32s}" + "".join(f"{c:>9s}" for c in ("bf16", "fp8 tw", "fp8 row", "rowwise",
+                                                                          "cute", "block", "exact")))
     for name, k, n in linears:
         for m in ms_list:
-            r = bench_gemms(m, k, n)
-            res["gemm"].append({"linear": name, "M": m, "K": k, "N": n, **r})
-            fmt = lambda v: f"{v:6.0f}" if isinstance(v, float) else "   err"  # noqa: E731
-            print(f"{name:8s} M={m:5d} {k}->{n}".ljust(26) + f" {fmt(r['bf16_mm'])} {fmt(r['fp8_rowwise_cast'])}"
-                  f"   {fmt(r['rowwise'])} {fmt(r['blockwise'])} {fmt(r['exact'])}", flush=True)
-            torch.cuda.empty_cache()
+            for kind in GEMM_KINDS:
+                r = bench_gemms(kind, m, k, n)
+                res["gemm"].append({"linear": name, "M": m, "K": k, "N": n, **r})
+                fmt = lambda v: f"{v:9.0f}" if isinstance(v, float) else ("      err" if v else "        -")  # noqa: E731
+                print(f"{name:8s} {kind:5s} M={m:5d} {k}->{n}".ljust(32) + "".join(fmt(r.get(c)) for c in cols),
+                      flush=True)
+                torch.cuda.empty_cache()
     # summary: packer % of copy per granularity, over all shapes
     for g in GRANS:
         vals = [p["pct_copy"] for p in res["pack"] if p["gran"] == g.value]

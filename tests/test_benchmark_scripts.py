@@ -413,3 +413,28 @@ def test_cute_rowwise_gemm_builds_for_sm90_without_a_gpu(tmp_path):
     probe = _benchmark_module("probe_cute_rowwise_gemm")
     assert {(row["config"], row["bias"], row["fp32_out"]) for row in rows if row["compiled"]} == {
         (c, *v) for c in probe.CONFIGS for v in ((True, False), (False, False), (False, True))}
+
+
+def test_bench_kernels_times_the_gemms_an_mx_linear_runs(monkeypatch):
+    """bench_kernels' fprop, dgrad and wgrad problems are the GEMMs MXFP6Linear's forward and backward run
+    (A rows, B rows, contraction, bias, out dtype), recorded from a CPU linear K -> N at M tokens."""
+    import torch
+
+    from mxflux.nn import MXFP6Linear
+    from mxflux.ops import custom_ops
+
+    bench_kernels = _benchmark_module("bench_kernels")
+    m, k, n = 64, 96, 160
+    ran = []
+    real = custom_ops.scaled_gemm_cpu
+
+    def recording(a_data, a_scale, b_data, b_scale, bias, out_dtype):
+        ran.append((a_data.shape[0], b_data.shape[0], a_data.shape[1], bias is not None, out_dtype))
+        return real(a_data, a_scale, b_data, b_scale, bias, out_dtype)
+
+    monkeypatch.setattr(custom_ops, "scaled_gemm_cpu", recording)
+    layer = MXFP6Linear(k, n, bias=True)
+    x = torch.randn(m, k, requires_grad=True)
+    layer(x).float().sum().backward()
+    assert sorted(ran, key=str) == sorted((bench_kernels.gemm_problem(kind, m, k, n) for kind in
+                                           bench_kernels.GEMM_KINDS), key=str)
