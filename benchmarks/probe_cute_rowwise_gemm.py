@@ -88,47 +88,6 @@ def compile_only(configs: list[str]) -> list[dict]:
     return rows
 
 
-class _CuteGemm:
-    """One configuration compiled once per N (dynamic layouts; the band width follows N) and called on torch
-    tensors."""
-
-    def __init__(self, config: str, has_bias: bool, fp32_out: bool):
-        self.config, self.has_bias, self.fp32_out, self.compiled = config, has_bias, fp32_out, {}
-
-    @staticmethod
-    def _tensor(t, dtype, leading_dim: int):
-        import torch
-        from cutlass.cute.runtime import from_dlpack
-
-        ct = from_dlpack(t.view(torch.uint8) if t.element_size() == 1 else t, assumed_align=16)
-        ct.element_type = dtype
-        return ct.mark_layout_dynamic(leading_dim=leading_dim)
-
-    def prepare(self, a, b, sa, sb, bias, out):
-        """A call with no arguments that writes out [M, N] (bf16 or fp32) = (a ⊙ sa)(b ⊙ sb)ᵀ + bias: a [M, K], b [N, K]
-        E4M3; sa [M, 1], sb [1, N], bias [N] or None. Its tensors are wrapped here, once, so that the
-        timed call is the launch alone."""
-        import cuda.bindings.driver as cuda
-        import cutlass
-        import cutlass.cute as cute
-        import torch
-
-        # the torch tensors made here live as long as the call (the wrappers only point at their memory)
-        vectors = (sa.reshape(-1).contiguous(), sb.reshape(-1).contiguous(),
-                   (bias if bias is not None else torch.zeros(b.shape[0], device=a.device)).float().contiguous())
-        args = (self._tensor(a.unsqueeze(-1), cutlass.Float8E4M3FN, 1), self._tensor(b.unsqueeze(-1), cutlass.Float8E4M3FN, 1),
-                self._tensor(out.unsqueeze(-1), cutlass.Float32 if self.fp32_out else cutlass.BFloat16, 1),
-                *(self._tensor(v, cutlass.Float32, 0) for v in vectors))
-        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        n = b.shape[0]
-        if n not in self.compiled:  # the band width depends on N
-            cluster = CONFIGS[self.config][1]
-            clusters = cutlass.utils.HardwareInfo().get_max_active_clusters(cluster[0] * cluster[1])
-            self.compiled[n] = cute.compile(_kernel(self.config, n), *args, self.has_bias, clusters, stream)
-        compiled = self.compiled[n]
-        return lambda vectors=vectors: compiled(*args, stream)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
@@ -162,11 +121,12 @@ def main() -> int:
 
         from probe_scaled_mm_autotune import _operands, _within_contract
 
+        from mxflux.kernels.gemm_cute import prepared_gemm
+
         def bench(fn) -> float:
             return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
         gen = torch.Generator(device="cuda").manual_seed(0)
-        kernels = {}
         rows = []
         for name, kind, m, n, k, has_bias, fp32_out in _problems(args.m):
             a, b, sa, sb, bias = _operands(m, k, n, gen)
@@ -179,10 +139,10 @@ def main() -> int:
             row = dict(linear=name, kind=kind, m=m, n=n, k=k, bias=has_bias, cublas_rowwise_ms=bench(rowwise),
                        cublas_tensorwise_ms=bench(tensorwise))
             for config in configs:
-                gemm = kernels.setdefault((config, has_bias, fp32_out), _CuteGemm(config, has_bias, fp32_out))
+                tile, cluster, most = CONFIGS[config]
                 out = torch.full_like(want, float("nan"))  # every element must be written
                 try:
-                    call = gemm.prepare(a, b, sa, sb, bias, out)
+                    call = prepared_gemm(a, sa, b, sb, bias, out, (tile, cluster), most)  # sb [1, N]: read flat
                     call()
                     torch.cuda.synchronize()
                 except Exception as e:  # a configuration the DSL or the device refuses: say so, go on
