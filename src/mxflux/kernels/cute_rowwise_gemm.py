@@ -27,11 +27,11 @@
 # OF THIS SOFTWARE, EVEN IF ADVISED OF THE POSSIBILITY OF SUCH DAMAGE.
 
 
-"""An FP8 GEMM for NVIDIA Hopper with the MX row granularity's scales in its epilogue, for probing
-(benchmarks/probe_cute_rowwise_gemm.py): out = (A ⊙ a_scale)(B ⊙ b_scale)ᵀ + bias, the accumulator in
-fp32, the per-row scale of A and the per-row scale of B (one per output column) multiplied in, the bias
-added in fp32, one rounding to the output type: the GEMM contract of docs/design.md ("The three GEMMs
-and their operands").
+"""An FP8 GEMM for NVIDIA Hopper with the MX row granularity's scales in its epilogue (`gemm_cute` runs
+it where MXFLUX_CUTE_GEMM asks; benchmarks/probe_cute_rowwise_gemm.py measures it):
+out = (A ⊙ a_scale)(B ⊙ b_scale)ᵀ + bias, the accumulator in fp32, the per-row scale of A and the per-row
+scale of B (one per output column) multiplied in, the bias added in fp32, one rounding to the output type:
+the GEMM contract of docs/design.md ("The three GEMMs and their operands").
 
 Why: cuBLAS offers one algorithm for row-scaled FP8 (128x128 tiles, no clusters), slower in the step than
 its tensor-wise kernels (192x192, 128x160, 2x1 clusters); this one takes the tensor-wise tiles and
@@ -41,8 +41,9 @@ Derived from CUTLASS's CuTe DSL example
 examples/python/CuTeDSL/cute/hopper/kernel/dense_gemm/dense_gemm_fp8_gelu_persistent.py (the license
 above is that example's): persistent, warp-specialized, TMA loads and stores, WGMMA. Changed: the
 epilogue multiplies each accumulator by a_scale[m] · b_scale[n] and adds bias[n] (in place of its scalar
-scale and GELU), reading both through an identity tensor partitioned as the accumulator is; the
-command line and the host-side reference were left out.
+scale and GELU), reading both by each element's coordinate (`accumulator_coordinates`); the persistent
+tile order is given in bands (`swizzle_size`) by the caller; the command line and the host-side reference
+were left out.
 """
 
 import math
