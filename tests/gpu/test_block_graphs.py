@@ -125,3 +125,33 @@ def test_compiled_gemms_with_deferred_scales_are_bit_identical(monkeypatch, defe
     got = _fwd_bwd(torch.compile(layer, fullgraph=True), x, g)
     for w, o, name in zip(want[:3], got[:3], ("y", "dx", "dw")):
         assert torch.equal(w, o), name
+
+
+def _cute_available() -> bool:
+    from mxflux.kernels import gemm_cute
+
+    return gemm_cute.available()
+
+
+@pytest.mark.skipif(not _cute_available(), reason="needs CuTe DSL (nvidia-cutlass-dsl) and a Hopper GPU")
+@pytest.mark.parametrize("kinds", ["bias,fp32", "all"])
+def test_compiled_gemms_on_the_cute_kernel_are_bit_identical(monkeypatch, kinds):
+    """With MXFLUX_CUTE_GEMM, compiled and eager layers both run the named GEMMs on the CuTe-DSL kernel
+    (compiled through the opaque op, without a graph break): the same bits."""
+    from mxflux.kernels import gemm_cute
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute._kinds(kinds))
+    layer = MXFP6Linear(3072, 9216, device="cuda")
+    x = torch.randn(512, 3072, device="cuda", dtype=torch.bfloat16) * 2.0 ** torch.randint(
+        -8, 8, (512, 1), device="cuda")
+    g = 1e-4 * torch.randn(512, 9216, device="cuda", dtype=torch.bfloat16)
+    ran = []
+    real = gemm_cute.cute_scaled_gemm
+    monkeypatch.setattr(gemm_cute, "cute_scaled_gemm", lambda *args: ran.append(args[-1]) or real(*args))
+    want = _fwd_bwd(layer, x, g)
+    assert len(ran) == len(gemm_cute.CUTE_GEMM)  # one GEMM of each kind named: fprop, dgrad, wgrad
+    got = _fwd_bwd(torch.compile(layer, fullgraph=True), x, g)
+    assert len(ran) == 2 * len(gemm_cute.CUTE_GEMM)
+    for w, o, name in zip(want[:3], got[:3], ("y", "dx", "dw")):
+        assert torch.equal(w, o), name
