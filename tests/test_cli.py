@@ -75,3 +75,20 @@ def test_an_output_path_through_a_file_is_one_line_naming_it(argv, message, tmp_
     err = capsys.readouterr().err
     assert message.format(file=a_file) in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("var, value, message", [
+    ("MXFLUX_CUTE_GEMM", "bogus", "MXFLUX_CUTE_GEMM: expected off, all or a comma-separated list of bias, bf16, fp32; "
+                                  "got 'bogus'"),
+    ("MXFLUX_CUTE_SWIZZLE", "0", "MXFLUX_CUTE_SWIZZLE: expected a positive whole number of tile columns, got '0'"),
+    ("MXFLUX_DEFER_SCALES", "x", "MXFLUX_DEFER_SCALES: expected one of auto, all, bias, bias-rounded, none, got 'x'"),
+])
+def test_a_kernel_switch_set_wrong_is_one_line_naming_it(var, value, message, tmp_path):
+    """The MXFLUX_* kernel switches (mxflux.switches) are read as the kernels are imported, inside the command:
+    a value one does not take is one line naming the variable and what it takes, exit 2, no traceback."""
+    import os
+
+    env = {**os.environ, var: value}
+    r = subprocess.run([sys.executable, "-m", "mxflux.cli", "train", "tiny-mxfp6", "--max-steps", "1", "--no-progress",
+                        "--out", str(tmp_path / "run")], env=env, capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stderr.strip()) == (2, f"mxflux train: error: {message}")

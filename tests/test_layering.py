@@ -19,11 +19,11 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "mxflux"
 
 # Each package's layer: it may import packages of lower layers only (and itself). The leaves
-# (`_lazy`, `argtypes`: lazy attribute loading, argparse types; `recipes`: YAML files) import nothing
-# of mxflux and may be imported from anywhere, as may the package root's own names (`__version__`);
-# `cli` is the command line on top.
-LAYER = {"_lazy": 0, "argtypes": 0, "recipes": 0, "mx": 1, "kernels": 2, "ops": 3, "nn": 4, "model": 5, "data": 5, "train": 6,
-         "optim": 7, "bench": 7, "cli": 8}
+# (`_lazy`, `argtypes`: lazy attribute loading, argparse types; `switches`: the MXFLUX_* kernel switches;
+# `recipes`: YAML files) import nothing of mxflux and may be imported from anywhere, as may the package
+# root's own names (`__version__`); `cli` is the command line on top.
+LAYER = {"_lazy": 0, "argtypes": 0, "recipes": 0, "switches": 0, "mx": 1, "kernels": 2, "ops": 3, "nn": 4, "model": 5,
+         "data": 5, "train": 6, "optim": 7, "bench": 7, "cli": 8}
 # Below `train`, only `ops` reaches the kernels.
 KERNEL_IMPORTERS = {"kernels", "ops"}
 

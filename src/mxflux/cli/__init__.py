@@ -272,6 +272,11 @@ def _main(argv: Sequence[str] | None) -> int:
         if isinstance(e, OSError) and e.errno in _PATH_ERRNOS:
             print(f"{command}: error: {_os_error_line(e)}", file=sys.stderr)
             return 2
+        from mxflux.switches import SwitchError  # torch-free: the modules that raise it may not import again
+
+        if isinstance(e, SwitchError):
+            print(f"{command}: error: {e}", file=sys.stderr)
+            return 2
         from mxflux.train.stop import NonFiniteError
 
         if isinstance(e, NonFiniteError):

@@ -20,13 +20,13 @@ device and cached (`_capabilities`). Shape rules measured on the H200: GEMM_SHAP
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from ..mx.constants import FP8_GEMM_ALIGN, MX_BLOCK
 from ..mx.granularity import FoldGranularity
 from ..mx.matmul import true_fp32
+from ..switches import choice
 from . import gemm_cute
 from .triton_common import HAS_TRITON
 
@@ -293,9 +293,7 @@ def _contiguous(copies, *operands):
 # "bias-rounded" writes them in the output dtype and adds the bias after that rounding (torchao's FP8
 # linears do so; outside this GEMM's contract). Read once, at import: MXFLUX_DEFER_SCALES.
 DEFER_SCALES_MODES = ("auto", "all", "bias", "bias-rounded", "none")
-DEFER_SCALES = os.environ.get("MXFLUX_DEFER_SCALES", "auto")
-if DEFER_SCALES not in DEFER_SCALES_MODES:
-    raise ValueError(f"MXFLUX_DEFER_SCALES: expected one of {', '.join(DEFER_SCALES_MODES)}, got {DEFER_SCALES!r}")
+DEFER_SCALES = choice("MXFLUX_DEFER_SCALES", "auto", DEFER_SCALES_MODES)
 
 # The smallest N or K from which cuBLAS's row-scaled FP8 kernels fall behind its tensor-wise ones
 # (torch._scaled_mm alone, H100, torch 2.11, M = 32768, 2026-12-06): row-scaled runs 128x128 tiles where

@@ -20,31 +20,22 @@ from memory once per band rather than once per tile column, while the band's B s
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from ..switches import positive_int, subset
 
 CUTE_GEMM_KINDS = ("bias", "bf16", "fp32")
 
 
 def _kinds(value: str) -> frozenset:
-    if value == "off":
-        return frozenset()
-    if value == "all":
-        return frozenset(CUTE_GEMM_KINDS)
-    kinds = frozenset(value.split(","))
-    if not kinds <= set(CUTE_GEMM_KINDS):
-        raise ValueError(f"MXFLUX_CUTE_GEMM: expected off, all or a comma-separated list of "
-                         f"{', '.join(CUTE_GEMM_KINDS)}; got {value!r}")
-    return kinds
+    """What MXFLUX_CUTE_GEMM=`value` means (tests set the kinds by it)."""
+    return subset("MXFLUX_CUTE_GEMM", "off", CUTE_GEMM_KINDS, value)
 
 
-CUTE_GEMM = _kinds(os.environ.get("MXFLUX_CUTE_GEMM", "off"))
+CUTE_GEMM = subset("MXFLUX_CUTE_GEMM", "off", CUTE_GEMM_KINDS)
 CONFIG = ((128, 256), (2, 1))  # tile (M, N), cluster (M, N): the tensor-wise kernels' class
-SWIZZLE = os.environ.get("MXFLUX_CUTE_SWIZZLE", "8")
-if not SWIZZLE.isdigit() or int(SWIZZLE) < 1:
-    raise ValueError(f"MXFLUX_CUTE_SWIZZLE: expected a positive whole number of tile columns, got {SWIZZLE!r}")
-SWIZZLE = int(SWIZZLE)
+SWIZZLE = positive_int("MXFLUX_CUTE_SWIZZLE", 8, "tile columns")
 
 
 def swizzle_for(tiles_n: int, most: int) -> int:
