@@ -94,3 +94,30 @@ def test_the_optimizer_path_says_which_kernel_took_the_step_and_what_keeps_ours_
               "optim.implementation=foreach": "(optim.implementation: foreach;"}
     assert reason.get(overrides[0] if overrides else "", "needs fp32 parameters on one CUDA device") in path["optimizer"]
     assert f"optimizer {path['optimizer']};" in step_path_line(path)
+
+
+@pytest.mark.parametrize("kinds, available, want", [
+    ("off", True, None),
+    ("bias,fp32", True, "; those computing bias,fp32 with M and N in whole tile clusters on the CuTe-DSL row-scaled "
+                        "GEMM (MXFLUX_CUTE_GEMM=bias,fp32)"),
+    ("all", False, "(MXFLUX_CUTE_GEMM=bf16,bias,fp32, not available here)"),
+])
+def test_the_gemm_path_names_the_cute_gemm_where_it_is_asked_for(kinds, available, want, monkeypatch):
+    """A run with MXFLUX_CUTE_GEMM says which GEMMs it asked the CuTe kernel for, and whether CuTe DSL is
+    there to take them (without it the GEMMs stay cuBLAS's)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mxflux.kernels.gemm_cute import _kinds
+    from mxflux.train import step_path as sp
+
+    monkeypatch.setattr(sp, "CUTE_GEMM", _kinds(kinds))
+    monkeypatch.setattr(sp, "cute_available", lambda: available)
+    monkeypatch.setattr(sp, "FORCE_REFERENCE", False)
+    cfg = load_recipe("tiny-mxfp6", ["model.compile=true"])
+    model, _ = build_model(cfg, "cpu")
+    trainer = SimpleNamespace(cfg=cfg, device=torch.device("cuda"), model=model, optimizer=None,
+                              block_graphs=SimpleNamespace(on=False), accum=1, world=1)
+    gemm = sp.step_path(trainer)["mx_gemm"]
+    assert ("CuTe" not in gemm) if want is None else gemm.endswith(want)

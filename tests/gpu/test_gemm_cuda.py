@@ -230,8 +230,9 @@ def test_cute_gemm_meets_the_contract(shape, out_dtype, with_bias, gen):
     assert bool(((got.double() - want.double()).abs() <= bound).all())
 
 
-def test_the_cute_gemm_takes_only_whole_tiles_of_the_kinds_named(monkeypatch):
-    """Its epilogue reads each row's and column's scale unguarded: M and N must be whole tiles; and it takes
+def test_the_cute_gemm_takes_only_whole_clusters_of_the_kinds_named(monkeypatch):
+    """Its epilogue reads each row's and column's scale unguarded: M and N must be whole clusters of tiles
+    (2x1 of 128x256); and it takes
     only the kinds MXFLUX_CUTE_GEMM names (bias: bf16 with a bias; bf16; fp32 out)."""
     from mxflux.kernels import gemm_cute
 
