@@ -12,7 +12,7 @@ out; wgrad, fp32 out), checks its output within the GEMM contract against cuBLAS
 and times it beside cuBLAS row-scaled (what MXFP6 runs) and cuBLAS tensor-wise (unit scales: the
 tiles torchao's GEMMs get).
 
-    PYTHONPATH=src python3 benchmarks/probe_cute_rowwise_gemm.py --json $OUT/cute_rowwise_gemm.json
+    PYTHONPATH=src python3 benchmarks/probe_cute_rowwise_gemm.py --json $OUT/cute_rowwise_gemm.json [--m 4096,32768]
     python3 benchmarks/probe_cute_rowwise_gemm.py --compile-only   # no GPU: builds each configuration for sm_90a
 
 Needs nvidia-cutlass-dsl (`pip install nvidia-cutlass-dsl`, with the `cu13` extra for CUDA 13).
@@ -36,14 +36,18 @@ CONFIGS = {"128x256-2x1": ((128, 256), (2, 1), 1), "128x256-2x1-s4": ((128, 256)
 SM90_SMS = 132  # an H100 SXM's SMs: the persistent grid's size where no device is there to ask
 
 
-def _problems(m_tokens: int):
-    """(linear, kind, M, N, K, has_bias, fp32 output) of each Flux linear's three GEMMs at m_tokens tokens."""
-    from bench_kernels import LINEARS  # (name, K, N)
+def _problems(tokens: list[int]):
+    """(linear, kind, M, N, K, has_bias, fp32 output) of each Flux linear's three GEMMs at each token count:
+    bench_kernels' problems, the GEMMs an MX linear runs."""
+    import torch
+    from bench_kernels import GEMM_KINDS, LINEARS, gemm_problem  # LINEARS: (name, K, N)
 
     out = []
-    for name, k, n in LINEARS:
-        out += [(name, "fprop", m_tokens, n, k, True, False), (name, "dgrad", m_tokens, k, n, False, False),
-                (name, "wgrad", n, k, m_tokens, False, True)]
+    for m_tokens in tokens:
+        for name, k, n in LINEARS:
+            for kind in GEMM_KINDS:
+                rows_a, rows_b, contraction, bias, out_dtype = gemm_problem(kind, m_tokens, k, n)
+                out.append((name, kind, rows_a, rows_b, contraction, bias, out_dtype == torch.float32))
     return out
 
 
@@ -91,11 +95,17 @@ def compile_only(configs: list[str]) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
-    ap.add_argument("--m", type=int, default=32768, help="tokens (the GEMMs' M)")
+    ap.add_argument("--m", default="32768", help="tokens (the GEMMs' M), comma-separated, e.g. 4096,16384,32768")
     ap.add_argument("--compile-only", action="store_true", help="build for sm_90a from fake tensors; no GPU needed")
     ap.add_argument("--json")
     args = ap.parse_args()
     configs = [c for c in args.configs.split(",") if c]
+    try:
+        tokens = [int(t) for t in args.m.split(",") if t]
+    except ValueError:
+        tokens = []
+    if not tokens or min(tokens) < 1:
+        ap.error(f"--m: expected positive whole numbers of tokens, comma-separated; got {args.m!r}")
     bad = [c for c in configs if c not in CONFIGS]
     if bad:
         ap.error(f"unknown configuration: {', '.join(bad)}")
@@ -128,7 +138,7 @@ def main() -> int:
 
         gen = torch.Generator(device="cuda").manual_seed(0)
         rows = []
-        for name, kind, m, n, k, has_bias, fp32_out in _problems(args.m):
+        for name, kind, m, n, k, has_bias, fp32_out in _problems(tokens):
             a, b, sa, sb, bias = _operands(m, k, n, gen)
             bias = bias if has_bias else None
             out_dtype = torch.float32 if fp32_out else torch.bfloat16
@@ -161,9 +171,9 @@ def main() -> int:
                   (f"best {best} {row[best]['ms']:.3f} ms ({row[best]['vs_cublas_rowwise']:.2f}x row, "
                    f"contract {row[best]['within_contract']})" if best else "no configuration ran"), flush=True)
     if not args.compile_only:  # per kind, the sums over the Flux linears: what a step would see
-        for kind in ("fprop", "dgrad", "wgrad"):
-            these = [r for r in rows if r["kind"] == kind]
-            line = (f"{kind}: cuBLAS row-scaled {sum(r['cublas_rowwise_ms'] for r in these):.2f} ms, tensor-wise "
+        for m_tokens, kind in ((t, k) for t in tokens for k in ("fprop", "dgrad", "wgrad")):
+            these = [r for r in rows if r["kind"] == kind and r["m" if kind != "wgrad" else "k"] == m_tokens]
+            line = (f"{kind} at {m_tokens} tokens: cuBLAS row-scaled {sum(r['cublas_rowwise_ms'] for r in these):.2f} ms, tensor-wise "
                     f"{sum(r['cublas_tensorwise_ms'] for r in these):.2f}")
             for config in configs:
                 if all("ms" in r.get(config, {}) for r in these):
