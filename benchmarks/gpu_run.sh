@@ -60,16 +60,19 @@
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/pydantic ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-fi
-if ls .whl-lora/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/diffusers ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-lora/*.whl
-fi
+for folder_marker in .whl:pydantic .whl-lora:diffusers; do  # each folder once per machine (its marker package)
+  folder=${folder_marker%:*}
+  if ls "$folder"/*.whl >/dev/null 2>&1 && [ ! -d "/tmp/site/${folder_marker#*:}" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$folder"/*.whl
+  fi
+done
 [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site  # every invocation, not only the installing one
 # CuTe DSL's packages sit one level down (its wheel adds them by a .pth file, which a --target folder skips)
-[ -d /tmp/site-cute/nvidia_cutlass_dsl ] && \
-  export PYTHONPATH=$PYTHONPATH:/tmp/site-cute:/tmp/site-cute/nvidia_cutlass_dsl/dsl_packages
+cute_on_path() {
+  case ":$PYTHONPATH:" in *:/tmp/site-cute:*) ;;
+    *) export PYTHONPATH=$PYTHONPATH:/tmp/site-cute:/tmp/site-cute/nvidia_cutlass_dsl/dsl_packages ;; esac
+}
+[ -d /tmp/site-cute/nvidia_cutlass_dsl ] && cute_on_path
 python3 -c "import pydantic, yaml, rich, safetensors" || { echo "missing Python packages (carry .whl/)"; exit 3; }
 [ -n "${MXFLUX_GIT_COMMIT:-}" ] || echo "warning: no MXFLUX_GIT_COMMIT: results name whatever commit a .git here says"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
@@ -144,7 +147,7 @@ for stage in "$@"; do
       for part in .cutedsl/b/*.tar.xz .cutedsl/c/*.tar.xz; do
         [ -f "$part" ] && mkdir -p /tmp/site-cute && tar -xJf "$part" -C /tmp/site-cute
       done
-      export PYTHONPATH=$PYTHONPATH:/tmp/site-cute:/tmp/site-cute/nvidia_cutlass_dsl/dsl_packages
+      cute_on_path
       python3 -c "import cutlass.cute; print('CuTe DSL', cutlass.__version__ if hasattr(cutlass, '__version__') else '')" \
         || echo "CuTe DSL not complete yet: carry the next part (.cutedsl/a, b, c) in the next call" ;;
     cuterow)

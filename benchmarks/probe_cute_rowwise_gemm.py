@@ -53,13 +53,10 @@ def _problems(tokens: list[int]):
 
 def _kernel(config: str, n: int):
     """The configuration's kernel for N output columns (the band no wider than divides them)."""
-    import cutlass
-
-    from mxflux.kernels.cute_rowwise_gemm import RowScaledFP8Gemm
-    from mxflux.kernels.gemm_cute import swizzle_for
+    from mxflux.kernels.gemm_cute import kernel_for
 
     tile, cluster, most = CONFIGS[config]
-    return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, swizzle_for(n // (tile[1] * cluster[1]), most), True)
+    return kernel_for(n, (tile, cluster), most)
 
 
 def compile_only(configs: list[str]) -> list[dict]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mxflux.data import build_demo_dataset
+from mxflux.kernels import gemm_cute
 from mxflux.nn import MXFP6Linear
 from mxflux.ops import custom_ops
 from mxflux.train import load_recipe
@@ -127,19 +128,11 @@ def test_compiled_gemms_with_deferred_scales_are_bit_identical(monkeypatch, defe
         assert torch.equal(w, o), name
 
 
-def _cute_available() -> bool:
-    from mxflux.kernels import gemm_cute
-
-    return gemm_cute.available()
-
-
-@pytest.mark.skipif(not _cute_available(), reason="needs CuTe DSL (nvidia-cutlass-dsl) and a Hopper GPU")
+@pytest.mark.skipif(not gemm_cute.available(), reason="needs CuTe DSL (nvidia-cutlass-dsl) and a Hopper GPU")
 @pytest.mark.parametrize("kinds", ["bias,fp32", "all"])
 def test_compiled_gemms_on_the_cute_kernel_are_bit_identical(monkeypatch, kinds):
     """With MXFLUX_CUTE_GEMM, compiled and eager layers both run the named GEMMs on the CuTe-DSL kernel
     (compiled through the opaque op, without a graph break): the same bits."""
-    from mxflux.kernels import gemm_cute
-
     torch._dynamo.reset()
     monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute._kinds(kinds))
     layer = MXFP6Linear(3072, 9216, device="cuda")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxflux.kernels import cuda_kernel_available, mx_operands_cuda, scaled_gemm_cuda
+from mxflux.kernels import cuda_kernel_available, gemm_cute, mx_operands_cuda, scaled_gemm_cuda
 from mxflux.mx import FoldGranularity as G
 from mxflux.mx import dequantize_operand, mx_matmul, quantize, scaled_gemm_reference
 
@@ -199,30 +199,22 @@ def test_deferred_scales_with_a_bias_equal_the_row_scaled_gemm_bit_for_bit(shape
     assert torch.equal(got, want)
 
 
-def _cute_available() -> bool:
-    from mxflux.kernels import gemm_cute
-
-    return gemm_cute.available()
-
-
 @gpu
 @needs_cuda
 @needs_triton
-@pytest.mark.skipif(not _cute_available(), reason="needs CuTe DSL (nvidia-cutlass-dsl) and a Hopper GPU")
+@pytest.mark.skipif(not gemm_cute.available(), reason="needs CuTe DSL (nvidia-cutlass-dsl) and a Hopper GPU")
 @pytest.mark.parametrize("out_dtype,with_bias", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)])
 @pytest.mark.parametrize("shape", [*SHAPES[:3], (512, 12288, 3072), (256, 3328, 3072)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_cute_gemm_meets_the_contract(shape, out_dtype, with_bias, gen):
     """The CuTe-DSL row-scaled GEMM (MXFLUX_CUTE_GEMM): every element written and within the fp32
     summation bound of the reference, as cuBLAS's is (fprop: bf16 with bias; dgrad: bf16; wgrad: fp32)."""
-    from mxflux.kernels.gemm_cute import cute_scaled_gemm
-
     m, n, k = shape
     a, b, bias = operands(m, n, k, G.ROWWISE, gen)
     bias = bias if with_bias else None
     junk = torch.full((m * n * 2,), float("nan"), device="cuda")  # an unwritten element would show as NaN
     del junk
-    got = cute_scaled_gemm(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, out_dtype)
+    got = gemm_cute.cute_scaled_gemm(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, out_dtype)
     want = scaled_gemm_reference(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, out_dtype)
     assert got.shape == (m, n) and got.dtype == out_dtype and not got.isnan().any()
     av, bv = dequantize_operand(a.row_data, a.row_scale), dequantize_operand(b.row_data, b.row_scale)
@@ -234,8 +226,6 @@ def test_the_cute_gemm_takes_only_whole_clusters_of_the_kinds_named(monkeypatch)
     """Its epilogue reads each row's and column's scale unguarded: M and N must be whole clusters of tiles
     (2x1 of 128x256); and it takes
     only the kinds MXFLUX_CUTE_GEMM names (bias: bf16 with a bias; bf16; fp32 out)."""
-    from mxflux.kernels import gemm_cute
-
     bf16, fp32 = torch.bfloat16, torch.float32
     monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute._kinds("all"))
     monkeypatch.setattr(gemm_cute, "available", lambda: True)

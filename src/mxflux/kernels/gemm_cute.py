@@ -83,32 +83,41 @@ def _tensor(t: torch.Tensor, dtype, leading_dim: int):
 _COMPILED: dict = {}
 
 
+def kernel_for(n: int, config=CONFIG, most_swizzle: int | None = None):
+    """The kernel for N output columns: `config`'s tile and cluster, tiles visited in bands of the widest
+    power of two of tile columns, at most `most_swizzle` (SWIZZLE by default), that divides them."""
+    import cutlass
+
+    from .cute_rowwise_gemm import RowScaledFP8Gemm
+
+    tile, cluster = config
+    swizzle = swizzle_for(n // (tile[1] * cluster[1]), SWIZZLE if most_swizzle is None else most_swizzle)
+    return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, swizzle, True)
+
+
 def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=CONFIG, most_swizzle=None):
     """A call with no arguments that writes out [M, N] (bf16 or fp32) = (A ⊙ a_scale)(B ⊙ b_scale)ᵀ + bias:
     a_data [M, K], b_data [N, K] E4M3 (contiguous), a_scale [M, 1], b_scale [N, 1] fp32, bias [N] or None.
     The tensors are wrapped here, once (a timed call is then the launch alone: benchmarks/
-    probe_cute_rowwise_gemm.py), and the kernel compiled once per bias, output dtype, tile and cluster
-    (`config`) and band width (at most `most_swizzle`, SWIZZLE by default; layouts are dynamic)."""
+    probe_cute_rowwise_gemm.py), and `kernel_for`'s kernel compiled once per bias, output dtype, tile,
+    cluster and band width (layouts are dynamic)."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
 
-    from .cute_rowwise_gemm import RowScaledFP8Gemm
-
-    n = b_data.shape[0]
-    vectors = (a_scale.reshape(-1).contiguous(), b_scale.reshape(-1).contiguous(),
-               (bias.float() if bias is not None else torch.zeros(n, device=a_data.device)).contiguous())
+    a_scale, b_scale = a_scale.reshape(-1).contiguous(), b_scale.reshape(-1).contiguous()
+    # without a bias the kernel reads none (a compile-time flag): b_scale stands in, no tensor made per call
+    vectors = (a_scale, b_scale, bias.float().contiguous() if bias is not None else b_scale)
     args = (_tensor(a_data.unsqueeze(-1), cutlass.Float8E4M3FN, 1), _tensor(b_data.unsqueeze(-1), cutlass.Float8E4M3FN, 1),
             _tensor(out.unsqueeze(-1), cutlass.Float32 if out.dtype == torch.float32 else cutlass.BFloat16, 1),
             *(_tensor(v, cutlass.Float32, 0) for v in vectors))
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    tile, cluster = config
-    swizzle = swizzle_for(n // (tile[1] * cluster[1]), SWIZZLE if most_swizzle is None else most_swizzle)
-    key = (bias is not None, out.dtype, tile, cluster, swizzle)
+    kernel = kernel_for(b_data.shape[0], config, most_swizzle)
+    key = (bias is not None, out.dtype, *config, kernel.swizzle_size)
     if key not in _COMPILED:
+        cluster = config[1]
         clusters = cutlass.utils.HardwareInfo().get_max_active_clusters(cluster[0] * cluster[1])
-        _COMPILED[key] = cute.compile(RowScaledFP8Gemm(cutlass.Float32, tile, cluster, swizzle, True), *args,
-                                      bias is not None, clusters, stream)
+        _COMPILED[key] = cute.compile(kernel, *args, bias is not None, clusters, stream)
     compiled = _COMPILED[key]
     # the wrappers only point at the tensors' memory: the call keeps the tensors made here alive
     return lambda vectors=vectors: compiled(*args, stream)
