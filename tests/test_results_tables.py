@@ -30,7 +30,7 @@ def _copy(tmp_path: Path) -> Path:
     spec = yaml.safe_load((ROOT / "benchmarks" / "claims.yaml").read_text())
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     for rel in ("benchmarks/claims.yaml", "benchmarks/RESULTS.md", "README.md",
-                *{f"benchmarks/{c['file']}" for c in spec["claims"]},
+                *{f"benchmarks/{c['file']}" for key in ("claims", "cute_claims") for c in spec.get(key, ())},
                 *(f"benchmarks/{f}" for key in ("cpu_threads", "convergence", "lora", "user_loop") for f in spec.get(key, ())),
                 *(f"benchmarks/{call['file']}" for call in spec.get("settings", ()))):
         shutil.copy(ROOT / rel, tmp_path / rel)

@@ -98,13 +98,14 @@ def test_the_optimizer_path_says_which_kernel_took_the_step_and_what_keeps_ours_
 
 @pytest.mark.parametrize("kinds, available, want", [
     ("off", True, None),
-    ("bias,fp32", True, "; those computing bias,fp32 with M and N in whole tile clusters on the CuTe-DSL row-scaled "
-                        "GEMM (MXFLUX_CUTE_GEMM=bias,fp32)"),
+    ("bias,fp32", True, "; those computing bias,fp32 with M and N in whole tile clusters, before either, on the "
+                        "CuTe-DSL row-scaled GEMM, fast accumulation (all of K in the tensor cores' accumulator) "
+                        "(MXFLUX_CUTE_GEMM=bias,fp32)"),
     ("all", False, "(MXFLUX_CUTE_GEMM=bf16,bias,fp32, not available here)"),
 ])
 def test_the_gemm_path_names_the_cute_gemm_where_it_is_asked_for(kinds, available, want, monkeypatch):
-    """A run with MXFLUX_CUTE_GEMM says which GEMMs it asked the CuTe kernel for, and whether CuTe DSL is
-    there to take them (without it the GEMMs stay cuBLAS's)."""
+    """A run with MXFLUX_CUTE_GEMM says which GEMMs it asked the CuTe kernel for, that its accumulation is
+    not the contract's, and whether CuTe DSL is there to take them (without it the GEMMs stay cuBLAS's)."""
     from types import SimpleNamespace
 
     import torch

@@ -94,8 +94,9 @@ SETTINGS["mxfp6-rowscaled"] = SETTINGS["mxfp6"]
 # (the same bits), or rounded before the bias is added (torchao's FP8 linears' order, not our contract)
 SETTINGS["mxfp6-defer-bias"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-bias-rounded"] = SETTINGS["mxfp6"]
-# the CuTe-DSL row-scaled GEMM (`kernels.gemm_cute`, needs nvidia-cutlass-dsl): for the GEMMs with a bias
-# (fprop), those and the fp32-out ones (wgrad), or all
+# the CuTe-DSL row-scaled GEMM (`kernels.gemm_cute`, needs nvidia-cutlass-dsl; fast accumulation, outside the
+# GEMM contract): for the GEMMs with a bias (fprop: fast accumulation where torchao's FP8 recipe has it too),
+# those and the fp32-out ones (wgrad), or all
 SETTINGS["mxfp6-cute-bias"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-cute-bias-fp32"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-cute-all"] = SETTINGS["mxfp6"]

@@ -29,9 +29,12 @@
 
 """An FP8 GEMM for NVIDIA Hopper with the MX row granularity's scales in its epilogue (`gemm_cute` runs
 it where MXFLUX_CUTE_GEMM asks; benchmarks/probe_cute_rowwise_gemm.py measures it):
-out = (A ⊙ a_scale)(B ⊙ b_scale)ᵀ + bias, the accumulator in fp32, the per-row scale of A and the per-row
-scale of B (one per output column) multiplied in, the bias added in fp32, one rounding to the output type:
-the GEMM contract of docs/design.md ("The three GEMMs and their operands").
+out = (A ⊙ a_scale)(B ⊙ b_scale)ᵀ + bias, the per-row scale of A and the per-row scale of B (one per output
+column) multiplied into the accumulator, the bias added in fp32, one rounding to the output type: the
+epilogue of the GEMM contract of docs/design.md ("The three GEMMs and their operands"). The main loop is
+the example's: every WGMMA of the tile's K accumulates into the same registers, so the sums are the tensor
+cores' FP8 accumulation (fewer bits than fp32, cuBLAS's fast accumulation), not promoted to fp32 every few
+k-blocks as CUTLASS's FP8 GEMMs without fast accumulation do; not yet the contract's accumulation.
 
 Why: cuBLAS offers one algorithm for row-scaled FP8 (128x128 tiles, no clusters), slower in the step than
 its tensor-wise kernels (192x192, 128x160, 2x1 clusters); this one takes the tensor-wise tiles and

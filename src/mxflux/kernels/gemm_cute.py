@@ -7,10 +7,13 @@ gradients), a comma-separated list of them, `all`, or `off` (the default).
 Why: cuBLAS offers one row-scaled FP8 algorithm (128x128 tiles, no clusters), slower in the step than its
 tensor-wise kernels, and the scales cannot be deferred to the next op without the partitioner writing the
 scaled output whole (benchmarks/NOTES.md, "The fprop GEMMs unit-scaled"). This one applies them where
-the accumulator is, with the tensor-wise kernels' tiles. Its numbers are the GEMM contract's (fp32
-accumulation, the power-of-two scales exact, the bias added in fp32, one rounding), within the fp32
-summation bound of cuBLAS's (a different order of the same sums), so eager and compiled calls both take it
-for the GEMMs it is on for, and a run names it (`train.step_path`).
+the accumulator is, with the tensor-wise kernels' tiles. Its epilogue is the GEMM contract's (the
+power-of-two scales exact, the bias added in fp32, one rounding), but its main loop is not: it sums all of
+K in the tensor cores' FP8 accumulator, which keeps fewer bits than fp32 (what cuBLAS calls fast
+accumulation, and what torchao's FP8 recipe runs for its forward GEMMs); cuBLAS's GEMMs here promote the
+partial sums to fp32. Its results stay within the fp32 summation-order bound of the reference (tested), not
+the reference's bits (tests/gpu/test_gemm_cuda.py). So it stays opt-in until its main loop promotes. Eager
+and compiled calls both take it for the GEMMs it is on for, and a run names it (`train.step_path`).
 
 Tiles are visited in bands of SWIZZLE tile columns (MXFLUX_CUTE_SWIZZLE, at most; the largest power of
 two that divides the problem's tile columns): within a band the persistent CTAs walk down M, so A is read

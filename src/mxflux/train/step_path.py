@@ -83,7 +83,8 @@ def step_path(trainer) -> dict:
             packers += " (the fused MLP's GELU prologues: the opaque op)"
     if mx and kernels and CUTE_GEMM and cfg.precision.mx_gemm == "rowwise":  # eager and compiled alike
         kinds = ",".join(sorted(CUTE_GEMM))
-        gemm += (f"; those computing {kinds} with M and N in whole tile clusters on the CuTe-DSL row-scaled GEMM "
+        gemm += (f"; those computing {kinds} with M and N in whole tile clusters, before either, on the CuTe-DSL "
+                 "row-scaled GEMM, fast accumulation (all of K in the tensor cores' accumulator) "
                  f"(MXFLUX_CUTE_GEMM={kinds}{'' if cute_available() else ', not available here'})")
     state = getattr(trainer.optimizer, "weight_state", None)
     if not mx:
