@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -413,6 +414,31 @@ def test_cute_rowwise_gemm_builds_for_sm90_without_a_gpu(tmp_path):
     probe = _benchmark_module("probe_cute_rowwise_gemm")
     assert {(row["config"], row["bias"], row["fp32_out"]) for row in rows if row["compiled"]} == {
         (c, *v) for c in probe.CONFIGS for v in ((True, False), (False, False), (False, True))}
+
+
+@pytest.mark.skipif(not _cute_dsl_installed(), reason="needs nvidia-cutlass-dsl")
+def test_cute_fp32_accumulation_adds_each_k_tile_into_fp32_registers(tmp_path):
+    """`MXFLUX_CUTE_ACCUMULATE=fp32` (the GEMM contract's accumulation): in the kernel's PTX, the k-tile's four
+    WGMMAs write a partial tile that is then added into the fp32 accumulator, one add per accumulator element
+    of a thread (64 x 192 / 128 = 96), where the same tile with fast accumulation has no add (the GEMM without
+    a bias: its epilogue only multiplies)."""
+    adds = {}
+    for config in ("128x192-2x1-s8", "128x192-2x1-s8-fp32"):
+        dump = tmp_path / config
+        dump.mkdir()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+               "CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(dump),
+               "CUTE_DSL_DISABLE_FILE_CACHING": "1"}
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_cute_rowwise_gemm.py"), "--compile-only",
+                            "--configs", config], env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        (ptx,) = dump.glob("*.ptx")  # the last of the three GEMMs built (each overwrites the file): fp32 out
+        text = ptx.read_text()
+        adds[config] = len(re.findall(r"\badd(?:\.rn)?\.f32\b", text))
+        wgmmas = len(re.findall(r"wgmma\.mma_async", text))
+        assert wgmmas == (4 if config.endswith("fp32") else 8)  # fast: the example's prologue and main loop
+    # (the compiler peels the last k-tile into the epilogue: its 96 adds appear there a second time)
+    assert adds["128x192-2x1-s8"] == 0 and adds["128x192-2x1-s8-fp32"] in (96, 192), adds
 
 
 def test_bench_kernels_times_the_gemms_an_mx_linear_runs(monkeypatch):

@@ -96,14 +96,16 @@ def test_the_optimizer_path_says_which_kernel_took_the_step_and_what_keeps_ours_
     assert f"optimizer {path['optimizer']};" in step_path_line(path)
 
 
-@pytest.mark.parametrize("kinds, available, want", [
-    ("off", True, None),
-    ("bias,fp32", True, "; those computing bias,fp32 with M and N in whole tile clusters, before either, on the "
-                        "CuTe-DSL row-scaled GEMM, fast accumulation (all of K in the tensor cores' accumulator) "
-                        "(MXFLUX_CUTE_GEMM=bias,fp32)"),
-    ("all", False, "(MXFLUX_CUTE_GEMM=bf16,bias,fp32, not available here)"),
+@pytest.mark.parametrize("kinds, accumulation, available, want", [
+    ("off", "fast", True, None),
+    ("bias,fp32", "fast", True, "; those computing bias,fp32 with M and N in whole tile clusters, before either, on "
+                                "the CuTe-DSL row-scaled GEMM, fast accumulation (all of K in the tensor cores' "
+                                "accumulator) (MXFLUX_CUTE_GEMM=bias,fp32)"),
+    ("bias", "fp32", True, "row-scaled GEMM, each k-tile's sums added in fp32 (MXFLUX_CUTE_ACCUMULATE=fp32) "
+                           "(MXFLUX_CUTE_GEMM=bias)"),
+    ("all", "fast", False, "(MXFLUX_CUTE_GEMM=bf16,bias,fp32, not available here)"),
 ])
-def test_the_gemm_path_names_the_cute_gemm_where_it_is_asked_for(kinds, available, want, monkeypatch):
+def test_the_gemm_path_names_the_cute_gemm_where_it_is_asked_for(kinds, accumulation, available, want, monkeypatch):
     """A run with MXFLUX_CUTE_GEMM says which GEMMs it asked the CuTe kernel for, that its accumulation is
     not the contract's, and whether CuTe DSL is there to take them (without it the GEMMs stay cuBLAS's)."""
     from types import SimpleNamespace
@@ -114,6 +116,7 @@ def test_the_gemm_path_names_the_cute_gemm_where_it_is_asked_for(kinds, availabl
     from mxflux.train import step_path as sp
 
     monkeypatch.setattr(sp, "CUTE_GEMM", _kinds(kinds))
+    monkeypatch.setattr(sp, "CUTE_ACCUMULATION", accumulation)
     monkeypatch.setattr(sp, "cute_available", lambda: available)
     monkeypatch.setattr(sp, "FORCE_REFERENCE", False)
     cfg = load_recipe("tiny-mxfp6", ["model.compile=true"])

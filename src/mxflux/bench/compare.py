@@ -100,6 +100,10 @@ SETTINGS["mxfp6-bias-rounded"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-cute-bias"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-cute-bias-fp32"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-cute-all"] = SETTINGS["mxfp6"]
+# the same with its partial sums promoted to fp32 every k-tile (MXFLUX_CUTE_ACCUMULATE=fp32: the GEMM contract's
+# accumulation, on 128x192 tiles)
+SETTINGS["mxfp6-cute-bias-promoted"] = SETTINGS["mxfp6"]
+SETTINGS["mxfp6-cute-all-promoted"] = SETTINGS["mxfp6"]
 # Environment variables a setting's process runs with (the switches read at import, not recipe fields)
 SETTING_ENV = {"mxfp6-inline-pack": {"MXFLUX_INLINE_PACK": "1"},
                "mxfp6-inline-pack-block-graphs": {"MXFLUX_INLINE_PACK": "1"},
@@ -108,7 +112,9 @@ SETTING_ENV = {"mxfp6-inline-pack": {"MXFLUX_INLINE_PACK": "1"},
                "mxfp6-bias-rounded": {"MXFLUX_DEFER_SCALES": "bias-rounded"},
                "mxfp6-cute-bias": {"MXFLUX_CUTE_GEMM": "bias"},
                "mxfp6-cute-bias-fp32": {"MXFLUX_CUTE_GEMM": "bias,fp32"},
-               "mxfp6-cute-all": {"MXFLUX_CUTE_GEMM": "all"}}
+               "mxfp6-cute-all": {"MXFLUX_CUTE_GEMM": "all"},
+               "mxfp6-cute-bias-promoted": {"MXFLUX_CUTE_GEMM": "bias", "MXFLUX_CUTE_ACCUMULATE": "fp32"},
+               "mxfp6-cute-all-promoted": {"MXFLUX_CUTE_GEMM": "all", "MXFLUX_CUTE_ACCUMULATE": "fp32"}}
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 
 # The throughput proxy of flux-12b (`--proxy`): its width (3072) and attention heads, 2 double + 4

@@ -120,6 +120,8 @@ class RowScaledFP8Gemm:
         cluster_shape_mn: tuple[int, int],
         swizzle_size: int,
         raster_along_m: bool,
+        fp32_accumulation: bool = False,
+        promotion_k_tiles: int = 1,
     ):
         """
         Initializes the configuration for a Hopper dense GEMM kernel.
@@ -140,6 +142,14 @@ class RowScaledFP8Gemm:
         self.cluster_shape_mn = cluster_shape_mn
         self.swizzle_size = swizzle_size
         self.raster_along_m = raster_along_m
+        # fp32_accumulation: each k-tile's WGMMAs (4 of K 32) sum into a second register tile, added into the
+        # fp32 accumulator once they are done: the tensor cores' FP8 accumulator (fewer bits than fp32) then
+        # holds 128 products at most, as in CUTLASS's FP8 GEMMs without fast accumulation; twice the
+        # accumulator registers (tile N 192 keeps two warp groups' 2 x 96 under the 232 a consumer has)
+        self.fp32_accumulation = fp32_accumulation
+        # k-tiles (of K 128) summed by the tensor cores between two promotions: 1 as CUTLASS; 2 halves the
+        # waits for the partial tile (K must then be a multiple of 256: `gemm_cute.takes`)
+        self.promotion_k_tiles = promotion_k_tiles
         self.mma_inst_shape_mn = None
         # K dimension is deferred in _setup_attributes
         self.tile_shape_mnk = (*tile_shape_mn, 1)
@@ -207,8 +217,8 @@ class RowScaledFP8Gemm:
         # check the cta tile shape
         if self.tile_shape_mnk[0] not in [64, 128]:
             raise ValueError("CTA tile shape M must be 64/128")
-        if self.tile_shape_mnk[1] not in [64, 128, 256]:
-            raise ValueError("CTA tile shape N must be 64/128/256")
+        if self.tile_shape_mnk[1] not in [64, 128, 192, 256]:
+            raise ValueError("CTA tile shape N must be 64/128/192/256")
 
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.a_dtype,
@@ -597,6 +607,8 @@ class RowScaledFP8Gemm:
         tCgC = thr_mma.partition_C(gC_mnl)
         acc_shape = tCgC.shape[:3]
         accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        # fp32_accumulation: the k-tile's partial sums, in the tensor cores' accumulator
+        partial = cute.make_rmem_tensor(acc_shape, self.acc_dtype) if self.fp32_accumulation else None
 
         k_tile_cnt = cute.size(gA_mkl, mode=[3])
 
@@ -747,63 +759,98 @@ class RowScaledFP8Gemm:
                 # MAINLOOP
                 mainloop_consumer_read_state.reset_count()
                 mainloop_consumer_release_state.reset_count()
-                accumulators.fill(0.0)
-                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                cute.nvgpu.warpgroup.fence()
+                if cutlass.const_expr(not self.fp32_accumulation):
+                    accumulators.fill(0.0)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.fence()
 
-                for k_tile in range(prologue_mma_cnt):
-                    # Wait for TMA copies to complete
-                    mainloop_pipeline.consumer_wait(mainloop_consumer_read_state)
-                    # WGMMA
-                    for k_block_idx in cutlass.range_constexpr(num_k_blocks):
-                        k_block_coord = (
-                            None,
-                            None,
-                            k_block_idx,
-                            mainloop_consumer_read_state.index,
-                        )
-                        cute.gemm(
-                            tiled_mma,
-                            accumulators,
-                            tCrA[k_block_coord],
-                            tCrB[k_block_coord],
-                            accumulators,
-                        )
+                    for k_tile in range(prologue_mma_cnt):
+                        # Wait for TMA copies to complete
+                        mainloop_pipeline.consumer_wait(mainloop_consumer_read_state)
+                        # WGMMA
+                        for k_block_idx in cutlass.range_constexpr(num_k_blocks):
+                            k_block_coord = (
+                                None,
+                                None,
+                                k_block_idx,
+                                mainloop_consumer_read_state.index,
+                            )
+                            cute.gemm(
+                                tiled_mma,
+                                accumulators,
+                                tCrA[k_block_coord],
+                                tCrB[k_block_coord],
+                                accumulators,
+                            )
 
-                    cute.nvgpu.warpgroup.commit_group()
-                    mainloop_consumer_read_state.advance()
+                        cute.nvgpu.warpgroup.commit_group()
+                        mainloop_consumer_read_state.advance()
 
-                for k_tile in range(prologue_mma_cnt, k_tile_cnt):
-                    # Wait for TMA copies to complete
-                    mainloop_pipeline.consumer_wait(mainloop_consumer_read_state)
-                    # WGMMA
-                    for k_block_idx in cutlass.range_constexpr(num_k_blocks):
-                        k_block_coord = (
-                            None,
-                            None,
-                            k_block_idx,
-                            mainloop_consumer_read_state.index,
-                        )
-                        cute.gemm(
-                            tiled_mma,
-                            accumulators,
-                            tCrA[k_block_coord],
-                            tCrB[k_block_coord],
-                            accumulators,
-                        )
+                    for k_tile in range(prologue_mma_cnt, k_tile_cnt):
+                        # Wait for TMA copies to complete
+                        mainloop_pipeline.consumer_wait(mainloop_consumer_read_state)
+                        # WGMMA
+                        for k_block_idx in cutlass.range_constexpr(num_k_blocks):
+                            k_block_coord = (
+                                None,
+                                None,
+                                k_block_idx,
+                                mainloop_consumer_read_state.index,
+                            )
+                            cute.gemm(
+                                tiled_mma,
+                                accumulators,
+                                tCrA[k_block_coord],
+                                tCrB[k_block_coord],
+                                accumulators,
+                            )
 
-                    cute.nvgpu.warpgroup.commit_group()
-                    # Wait on the wgmma barrier for WGMMA to complete
-                    cute.nvgpu.warpgroup.wait_group(k_pipe_mmas)
+                        cute.nvgpu.warpgroup.commit_group()
+                        # Wait on the wgmma barrier for WGMMA to complete
+                        cute.nvgpu.warpgroup.wait_group(k_pipe_mmas)
 
-                    mainloop_pipeline.consumer_release(mainloop_consumer_release_state)
-                    mainloop_consumer_release_state.advance()
-                    mainloop_consumer_read_state.advance()
+                        mainloop_pipeline.consumer_release(mainloop_consumer_release_state)
+                        mainloop_consumer_release_state.advance()
+                        mainloop_consumer_read_state.advance()
 
-                cute.nvgpu.warpgroup.wait_group(0)
-                for k_tile in range(prologue_mma_cnt):
-                    mainloop_pipeline.consumer_release(mainloop_consumer_release_state)
-                    mainloop_consumer_release_state.advance()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    for k_tile in range(prologue_mma_cnt):
+                        mainloop_pipeline.consumer_release(mainloop_consumer_release_state)
+                        mainloop_consumer_release_state.advance()
+                else:
+                    accumulators.fill(0.0)
+                    for k_group in range(k_tile_cnt // self.promotion_k_tiles):
+                        # the partial tile is written by the WGMMAs below and read by the adds after them
+                        cute.nvgpu.warpgroup.fence()
+                        for j in cutlass.range_constexpr(self.promotion_k_tiles):
+                            mainloop_pipeline.consumer_wait(mainloop_consumer_read_state)
+                            for k_block_idx in cutlass.range_constexpr(num_k_blocks):
+                                k_block_coord = (
+                                    None,
+                                    None,
+                                    k_block_idx,
+                                    mainloop_consumer_read_state.index,
+                                )
+                                # the group's first WGMMA overwrites the partial tile (D = A B)
+                                tiled_mma.set(
+                                    cute.nvgpu.warpgroup.Field.ACCUMULATE,
+                                    j != 0 or k_block_idx != 0,
+                                )
+                                cute.gemm(
+                                    tiled_mma,
+                                    partial,
+                                    tCrA[k_block_coord],
+                                    tCrB[k_block_coord],
+                                    partial,
+                                )
+                            cute.nvgpu.warpgroup.commit_group()
+                            mainloop_consumer_read_state.advance()
+                        cute.nvgpu.warpgroup.wait_group(0)
+                        for j in cutlass.range_constexpr(self.promotion_k_tiles):
+                            mainloop_pipeline.consumer_release(mainloop_consumer_release_state)
+                            mainloop_consumer_release_state.advance()
+                        for i in cutlass.range_constexpr(cute.size(accumulators)):
+                            accumulators[i] = accumulators[i] + partial[i]
 
                 # The scales (powers of two: exact) and the bias, in fp32 on the accumulator; the
                 # conversion below is the one rounding.

@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from ..switches import positive_int, subset
+from ..switches import choice, positive_int, subset
 
 CUTE_GEMM_KINDS = ("bias", "bf16", "fp32")
 
@@ -37,7 +37,13 @@ def _kinds(value: str) -> frozenset:
 
 
 CUTE_GEMM = subset("MXFLUX_CUTE_GEMM", "off", CUTE_GEMM_KINDS)
-CONFIG = ((128, 256), (2, 1))  # tile (M, N), cluster (M, N): the tensor-wise kernels' class
+# How the kernel sums K: `fast`, every WGMMA into one accumulator (the tensor cores' FP8 accumulation, as
+# measured), or `fp32`, each k-tile's partial sums added into fp32 registers (the GEMM contract's; built, not yet
+# run on a GPU). Its tile (M, N) and cluster (M, N): the tensor-wise kernels' class; N 192 where the second
+# accumulator needs the registers.
+ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fast", ("fast", "fp32"))
+CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1))}
+CONFIG = CONFIGS[ACCUMULATION]
 SWIZZLE = positive_int("MXFLUX_CUTE_SWIZZLE", 8, "tile columns")
 
 
@@ -86,19 +92,23 @@ def _tensor(t: torch.Tensor, dtype, leading_dim: int):
 _COMPILED: dict = {}
 
 
-def kernel_for(n: int, config=CONFIG, most_swizzle: int | None = None):
+def kernel_for(n: int, config=CONFIG, most_swizzle: int | None = None, accumulation: str = ACCUMULATION):
     """The kernel for N output columns: `config`'s tile and cluster, tiles visited in bands of the widest
-    power of two of tile columns, at most `most_swizzle` (SWIZZLE by default), that divides them."""
+    power of two of tile columns, at most `most_swizzle` (SWIZZLE by default), that divides them; K summed
+    as `accumulation` says: `fast`, `fp32` (promoted every k-tile of K 128) or `fp32k2` (every two: the
+    probe's trial; K a multiple of 256)."""
     import cutlass
 
     from .cute_rowwise_gemm import RowScaledFP8Gemm
 
     tile, cluster = config
     swizzle = swizzle_for(n // (tile[1] * cluster[1]), SWIZZLE if most_swizzle is None else most_swizzle)
-    return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, swizzle, True)
+    return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, swizzle, True, accumulation != "fast",
+                            2 if accumulation == "fp32k2" else 1)
 
 
-def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=CONFIG, most_swizzle=None):
+def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=CONFIG, most_swizzle=None,
+                  accumulation=ACCUMULATION):
     """A call with no arguments that writes out [M, N] (bf16 or fp32) = (A ⊙ a_scale)(B ⊙ b_scale)ᵀ + bias:
     a_data [M, K], b_data [N, K] E4M3 (contiguous), a_scale [M, 1], b_scale [N, 1] fp32, bias [N] or None.
     The tensors are wrapped here, once (a timed call is then the launch alone: benchmarks/
@@ -115,8 +125,10 @@ def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=CONFIG, mo
             _tensor(out.unsqueeze(-1), cutlass.Float32 if out.dtype == torch.float32 else cutlass.BFloat16, 1),
             *(_tensor(v, cutlass.Float32, 0) for v in vectors))
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    kernel = kernel_for(b_data.shape[0], config, most_swizzle)
-    key = (bias is not None, out.dtype, *config, kernel.swizzle_size)
+    if accumulation == "fp32k2" and a_data.shape[1] % 256:  # the kernel sums K in pairs of 128-wide k-tiles
+        raise ValueError(f"fp32k2 accumulation needs K a multiple of 256, got {a_data.shape[1]}")
+    kernel = kernel_for(b_data.shape[0], config, most_swizzle, accumulation)
+    key = (bias is not None, out.dtype, *config, kernel.swizzle_size, accumulation)
     if key not in _COMPILED:
         cluster = config[1]
         clusters = cutlass.utils.HardwareInfo().get_max_active_clusters(cluster[0] * cluster[1])
@@ -126,9 +138,9 @@ def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=CONFIG, mo
     return lambda vectors=vectors: compiled(*args, stream)
 
 
-def cute_scaled_gemm(a_data, a_scale, b_data, b_scale, bias, out_dtype) -> torch.Tensor:
+def cute_scaled_gemm(a_data, a_scale, b_data, b_scale, bias, out_dtype, accumulation=ACCUMULATION) -> torch.Tensor:
     """(A ⊙ a_scale)(B ⊙ b_scale)ᵀ + bias: a_data [M, K], b_data [N, K] E4M3 (contiguous), a_scale [M, 1],
-    b_scale [N, 1] fp32, bias [N] or None, out bf16 or fp32."""
+    b_scale [N, 1] fp32, bias [N] or None, out bf16 or fp32; K summed as `accumulation` says, on its tiles."""
     out = torch.empty(a_data.shape[0], b_data.shape[0], dtype=out_dtype, device=a_data.device)
-    prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out)()
+    prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, CONFIGS[accumulation], accumulation=accumulation)()
     return out

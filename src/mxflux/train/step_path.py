@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ..kernels.gemm import DEFER_BIAS_MAX_N
+from ..kernels.gemm_cute import ACCUMULATION as CUTE_ACCUMULATION
 from ..kernels.gemm_cute import CUTE_GEMM
 from ..kernels.gemm_cute import available as cute_available
 from ..ops.custom_ops import DEFER_MIN_DIM, DEFER_SCALES, FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK, static_launch_on
@@ -83,9 +84,10 @@ def step_path(trainer) -> dict:
             packers += " (the fused MLP's GELU prologues: the opaque op)"
     if mx and kernels and CUTE_GEMM and cfg.precision.mx_gemm == "rowwise":  # eager and compiled alike
         kinds = ",".join(sorted(CUTE_GEMM))
+        summed = ("fast accumulation (all of K in the tensor cores' accumulator)" if CUTE_ACCUMULATION == "fast"
+                  else "each k-tile's sums added in fp32 (MXFLUX_CUTE_ACCUMULATE=fp32)")
         gemm += (f"; those computing {kinds} with M and N in whole tile clusters, before either, on the CuTe-DSL "
-                 "row-scaled GEMM, fast accumulation (all of K in the tensor cores' accumulator) "
-                 f"(MXFLUX_CUTE_GEMM={kinds}{'' if cute_available() else ', not available here'})")
+                 f"row-scaled GEMM, {summed} (MXFLUX_CUTE_GEMM={kinds}{'' if cute_available() else ', not available here'})")
     state = getattr(trainer.optimizer, "weight_state", None)
     if not mx:
         weights = f"none ({cfg.precision.name})"
