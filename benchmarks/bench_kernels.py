@@ -6,8 +6,9 @@ One run measures, at the Flux-12B linear shapes (K -> N) with M = 16384 and 3276
 - mx_operands_cuda achieved GB/s for X [M, K] and dY [M, N] (both orientations; dY with its column
   sums), per granularity, counting bytes = bf16 read + 1 B per element per orientation + scales;
 - GEMM TFLOP/s of each linear's fprop, dgrad and wgrad per mode (rowwise / blockwise / exact) on packed
-  operands, next to bf16, cuBLAS FP8 tensor-wise (what torchao's recipe runs) and row-scaled on plain
-  casts, and the CuTe-DSL row-scaled GEMM where nvidia-cutlass-dsl is installed.
+  operands, next to bf16, cuBLAS FP8 tensor-wise (what torchao's recipe runs; with and without fast
+  accumulation) and row-scaled on plain casts, and the CuTe-DSL row-scaled GEMM (fast and fp32
+  accumulation) where nvidia-cutlass-dsl is installed.
 
 Times are medians of triton.testing.do_bench after warm-up; packer inputs rotate over several
 buffers larger than L2 together. Prints a short table and writes JSON to $OUT (or --out).
@@ -121,6 +122,9 @@ def bench_gemms(kind, m, k, n):
     af, bf = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
     one = torch.ones((), device="cuda")
     out["fp8_tensorwise"] = tflops(lambda: torch._scaled_mm(af, bf.t(), one, one, bias=bias, out_dtype=out_dtype))
+    # with fast accumulation (torchao's forward GEMMs; what the CuTe kernel's `fast` accumulation compares with)
+    out["fp8_tensorwise_fast"] = tflops(lambda: torch._scaled_mm(af, bf.t(), one, one, bias=bias, out_dtype=out_dtype,
+                                                                 use_fast_accum=True))
     one_a, one_b = torch.ones(rows_a, 1, device="cuda"), torch.ones(1, rows_b, device="cuda")
     out["fp8_rowwise_cast"] = tflops(lambda: torch._scaled_mm(af, bf.t(), one_a, one_b, bias=bias, out_dtype=out_dtype,
                                                               use_fast_accum=False))
@@ -136,8 +140,12 @@ def bench_gemms(kind, m, k, n):
         except Exception as e:  # record, keep measuring the rest
             out[mode] = f"error: {type(e).__name__}: {str(e)[:120]}"
         if gran == FoldGranularity.ROWWISE and gemm_cute.available():
-            out["cute"] = tflops(lambda: gemm_cute.cute_scaled_gemm(pa.row_data, pa.row_scale, pb.row_data,
-                                                                    pb.row_scale, bias, out_dtype))
+            for accumulation, column in (("fast", "cute"), ("fp32", "cute_fp32")):
+                try:
+                    out[column] = tflops(lambda: gemm_cute.cute_scaled_gemm(
+                        pa.row_data, pa.row_scale, pb.row_data, pb.row_scale, bias, out_dtype, accumulation))
+                except Exception as e:  # record, keep measuring the rest
+                    out[column] = f"error: {type(e).__name__}: {str(e)[:120]}"
     return out
 
 
@@ -365,9 +373,10 @@ def main():
             res["prologue"].append({"prologue": pro, "M": MS[0], "cols": 12288, "gran": g.value, **r})
             print(f"prologue {pro} [{MS[0]}x12288] {g.value}: {r['ms']:.3f} ms {r['GBps']:.0f} GB/s {r['pct_copy']:.1f}%",
                   flush=True)
-    cols = ("bf16_mm", "fp8_tensorwise", "fp8_rowwise_cast", "rowwise", "cute", "blockwise", "exact")
-    print(f"\n{'GEMM (TFLOP/s)':32s}" + "".join(f"{c:>9s}" for c in ("bf16", "fp8 tw", "fp8 row", "rowwise",
-                                                                          "cute", "block", "exact")))
+    cols = ("bf16_mm", "fp8_tensorwise", "fp8_tensorwise_fast", "fp8_rowwise_cast", "rowwise", "cute", "cute_fp32",
+            "blockwise", "exact")
+    print(f"\n{'GEMM (TFLOP/s)':32s}" + "".join(f"{c:>9s}" for c in ("bf16", "fp8 tw", "tw fast", "fp8 row", "rowwise",
+                                                                          "cute", "cute f32", "block", "exact")))
     for name, k, n in linears:
         for m in ms_list:
             for kind in GEMM_KINDS:

@@ -48,6 +48,8 @@
 # cuterow      benchmarks/probe_cute_rowwise_gemm.py: the CuTe-DSL row-scaled FP8 GEMM against cuBLAS's
 #              row-scaled and tensor-wise GEMMs at the Flux fprop, dgrad and wgrad shapes, contract checked
 #              (CUTEROW_ARGS, e.g. "--configs 128x256-2x1"); needs the `cutedsl` stage's three parts
+# Stages that run a kernel not yet run on a GPU stop at a time limit (TESTS_TIMEOUT 570 s, KERNELS_TIMEOUT
+# 400, CUTEROW_TIMEOUT 300) rather than spend the call on a hang; pytest -v logs each test as it ends.
 # Two GPUs, one call (background job + `wait`, never a pgrep on a pattern the command line contains):
 #   export OUT; CUDA_VISIBLE_DEVICES=1 bash benchmarks/gpu_run.sh convergence >$OUT/conv.log 2>&1 &
 #   CUDA_VISIBLE_DEVICES=0 bash benchmarks/gpu_run.sh bench16 >$OUT/bench16.log 2>&1; wait
@@ -90,11 +92,11 @@ for stage in "$@"; do
       log="$OUT/gpu_$stage.log"
       # (-v: one line per test as it ends, line-buffered, so a call cut by its time limit still
       # names what ran and passed)
-      python3 -m pytest -v --tb=short --durations=10 --slow ${GPU_TESTS:-$files} \
+      timeout ${TESTS_TIMEOUT:-570} python3 -m pytest -v --tb=short --durations=10 --slow ${GPU_TESTS:-$files} \
         -p no:cacheprovider 2>&1 | grep --line-buffered -v "^W11" > "$log"
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$log" | tail -40 ;;
     kernels)
-      python3 benchmarks/bench_kernels.py --out "$OUT" 2>&1 | grep -v "^W11" | tail -120 ;;
+      timeout ${KERNELS_TIMEOUT:-400} python3 benchmarks/bench_kernels.py --out "$OUT" 2>&1 | grep -v "^W11" | tail -120 ;;
     layerprofile)  # per-kernel time of single linears' fwd+bwd (LAYER_PROFILE="proj 16384 qkv 32768 ...")
       set -- ${LAYER_PROFILE:-proj 16384 proj 32768}; a=()
       while [ $# -ge 2 ]; do a+=(--profile "$1" "$2"); shift 2; done
@@ -151,7 +153,8 @@ for stage in "$@"; do
       python3 -c "import cutlass.cute; print('CuTe DSL', cutlass.__version__ if hasattr(cutlass, '__version__') else '')" \
         || echo "CuTe DSL not complete yet: carry the next part (.cutedsl/a, b, c) in the next call" ;;
     cuterow)
-      python3 benchmarks/probe_cute_rowwise_gemm.py --json "$OUT/cute_rowwise_gemm.json" ${CUTEROW_ARGS:-} 2>&1 \
+      timeout ${CUTEROW_TIMEOUT:-300} python3 benchmarks/probe_cute_rowwise_gemm.py --json "$OUT/cute_rowwise_gemm.json" \
+        ${CUTEROW_ARGS:-} 2>&1 \
         | grep -v "^W11" | tail -40 ;;
     fp8seq)  # torchao tensorwise then rowwise in ONE process, launches blocking (issue: the in-process crash)
       CUDA_LAUNCH_BLOCKING=1 timeout ${FP8SEQ_TIMEOUT:-300} python3 benchmarks/probe_fp8_in_process.py ${FP8SEQ_ARGS:-} \
