@@ -281,6 +281,16 @@ def test_the_cute_gemm_takes_only_whole_clusters_of_the_kinds_named(monkeypatch)
     assert not gemm_cute.takes(a, b, True, bf16)
 
 
+def test_the_cute_gemm_refuses_a_k_its_paired_promotion_would_cut_short():
+    """`fp32k2` sums K in pairs of 128-wide k-tiles; a K with a tile left over would lose its last products
+    (and leave the producer a stage ahead): refused before anything is built or launched."""
+    a = torch.empty(256, 384, dtype=torch.float8_e4m3fn)
+    b = torch.empty(256, 384, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(256, 1)
+    with pytest.raises(ValueError, match="fp32k2 accumulation needs K a multiple of 256, got 384"):
+        gemm_cute.prepared_gemm(a, scale, b, scale, None, torch.empty(256, 256), accumulation="fp32k2")
+
+
 def test_the_cute_gemm_bands_divide_the_tile_columns():
     """A band past the last tile column would read column scales past the end: the band width divides."""
     from mxflux.kernels.gemm_cute import swizzle_for

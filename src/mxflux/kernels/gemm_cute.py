@@ -114,6 +114,8 @@ def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=CONFIG, mo
     The tensors are wrapped here, once (a timed call is then the launch alone: benchmarks/
     probe_cute_rowwise_gemm.py), and `kernel_for`'s kernel compiled once per bias, output dtype, tile,
     cluster and band width (layouts are dynamic)."""
+    if accumulation == "fp32k2" and a_data.shape[1] % 256:  # K in pairs of 128-wide k-tiles: no tile left over
+        raise ValueError(f"fp32k2 accumulation needs K a multiple of 256, got {a_data.shape[1]}")
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -125,8 +127,6 @@ def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=CONFIG, mo
             _tensor(out.unsqueeze(-1), cutlass.Float32 if out.dtype == torch.float32 else cutlass.BFloat16, 1),
             *(_tensor(v, cutlass.Float32, 0) for v in vectors))
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    if accumulation == "fp32k2" and a_data.shape[1] % 256:  # the kernel sums K in pairs of 128-wide k-tiles
-        raise ValueError(f"fp32k2 accumulation needs K a multiple of 256, got {a_data.shape[1]}")
     kernel = kernel_for(b_data.shape[0], config, most_swizzle, accumulation)
     key = (bias is not None, out.dtype, *config, kernel.swizzle_size, accumulation)
     if key not in _COMPILED:
