@@ -32,9 +32,10 @@ it where MXFLUX_CUTE_GEMM asks; benchmarks/probe_cute_rowwise_gemm.py measures i
 out = (A ⊙ a_scale)(B ⊙ b_scale)ᵀ + bias, the per-row scale of A and the per-row scale of B (one per output
 column) multiplied into the accumulator, the bias added in fp32, one rounding to the output type: the
 epilogue of the GEMM contract of docs/design.md ("The three GEMMs and their operands"). The main loop is
-the example's: every WGMMA of the tile's K accumulates into the same registers, so the sums are the tensor
-cores' FP8 accumulation (fewer bits than fp32, cuBLAS's fast accumulation), not promoted to fp32 every few
-k-blocks as CUTLASS's FP8 GEMMs without fast accumulation do; not yet the contract's accumulation.
+the example's by default: every WGMMA of the tile's K accumulates into the same registers, so the sums are
+the tensor cores' FP8 accumulation (fewer bits than fp32, cuBLAS's fast accumulation). With
+`fp32_accumulation` it is the contract's: each k-tile's partial sums are added into fp32 registers, as
+CUTLASS's FP8 GEMMs without fast accumulation do.
 
 Why: cuBLAS offers one algorithm for row-scaled FP8 (128x128 tiles, no clusters), slower in the step than
 its tensor-wise kernels (192x192, 128x160, 2x1 clusters); this one takes the tensor-wise tiles and
@@ -148,7 +149,7 @@ class RowScaledFP8Gemm:
         # accumulator registers (tile N 192 keeps two warp groups' 2 x 96 under the 232 a consumer has)
         self.fp32_accumulation = fp32_accumulation
         # k-tiles (of K 128) summed by the tensor cores between two promotions: 1 as CUTLASS; 2 halves the
-        # waits for the partial tile (K must then be a multiple of 256: `gemm_cute.takes`)
+        # waits for the partial tile (K must then be a multiple of 256: `gemm_cute.prepared_gemm` checks)
         self.promotion_k_tiles = promotion_k_tiles
         self.mma_inst_shape_mn = None
         # K dimension is deferred in _setup_attributes

@@ -12,8 +12,10 @@ power-of-two scales exact, the bias added in fp32, one rounding), but its main l
 K in the tensor cores' FP8 accumulator, which keeps fewer bits than fp32 (what cuBLAS calls fast
 accumulation, and what torchao's FP8 recipe runs for its forward GEMMs); cuBLAS's GEMMs here promote the
 partial sums to fp32. Its results stay within the fp32 summation-order bound of the reference (tested), not
-the reference's bits (tests/gpu/test_gemm_cuda.py). So it stays opt-in until its main loop promotes. Eager
-and compiled calls both take it for the GEMMs it is on for, and a run names it (`train.step_path`).
+the reference's bits (tests/gpu/test_gemm_cuda.py). MXFLUX_CUTE_ACCUMULATE=fp32 promotes each k-tile's
+partial sums into fp32 registers (the contract's accumulation; built, not yet run on a GPU), so the kernel
+stays opt-in until that is measured. Eager and compiled calls both take it for the GEMMs it is on for, and a
+run names it (`train.step_path`).
 
 Tiles are visited in bands of SWIZZLE tile columns (MXFLUX_CUTE_SWIZZLE, at most; the largest power of
 two that divides the problem's tile columns): within a band the persistent CTAs walk down M, so A is read
@@ -42,7 +44,7 @@ CUTE_GEMM = subset("MXFLUX_CUTE_GEMM", "off", CUTE_GEMM_KINDS)
 # run on a GPU). Its tile (M, N) and cluster (M, N): the tensor-wise kernels' class; N 192 where the second
 # accumulator needs the registers.
 ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fast", ("fast", "fp32"))
-CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1))}
+CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1)), "fp32k2": ((128, 192), (2, 1))}
 CONFIG = CONFIGS[ACCUMULATION]
 SWIZZLE = positive_int("MXFLUX_CUTE_SWIZZLE", 8, "tile columns")
 
@@ -92,28 +94,29 @@ def _tensor(t: torch.Tensor, dtype, leading_dim: int):
 _COMPILED: dict = {}
 
 
-def kernel_for(n: int, config=CONFIG, most_swizzle: int | None = None, accumulation: str = ACCUMULATION):
+def kernel_for(n: int, config=None, most_swizzle: int | None = None, accumulation: str = ACCUMULATION):
     """The kernel for N output columns: `config`'s tile and cluster, tiles visited in bands of the widest
     power of two of tile columns, at most `most_swizzle` (SWIZZLE by default), that divides them; K summed
     as `accumulation` says: `fast`, `fp32` (promoted every k-tile of K 128) or `fp32k2` (every two: the
-    probe's trial; K a multiple of 256)."""
+    probe's trial; K a multiple of 256). `config` None: the accumulation's own (`CONFIGS`)."""
     import cutlass
 
     from .cute_rowwise_gemm import RowScaledFP8Gemm
 
-    tile, cluster = config
+    tile, cluster = CONFIGS[accumulation] if config is None else config
     swizzle = swizzle_for(n // (tile[1] * cluster[1]), SWIZZLE if most_swizzle is None else most_swizzle)
     return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, swizzle, True, accumulation != "fast",
                             2 if accumulation == "fp32k2" else 1)
 
 
-def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=CONFIG, most_swizzle=None,
+def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=None, most_swizzle=None,
                   accumulation=ACCUMULATION):
     """A call with no arguments that writes out [M, N] (bf16 or fp32) = (A ⊙ a_scale)(B ⊙ b_scale)ᵀ + bias:
     a_data [M, K], b_data [N, K] E4M3 (contiguous), a_scale [M, 1], b_scale [N, 1] fp32, bias [N] or None.
     The tensors are wrapped here, once (a timed call is then the launch alone: benchmarks/
     probe_cute_rowwise_gemm.py), and `kernel_for`'s kernel compiled once per bias, output dtype, tile,
-    cluster and band width (layouts are dynamic)."""
+    cluster and band width (layouts are dynamic); `config` None: the accumulation's own tile and cluster."""
+    config = CONFIGS[accumulation] if config is None else config
     if accumulation == "fp32k2" and a_data.shape[1] % 256:  # K in pairs of 128-wide k-tiles: no tile left over
         raise ValueError(f"fp32k2 accumulation needs K a multiple of 256, got {a_data.shape[1]}")
     import cuda.bindings.driver as cuda
@@ -142,5 +145,5 @@ def cute_scaled_gemm(a_data, a_scale, b_data, b_scale, bias, out_dtype, accumula
     """(A ⊙ a_scale)(B ⊙ b_scale)ᵀ + bias: a_data [M, K], b_data [N, K] E4M3 (contiguous), a_scale [M, 1],
     b_scale [N, 1] fp32, bias [N] or None, out bf16 or fp32; K summed as `accumulation` says, on its tiles."""
     out = torch.empty(a_data.shape[0], b_data.shape[0], dtype=out_dtype, device=a_data.device)
-    prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, CONFIGS[accumulation], accumulation=accumulation)()
+    prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, accumulation=accumulation)()
     return out
