@@ -9,7 +9,8 @@ persistent warp-specialized Hopper FP8 GEMM with the row granularity's scales an
 epilogue). This probe, per tile configuration and per Flux GEMM (fprop with its bias and dgrad, bf16
 out; wgrad, fp32 out), checks its output against cuBLAS's row-scaled one
 (every element written, each within the fp32 summation bound: `probe_scaled_mm_autotune._within_contract`;
-the share of bit-equal elements says whether the sums are fp32's: the kernel does not promote its partial sums)
+the share of bit-equal elements says whether the sums are fp32's: the `fast` configurations do not promote
+their partial sums, the `-fp32` ones do)
 and times it beside cuBLAS row-scaled (what MXFP6 runs) and cuBLAS tensor-wise (unit scales: the
 tiles torchao's GEMMs get).
 

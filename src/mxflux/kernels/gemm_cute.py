@@ -11,8 +11,8 @@ the accumulator is, with the tensor-wise kernels' tiles. Its epilogue is the GEM
 power-of-two scales exact, the bias added in fp32, one rounding), but its main loop is not: it sums all of
 K in the tensor cores' FP8 accumulator, which keeps fewer bits than fp32 (what cuBLAS calls fast
 accumulation, and what torchao's FP8 recipe runs for its forward GEMMs); cuBLAS's GEMMs here promote the
-partial sums to fp32. Its results stay within the fp32 summation-order bound of the reference (tested), not
-the reference's bits (tests/gpu/test_gemm_cuda.py). MXFLUX_CUTE_ACCUMULATE=fp32 promotes each k-tile's
+partial sums to fp32. On the H100 its fp32 outputs met the fp32 summation-order bound of the reference and
+its bf16 outputs left the reference's bits (tests/gpu/test_gemm_cuda.py asserts both). MXFLUX_CUTE_ACCUMULATE=fp32 promotes each k-tile's
 partial sums into fp32 registers (the contract's accumulation; built, not yet run on a GPU), so the kernel
 stays opt-in until that is measured. Eager and compiled calls both take it for the GEMMs it is on for, and a
 run names it (`train.step_path`).
