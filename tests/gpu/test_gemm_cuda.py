@@ -225,7 +225,8 @@ def test_cute_gemm_is_within_the_fp32_summation_bound(shape, out_dtype, with_bia
     want = scaled_gemm_reference(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, out_dtype)
     assert got.shape == (m, n) and got.dtype == out_dtype and not got.isnan().any()
     av, bv = dequantize_operand(a.row_data, a.row_scale), dequantize_operand(b.row_data, b.row_scale)
-    assert outside_bound(got, want, summation_bound(av, bv)) == 0  # the criterion's CPU check: tests/test_gemm_bounds.py
+    # the criterion's CPU check: tests/test_gemm_bounds.py
+    assert outside_bound(got, want, summation_bound(av, bv)) == 0
 
 
 @gpu

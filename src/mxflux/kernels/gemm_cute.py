@@ -12,9 +12,9 @@ power-of-two scales exact, the bias added in fp32, one rounding), but its main l
 K in the tensor cores' FP8 accumulator, which keeps fewer bits than fp32 (what cuBLAS calls fast
 accumulation, and what torchao's FP8 recipe runs for its forward GEMMs); cuBLAS's GEMMs here promote the
 partial sums to fp32. On the H100 its fp32 outputs met the fp32 summation-order bound of the reference and
-its bf16 outputs left the reference's bits (tests/gpu/test_gemm_cuda.py asserts both). MXFLUX_CUTE_ACCUMULATE=fp32 promotes each k-tile's
-partial sums into fp32 registers (the contract's accumulation; built, not yet run on a GPU), so the kernel
-stays opt-in until that is measured. Eager and compiled calls both take it for the GEMMs it is on for, and a
+its bf16 outputs left the reference's bits (tests/gpu/test_gemm_cuda.py asserts both).
+MXFLUX_CUTE_ACCUMULATE=fp32 promotes each k-tile's partial sums into fp32 registers (the contract's
+accumulation; built, not yet run on a GPU), so the kernel stays opt-in until that is measured. Eager and compiled calls both take it for the GEMMs it is on for, and a
 run names it (`train.step_path`).
 
 Tiles are visited in bands of SWIZZLE tile columns (MXFLUX_CUTE_SWIZZLE, at most; the largest power of
@@ -94,16 +94,16 @@ def _tensor(t: torch.Tensor, dtype, leading_dim: int):
 _COMPILED: dict = {}
 
 
-def kernel_for(n: int, config=None, most_swizzle: int | None = None, accumulation: str = ACCUMULATION):
+def kernel_for(n: int, config, most_swizzle: int | None = None, accumulation: str = ACCUMULATION):
     """The kernel for N output columns: `config`'s tile and cluster, tiles visited in bands of the widest
     power of two of tile columns, at most `most_swizzle` (SWIZZLE by default), that divides them; K summed
     as `accumulation` says: `fast`, `fp32` (promoted every k-tile of K 128) or `fp32k2` (every two: the
-    probe's trial; K a multiple of 256). `config` None: the accumulation's own (`CONFIGS`)."""
+    probe's trial; K a multiple of 256)."""
     import cutlass
 
     from .cute_rowwise_gemm import RowScaledFP8Gemm
 
-    tile, cluster = CONFIGS[accumulation] if config is None else config
+    tile, cluster = config
     swizzle = swizzle_for(n // (tile[1] * cluster[1]), SWIZZLE if most_swizzle is None else most_swizzle)
     return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, swizzle, True, accumulation != "fast",
                             2 if accumulation == "fp32k2" else 1)

@@ -86,8 +86,9 @@ def step_path(trainer) -> dict:
         kinds = ",".join(sorted(CUTE_GEMM))
         summed = ("fast accumulation (all of K in the tensor cores' accumulator)" if CUTE_ACCUMULATION == "fast"
                   else "each k-tile's sums added in fp32 (MXFLUX_CUTE_ACCUMULATE=fp32)")
+        where = "" if cute_available() else ", not available here"
         gemm += (f"; those computing {kinds} with M and N in whole tile clusters, before either, on the CuTe-DSL "
-                 f"row-scaled GEMM, {summed} (MXFLUX_CUTE_GEMM={kinds}{'' if cute_available() else ', not available here'})")
+                 f"row-scaled GEMM, {summed} (MXFLUX_CUTE_GEMM={kinds}{where})")
     state = getattr(trainer.optimizer, "weight_state", None)
     if not mx:
         weights = f"none ({cfg.precision.name})"
