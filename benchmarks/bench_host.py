@@ -9,7 +9,8 @@ call is a few microseconds and the host is the limit), and the wall time per cal
   plan's first go straight to the compiled kernels), the same on Triton's normal launch path
   (MXFLUX_COMPILED_LAUNCH=0), and `mx_operands_cuda` with its Triton launches stubbed out: op
   dispatch, our Python, and the launches, each by difference;
-- `scaled_gemm` op against `torch._scaled_mm` called directly;
+- `scaled_gemm` op against `torch._scaled_mm` called directly, and where CuTe DSL is installed the op on the
+  CuTe-DSL GEMM, that GEMM called directly and its compiled call alone;
 - one packer call compiled alone, through the opaque op and launched from inductor's code
   (`mxflux::mx_operands_inline`, inductor's static launch of user kernels on:
   `mxflux.ops.static_kernel_launch()`), with the driver launches per call;
@@ -140,6 +141,7 @@ def measure(device: str, rows: int, cols: int, calls: int, code_dir=None) -> dic
         out["torch._scaled_mm direct"] = per_call_us(
             lambda: torch._scaled_mm(p.row_data, w.row_data.t(), p.row_scale, w.row_scale.t(),
                                      out_dtype=torch.bfloat16, use_fast_accum=False), calls, sync)
+        out.update(_cute_gemm(p, w, calls, sync))
     else:  # the op dispatch around a packer that returns at once
         packed = custom_ops.mx_operands_cpu(x, row=True, col=True, hadamard=True, prologue="none", aux=None,
                                             colsum=False)
@@ -156,6 +158,30 @@ def measure(device: str, rows: int, cols: int, calls: int, code_dir=None) -> dic
 
             out.update(_stubbed(operands_module, x, op_args, calls, sync, op=False))
     return out
+
+
+def _cute_gemm(p, w, calls, sync) -> dict[str, float]:
+    """The CuTe-DSL GEMM's host time per call, peeled: through the `scaled_gemm` op (taking every GEMM), called
+    directly (`cute_scaled_gemm`: the output allocated, six tensors wrapped for the DSL, the compiled call), and
+    the compiled call alone on tensors wrapped once. Empty where CuTe DSL or a Hopper GPU is missing."""
+    from mxflux.kernels import gemm_cute
+    from mxflux.ops.custom_ops import scaled_gemm
+
+    if not gemm_cute.available() or p.row_data.shape[0] % 256 or w.row_data.shape[0] % 192:
+        return {}
+    chosen = gemm_cute.CUTE_GEMM
+    gemm_cute.CUTE_GEMM = gemm_cute._kinds("all")
+    try:
+        args = (p.row_data, p.row_scale, w.row_data, w.row_scale)
+        out = torch.empty(p.row_data.shape[0], w.row_data.shape[0], dtype=torch.bfloat16, device="cuda")
+        return {"scaled_gemm op, CuTe GEMM": per_call_us(
+                    lambda: scaled_gemm(*args, "rowwise", None, torch.bfloat16), calls, sync),
+                "cute_scaled_gemm direct": per_call_us(
+                    lambda: gemm_cute.cute_scaled_gemm(*args, None, torch.bfloat16), calls, sync),
+                "CuTe GEMM, compiled call alone": per_call_us(
+                    gemm_cute.prepared_gemm(*args, None, out), calls, sync)}
+    finally:
+        gemm_cute.CUTE_GEMM = chosen
 
 
 def _stubbed(operands_module, x, op_args, calls, sync, op=True) -> dict[str, float]:

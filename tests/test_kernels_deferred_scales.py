@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mxflux.kernels.gemm import DEFER_BIAS_MAX_N, DEFER_MIN_DIM, defers_scales, deferred_scale_gemm
+from mxflux.kernels.gemm import DEFER_BIAS_MAX_N, DEFER_MIN_DIM, DEFER_MIN_TOKENS, defers_scales, deferred_scale_gemm
 from mxflux.mx import FoldGranularity as G
 from mxflux.mx import mx_operands_reference, scaled_gemm_reference
 
@@ -76,15 +76,16 @@ def test_deferred_scales_compile_to_the_same_bits():
 
 
 def test_which_gemms_defer_their_scales():
-    big, small = DEFER_MIN_DIM, 3072
-    assert defers_scales(small, big, False, "auto") and defers_scales(big, small, False, "auto")
-    assert not defers_scales(small, small, False, "auto")  # proj: row-scaled ties there
-    assert not defers_scales(big, big, True, "auto")  # a bias is added before the one rounding
-    assert not defers_scales(big, big, True, "all")
+    big, small, tokens = DEFER_MIN_DIM, 3072, DEFER_MIN_TOKENS
+    assert defers_scales(small, big, tokens, False, "auto") and defers_scales(big, small, tokens, False, "auto")
+    assert not defers_scales(small, small, tokens, False, "auto")  # proj: row-scaled ties there
+    assert not defers_scales(small, big, tokens // 2, False, "auto")  # few tokens: the scaling pass costs more
+    assert not defers_scales(big, big, tokens, True, "auto")  # a bias is added before the one rounding
+    assert not defers_scales(big, big, tokens, True, "all")
     for trial in ("bias", "bias-rounded"):
-        assert defers_scales(big, small, True, trial) and defers_scales(small, big, False, trial)
-        assert not defers_scales(small, small, True, trial)  # proj: the shape rule still holds
-        assert not defers_scales(DEFER_BIAS_MAX_N + 32, small, True, trial)  # linear1: read in four parts
-        assert defers_scales(DEFER_BIAS_MAX_N + 32, small, False, trial)
-    assert defers_scales(small, small, False, "all")
-    assert not defers_scales(big, big, False, "none")
+        assert defers_scales(big, small, tokens, True, trial) and defers_scales(small, big, tokens, False, trial)
+        assert not defers_scales(small, small, tokens, True, trial)  # proj: the shape rule still holds
+        assert not defers_scales(DEFER_BIAS_MAX_N + 32, small, tokens, True, trial)  # linear1: read in four parts
+        assert defers_scales(DEFER_BIAS_MAX_N + 32, small, tokens, False, trial)
+    assert defers_scales(small, small, tokens // 2, False, "all")
+    assert not defers_scales(big, big, tokens, False, "none")

@@ -97,17 +97,19 @@ def test_the_optimizer_path_says_which_kernel_took_the_step_and_what_keeps_ours_
 
 
 @pytest.mark.parametrize("kinds, accumulation, available, want", [
-    ("off", "fast", True, None),
+    ("off", "fp32", True, None),
+    ("auto", "fp32", True, "; those of >= 8192 tokens with M and N in whole tile clusters, before either, on the "
+                           "CuTe-DSL row-scaled GEMM, each k-tile's sums added in fp32 (MXFLUX_CUTE_GEMM=auto)"),
     ("bias,fp32", "fast", True, "; those computing bias,fp32 with M and N in whole tile clusters, before either, on "
                                 "the CuTe-DSL row-scaled GEMM, fast accumulation (all of K in the tensor cores' "
-                                "accumulator) (MXFLUX_CUTE_GEMM=bias,fp32)"),
-    ("bias", "fp32", True, "row-scaled GEMM, each k-tile's sums added in fp32 (MXFLUX_CUTE_ACCUMULATE=fp32) "
-                           "(MXFLUX_CUTE_GEMM=bias)"),
-    ("all", "fast", False, "(MXFLUX_CUTE_GEMM=bf16,bias,fp32, not available here)"),
+                                "accumulator, MXFLUX_CUTE_ACCUMULATE=fast) (MXFLUX_CUTE_GEMM=bias,fp32)"),
+    ("bias", "fp32", True, "row-scaled GEMM, each k-tile's sums added in fp32 (MXFLUX_CUTE_GEMM=bias)"),
+    ("all", "fp32", False, "(MXFLUX_CUTE_GEMM=bf16,bias,fp32, not available here)"),
 ])
 def test_the_gemm_path_names_the_cute_gemm_where_it_is_asked_for(kinds, accumulation, available, want, monkeypatch):
-    """A run with MXFLUX_CUTE_GEMM says which GEMMs it asked the CuTe kernel for, that its accumulation is
-    not the contract's, and whether CuTe DSL is there to take them (without it the GEMMs stay cuBLAS's)."""
+    """A run says which GEMMs MXFLUX_CUTE_GEMM asks the CuTe kernel for (by default those of 8192 tokens or
+    more), how it sums K where that is not the contract's way, and whether CuTe DSL is there to take them
+    (without it the GEMMs stay cuBLAS's)."""
     from types import SimpleNamespace
 
     import torch

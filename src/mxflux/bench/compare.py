@@ -87,6 +87,8 @@ SETTINGS.update({f"{name}-torch-adamw": (*SETTINGS[name], "optim.implementation=
 # so (MXFLUX_INLINE_PACK=1 in the setting's process; bit-identical numerics), with and without block graphs.
 SETTINGS["mxfp6-inline-pack"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-inline-pack-block-graphs"] = SETTINGS["mxfp6-block-graphs"]
+# mxfp6 as it runs without CuTe DSL: every MX GEMM on cuBLAS (MXFLUX_CUTE_GEMM=off; the same bits)
+SETTINGS["mxfp6-cublas"] = SETTINGS["mxfp6"]
 # A/B of the deferred scales: mxfp6 with every compiled MX GEMM on cuBLAS's row-scaled kernels
 # (MXFLUX_DEFER_SCALES=none; bit-identical numerics, `kernels.gemm.deferred_scale_gemm`)
 SETTINGS["mxfp6-rowscaled"] = SETTINGS["mxfp6"]
@@ -94,25 +96,27 @@ SETTINGS["mxfp6-rowscaled"] = SETTINGS["mxfp6"]
 # (the same bits), or rounded before the bias is added (torchao's FP8 linears' order, not our contract)
 SETTINGS["mxfp6-defer-bias"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-bias-rounded"] = SETTINGS["mxfp6"]
-# the CuTe-DSL row-scaled GEMM (`kernels.gemm_cute`, needs nvidia-cutlass-dsl; fast accumulation, outside the
-# GEMM contract): for the GEMMs with a bias (fprop: fast accumulation where torchao's FP8 recipe has it too),
-# those and the fp32-out ones (wgrad), or all
+# the CuTe-DSL row-scaled GEMM (`kernels.gemm_cute`, needs nvidia-cutlass-dsl) at every size, with fast
+# accumulation (outside the GEMM contract): for the GEMMs with a bias (fprop: fast accumulation where
+# torchao's FP8 recipe has it too), those and the fp32-out ones (wgrad), or all
 SETTINGS["mxfp6-cute-bias"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-cute-bias-fp32"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-cute-all"] = SETTINGS["mxfp6"]
-# the same with its partial sums promoted to fp32 every k-tile (MXFLUX_CUTE_ACCUMULATE=fp32: the GEMM contract's
-# accumulation, on 128x192 tiles)
+# the same with its partial sums promoted to fp32 every k-tile (the GEMM contract's accumulation, the default's)
 SETTINGS["mxfp6-cute-bias-promoted"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-cute-all-promoted"] = SETTINGS["mxfp6"]
-# Environment variables a setting's process runs with (the switches read at import, not recipe fields)
+# Environment variables a setting's process runs with (the switches read at import, not recipe fields); the
+# deferred-scales settings are cuBLAS's alone
+_CUBLAS = {"MXFLUX_CUTE_GEMM": "off"}
 SETTING_ENV = {"mxfp6-inline-pack": {"MXFLUX_INLINE_PACK": "1"},
                "mxfp6-inline-pack-block-graphs": {"MXFLUX_INLINE_PACK": "1"},
-               "mxfp6-rowscaled": {"MXFLUX_DEFER_SCALES": "none"},
-               "mxfp6-defer-bias": {"MXFLUX_DEFER_SCALES": "bias"},
-               "mxfp6-bias-rounded": {"MXFLUX_DEFER_SCALES": "bias-rounded"},
-               "mxfp6-cute-bias": {"MXFLUX_CUTE_GEMM": "bias"},
-               "mxfp6-cute-bias-fp32": {"MXFLUX_CUTE_GEMM": "bias,fp32"},
-               "mxfp6-cute-all": {"MXFLUX_CUTE_GEMM": "all"},
+               "mxfp6-cublas": _CUBLAS,
+               "mxfp6-rowscaled": {**_CUBLAS, "MXFLUX_DEFER_SCALES": "none"},
+               "mxfp6-defer-bias": {**_CUBLAS, "MXFLUX_DEFER_SCALES": "bias"},
+               "mxfp6-bias-rounded": {**_CUBLAS, "MXFLUX_DEFER_SCALES": "bias-rounded"},
+               "mxfp6-cute-bias": {"MXFLUX_CUTE_GEMM": "bias", "MXFLUX_CUTE_ACCUMULATE": "fast"},
+               "mxfp6-cute-bias-fp32": {"MXFLUX_CUTE_GEMM": "bias,fp32", "MXFLUX_CUTE_ACCUMULATE": "fast"},
+               "mxfp6-cute-all": {"MXFLUX_CUTE_GEMM": "all", "MXFLUX_CUTE_ACCUMULATE": "fast"},
                "mxfp6-cute-bias-promoted": {"MXFLUX_CUTE_GEMM": "bias", "MXFLUX_CUTE_ACCUMULATE": "fp32"},
                "mxfp6-cute-all-promoted": {"MXFLUX_CUTE_GEMM": "all", "MXFLUX_CUTE_ACCUMULATE": "fp32"}}
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")

@@ -36,7 +36,7 @@ if HAS_TRITON:
 
     _BLOCK = tl.constexpr(MX_BLOCK)
 
-__all__ = ["DEFER_BIAS_MAX_N", "DEFER_SCALES", "DEFER_SCALES_MODES", "GEMM_SHAPE_RULES", "defers_scales",
+__all__ = ["DEFER_BIAS_MAX_N", "DEFER_MIN_TOKENS", "DEFER_SCALES", "DEFER_SCALES_MODES", "GEMM_SHAPE_RULES", "defers_scales",
            "deferred_scale_gemm", "scaled_gemm_cuda", "scaled_gemm_cuda_traceable"]
 
 # What cuBLAS (through torch 2.11 + CUDA 13 on an H200) needs; see benchmarks/RESULTS.md.
@@ -300,6 +300,10 @@ DEFER_SCALES = choice("MXFLUX_DEFER_SCALES", "auto", DEFER_SCALES_MODES)
 # tensor-wise runs 192x192 or 128x160, 7-16 % slower at N or K >= 9216, and the two tie at 3072 x 3072
 # (proj). The step it gives: benchmarks/RESULTS.md, "Current headline".
 DEFER_MIN_DIM = 8192
+# ... and the fewest tokens: the faster tiles save time in proportion to the tokens, while a weight
+# gradient's scaling pass is weight-sized whatever their number. On the 6+12-block model at 4096 tokens
+# (H100, 2026-12-06) the step without deferred scales ran 1 % faster (2 % less device time).
+DEFER_MIN_TOKENS = 8192
 
 # In the "bias" trial modes a GEMM with a bias and more output columns than this keeps the row-scaled
 # kernel. Flux has one: a single block's linear1 (N = 21504), whose output four readers take apart (q, k,
@@ -308,16 +312,18 @@ DEFER_MIN_DIM = 8192
 DEFER_BIAS_MAX_N = 16384
 
 
-def defers_scales(n: int, k: int, has_bias: bool, mode: str | None = None) -> bool:
-    """Whether a compiled row-granularity GEMM with N output columns and contraction K runs as
-    `deferred_scale_gemm`. With a bias only in the trial modes "bias" and "bias-rounded": the bias
-    belongs before the one rounding, inside the epilogue that only the row-scaled kernel offers, unless
-    the unit-scaled sums are written in fp32 ("bias"; adding it to the rounded result, "bias-rounded",
-    rounds twice), and then only up to `DEFER_BIAS_MAX_N` output columns. `mode` defaults to `DEFER_SCALES`."""
+def defers_scales(n: int, k: int, tokens: int, has_bias: bool, mode: str | None = None) -> bool:
+    """Whether a compiled row-granularity GEMM with N output columns, contraction K and `tokens` tokens
+    (`gemm_cute.gemm_tokens`) runs as `deferred_scale_gemm`: by default where N or K >= `DEFER_MIN_DIM` and
+    the tokens >= `DEFER_MIN_TOKENS`. With a bias only in the trial modes "bias" and "bias-rounded": the
+    bias belongs before the one rounding, inside the epilogue that only the row-scaled kernel offers,
+    unless the unit-scaled sums are written in fp32 ("bias"; adding it to the rounded result,
+    "bias-rounded", rounds twice), and then only up to `DEFER_BIAS_MAX_N` output columns. `mode` defaults
+    to `DEFER_SCALES`."""
     mode = DEFER_SCALES if mode is None else mode
     if mode == "none" or (has_bias and (mode not in ("bias", "bias-rounded") or n > DEFER_BIAS_MAX_N)):
         return False
-    return mode == "all" or max(n, k) >= DEFER_MIN_DIM
+    return mode == "all" or (max(n, k) >= DEFER_MIN_DIM and tokens >= DEFER_MIN_TOKENS)
 
 
 def deferred_scale_gemm(a_data: torch.Tensor, a_scale: torch.Tensor, b_data: torch.Tensor, b_scale: torch.Tensor,
@@ -374,7 +380,7 @@ def scaled_gemm_cuda_traceable(
     if fn is not _rowwise or gemm_cute.takes(a_data, b_data, bias is not None, out_dtype):  # the op runs the CuTe GEMM
         return None
     a_data, a_scale, b_data, b_scale = _contiguous(copies, a_data, a_scale, b_data, b_scale)
-    if defers_scales(b_data.shape[0], a_data.shape[1], bias is not None):
+    if defers_scales(b_data.shape[0], a_data.shape[1], gemm_cute.gemm_tokens(a_data, out_dtype), bias is not None):
         return deferred_scale_gemm(a_data, a_scale, b_data, b_scale, out_dtype, bias, DEFER_SCALES == "bias-rounded")
     sb = b_scale.t()
     if out_dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):

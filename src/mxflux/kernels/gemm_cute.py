@@ -1,21 +1,25 @@
 """The row-granularity MX GEMM on CuTe DSL's kernel (`cute_rowwise_gemm`: CUTLASS's persistent Hopper FP8
-GEMM with the row and column scales and the bias in its epilogue), opt-in while it is measured:
-MXFLUX_CUTE_GEMM names the GEMMs it takes, by what they compute: `bias` (bf16 out with a bias: the
-forward GEMMs), `bf16` (bf16 out, no bias: the input gradients), `fp32` (fp32 out: the weight
-gradients), a comma-separated list of them, `all`, or `off` (the default).
+GEMM with the row and column scales and the bias in its epilogue), where CuTe DSL is installed (`pip install
+.[cute]`) and a Hopper GPU is present. MXFLUX_CUTE_GEMM says which GEMMs it takes: `auto` (the default) every
+GEMM of at least MXFLUX_CUTE_MIN_TOKENS (8192) tokens; or, at any size, those named by what they compute:
+`bias` (bf16 out with a bias: the forward GEMMs), `bf16` (bf16 out, no bias: the input gradients), `fp32`
+(fp32 out: the weight gradients), a comma-separated list of them, or `all`; `off`: none (cuBLAS's GEMMs).
 
 Why: cuBLAS offers one row-scaled FP8 algorithm (128x128 tiles, no clusters), slower in the step than its
 tensor-wise kernels, and the scales cannot be deferred to the next op without the partitioner writing the
 scaled output whole (benchmarks/NOTES.md, "The fprop GEMMs unit-scaled"). This one applies them where
-the accumulator is, with the tensor-wise kernels' tiles. Its epilogue is the GEMM contract's (the
-power-of-two scales exact, the bias added in fp32, one rounding), but its main loop is not: it sums all of
-K in the tensor cores' FP8 accumulator, which keeps fewer bits than fp32 (what cuBLAS calls fast
-accumulation, and what torchao's FP8 recipe runs for its forward GEMMs); cuBLAS's GEMMs here promote the
-partial sums to fp32. On the H100 its fp32 outputs met the fp32 summation-order bound of the reference and
-its bf16 outputs left the reference's bits (tests/gpu/test_gemm_cuda.py asserts both).
-MXFLUX_CUTE_ACCUMULATE=fp32 promotes each k-tile's partial sums into fp32 registers (the contract's
-accumulation; built, not yet run on a GPU), so the kernel stays opt-in until that is measured. Eager and compiled calls both take it for the GEMMs it is on for, and a
-run names it (`train.step_path`).
+the accumulator is, with the tensor-wise kernels' class of tiles. Its epilogue is the GEMM contract's (the
+power-of-two scales exact, the bias added in fp32, one rounding), and so, by default, is its main loop:
+each k-tile's partial sums (K 128) are added into fp32 registers, as cuBLAS's GEMMs without fast
+accumulation do; on an H100 its outputs equalled cuBLAS's row-scaled GEMM's bit for bit at every Flux
+GEMM (tests/gpu/test_gemm_cuda.py). MXFLUX_CUTE_ACCUMULATE=fast sums all of K in the tensor cores' FP8
+accumulator instead (cuBLAS's fast accumulation, which torchao's FP8 recipe runs in its forward GEMMs):
+faster, outside the contract, opt-in. Eager and compiled calls both take it for the GEMMs it is on for,
+and a run names it (`train.step_path`).
+
+Why the token floor: a call costs more host time than cuBLAS's (the custom op, the tensors wrapped for
+the DSL), which a step of small GEMMs cannot hide: the 6+12-block model at 4096 tokens ran 0.70x bf16 on
+it, 43 % of the step idle (benchmarks/RESULTS.md), while the proxy at 8192-32768 tokens gained 5-7 %.
 
 Tiles are visited in bands of SWIZZLE tile columns (MXFLUX_CUTE_SWIZZLE, at most; the largest power of
 two that divides the problem's tile columns): within a band the persistent CTAs walk down M, so A is read
@@ -25,25 +29,40 @@ from memory once per band rather than once per tile column, while the band's B s
 from __future__ import annotations
 
 import functools
+import os
+from typing import NamedTuple
 
 import torch
 
-from ..switches import choice, positive_int, subset
+from ..switches import SwitchError, choice, positive_int, subset
 
 CUTE_GEMM_KINDS = ("bias", "bf16", "fp32")
+MIN_TOKENS = 8192  # `auto`'s floor: the proxy's GEMMs at MBS 32 (8192 and 16384 tokens) gained on the kernel
 
 
-def _kinds(value: str) -> frozenset:
-    """What MXFLUX_CUTE_GEMM=`value` means (tests set the kinds by it)."""
-    return subset("MXFLUX_CUTE_GEMM", "off", CUTE_GEMM_KINDS, value)
+class CuteGemm(NamedTuple):
+    """Which GEMMs the kernel takes: those of `kinds` with at least `min_tokens` tokens."""
+    kinds: frozenset
+    min_tokens: int
 
 
-CUTE_GEMM = subset("MXFLUX_CUTE_GEMM", "off", CUTE_GEMM_KINDS)
-# How the kernel sums K: `fast`, every WGMMA into one accumulator (the tensor cores' FP8 accumulation, as
-# measured), or `fp32`, each k-tile's partial sums added into fp32 registers (the GEMM contract's; built, not yet
-# run on a GPU). Its tile (M, N) and cluster (M, N): the tensor-wise kernels' class; N 192 where the second
-# accumulator needs the registers.
-ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fast", ("fast", "fp32"))
+def _kinds(value: str) -> CuteGemm:
+    """What MXFLUX_CUTE_GEMM=`value` means (tests set it by this)."""
+    if value == "auto":
+        return CuteGemm(frozenset(CUTE_GEMM_KINDS), positive_int("MXFLUX_CUTE_MIN_TOKENS", MIN_TOKENS, "tokens"))
+    try:
+        return CuteGemm(subset("MXFLUX_CUTE_GEMM", "off", CUTE_GEMM_KINDS, value), 0)
+    except SwitchError:
+        raise SwitchError(f"MXFLUX_CUTE_GEMM: expected auto, off, all or a comma-separated list of "
+                          f"{', '.join(CUTE_GEMM_KINDS)}; got {value!r}") from None
+
+
+CUTE_GEMM = _kinds(os.environ.get("MXFLUX_CUTE_GEMM", "auto"))
+# How the kernel sums K: `fp32`, each k-tile's partial sums added into fp32 registers (the GEMM contract's:
+# cuBLAS's bits on an H100), or `fast`, every WGMMA into one accumulator (the tensor cores' FP8 accumulation,
+# outside the contract). Its tile (M, N) and cluster (M, N): the tensor-wise kernels' class; N 192 where the
+# second accumulator needs the registers.
+ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fp32", ("fp32", "fast"))
 CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1)), "fp32k2": ((128, 192), (2, 1))}
 CONFIG = CONFIGS[ACCUMULATION]
 SWIZZLE = positive_int("MXFLUX_CUTE_SWIZZLE", 8, "tile columns")
@@ -62,6 +81,12 @@ def kind(has_bias: bool, out_dtype: torch.dtype) -> str:
     return "bias" if has_bias else "fp32" if out_dtype == torch.float32 else "bf16"
 
 
+def gemm_tokens(a_data: torch.Tensor, out_dtype: torch.dtype) -> int:
+    """The tokens of an MX linear's GEMM with A = `a_data`: its M, but for the weight gradient (fp32 out),
+    which contracts over them: its K."""
+    return a_data.shape[1] if out_dtype == torch.float32 else a_data.shape[0]
+
+
 @functools.cache
 def available() -> bool:
     """CuTe DSL importable and a Hopper GPU present."""
@@ -73,10 +98,11 @@ def available() -> bool:
 
 
 def takes(a_data: torch.Tensor, b_data: torch.Tensor, has_bias: bool, out_dtype: torch.dtype) -> bool:
-    """Whether this row-granularity GEMM runs here: `CUTE_GEMM` names its kind, and M and N are whole
-    clusters of tiles (the epilogue reads each row's and column's scale unguarded; K needs 16 bytes, as
-    cuBLAS's FP8 GEMMs)."""
-    if kind(has_bias, out_dtype) not in CUTE_GEMM or not a_data.is_cuda or not available():
+    """Whether this row-granularity GEMM runs here: `CUTE_GEMM` names its kind and it has the tokens
+    `CUTE_GEMM` asks for, and M and N are whole clusters of tiles (the epilogue reads each row's and
+    column's scale unguarded; K needs 16 bytes, as cuBLAS's FP8 GEMMs)."""
+    if (kind(has_bias, out_dtype) not in CUTE_GEMM.kinds or gemm_tokens(a_data, out_dtype) < CUTE_GEMM.min_tokens
+            or not a_data.is_cuda or not available()):
         return False
     (tile_m, tile_n), (cluster_m, cluster_n) = CONFIG  # a cluster's CTAs all run: whole clusters
     return (a_data.shape[0] % (tile_m * cluster_m) == 0 and b_data.shape[0] % (tile_n * cluster_n) == 0
@@ -104,9 +130,13 @@ def kernel_for(n: int, config, most_swizzle: int | None = None, accumulation: st
     from .cute_rowwise_gemm import RowScaledFP8Gemm
 
     tile, cluster = config
-    swizzle = swizzle_for(n // (tile[1] * cluster[1]), SWIZZLE if most_swizzle is None else most_swizzle)
-    return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, swizzle, True, accumulation != "fast",
-                            2 if accumulation == "fp32k2" else 1)
+    return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, _band_width(n, config, most_swizzle), True,
+                            accumulation != "fast", 2 if accumulation == "fp32k2" else 1)
+
+
+def _band_width(n: int, config, most_swizzle: int | None) -> int:
+    (_, tile_n), (_, cluster_n) = config
+    return swizzle_for(n // (tile_n * cluster_n), SWIZZLE if most_swizzle is None else most_swizzle)
 
 
 def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=None, most_swizzle=None,
@@ -130,13 +160,13 @@ def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=None, most
             _tensor(out.unsqueeze(-1), cutlass.Float32 if out.dtype == torch.float32 else cutlass.BFloat16, 1),
             *(_tensor(v, cutlass.Float32, 0) for v in vectors))
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    kernel = kernel_for(b_data.shape[0], config, most_swizzle, accumulation)
-    key = (bias is not None, out.dtype, *config, kernel.swizzle_size, accumulation)
-    if key not in _COMPILED:
+    key = (bias is not None, out.dtype, *config, _band_width(b_data.shape[0], config, most_swizzle), accumulation)
+    compiled = _COMPILED.get(key)
+    if compiled is None:  # the kernel object is built only to compile (host time per call: bench_host.py)
+        kernel = kernel_for(b_data.shape[0], config, most_swizzle, accumulation)
         cluster = config[1]
         clusters = cutlass.utils.HardwareInfo().get_max_active_clusters(cluster[0] * cluster[1])
-        _COMPILED[key] = cute.compile(kernel, *args, bias is not None, clusters, stream)
-    compiled = _COMPILED[key]
+        compiled = _COMPILED[key] = cute.compile(kernel, *args, bias is not None, clusters, stream)
     # the wrappers only point at the tensors' memory: the call keeps the tensors made here alive
     return lambda vectors=vectors: compiled(*args, stream)
 

@@ -42,7 +42,7 @@ import torch
 
 from ..kernels import (HAS_TRITON, compact_operand_cuda, cpu_kernel_available, expand_operand_cuda, mx_operands_cpu,
                        mx_operands_cuda_counted, scaled_gemm_cpu, scaled_gemm_cuda, scaled_gemm_cuda_traceable)
-from ..kernels.gemm import DEFER_MIN_DIM, DEFER_SCALES
+from ..kernels.gemm import DEFER_MIN_DIM, DEFER_MIN_TOKENS, DEFER_SCALES
 from ..kernels.operands_cuda import mx_erefs_cuda, weight_exponents_cuda
 from ..kernels.operands_inline import inline_packable, mx_operands_cuda_inline
 from ..kernels.triton_common import interpreting
@@ -55,7 +55,7 @@ from ..mx.granularity import FoldGranularity
 from ..mx.operands import mx_operands_reference, padded_rows, rowwise_erefs_reference, transposed_operand
 from ..mx.scaled_gemm import scaled_gemm_reference
 
-__all__ = ["DEFER_MIN_DIM", "DEFER_SCALES", "FORCE_REFERENCE", "INLINE_GEMM", "INLINE_PACK", "compact_operand",
+__all__ = ["DEFER_MIN_DIM", "DEFER_MIN_TOKENS", "DEFER_SCALES", "FORCE_REFERENCE", "INLINE_GEMM", "INLINE_PACK", "compact_operand",
            "eref_buffer_words", "eref_rows_and_columns",
            "expand_operand", "frozen_weight_col", "mx_erefs", "mx_erefs_op", "mx_operands", "mx_operands_inline", "mx_operands_op", "scaled_gemm",
            "scaled_gemm_op", "static_kernel_launch", "static_launch_on", "use_kernels", "weight_exponents",

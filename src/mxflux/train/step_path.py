@@ -17,7 +17,7 @@ from ..kernels.gemm import DEFER_BIAS_MAX_N
 from ..kernels.gemm_cute import ACCUMULATION as CUTE_ACCUMULATION
 from ..kernels.gemm_cute import CUTE_GEMM
 from ..kernels.gemm_cute import available as cute_available
-from ..ops.custom_ops import DEFER_MIN_DIM, DEFER_SCALES, FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK, static_launch_on
+from ..ops.custom_ops import DEFER_MIN_DIM, DEFER_MIN_TOKENS, DEFER_SCALES, FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK, static_launch_on
 from .build import weight_state_off
 from .optimizer import STEP_KERNELS
 
@@ -60,8 +60,8 @@ def step_path(trainer) -> dict:
         gemm = f"opaque op (precision.mx_gemm: {cfg.precision.mx_gemm}; only rowwise GEMMs are traced)"
     else:
         gemm = "inline: torch._scaled_mm in inductor's code" + {
-            "auto": (f"; bias-free GEMMs with N or K >= {DEFER_MIN_DIM} tensor-wise, their scales applied by the "
-                     "next op"),
+            "auto": (f"; bias-free GEMMs with N or K >= {DEFER_MIN_DIM} and >= {DEFER_MIN_TOKENS} tokens tensor-wise, "
+                     "their scales applied by the next op"),
             "all": "; bias-free GEMMs tensor-wise, their scales applied by the next op (MXFLUX_DEFER_SCALES=all)",
             "bias": (f"; GEMMs with N or K >= {DEFER_MIN_DIM} tensor-wise, those with a bias (N <= "
                      f"{DEFER_BIAS_MAX_N}) with fp32 sums (MXFLUX_DEFER_SCALES=bias)"),
@@ -82,13 +82,15 @@ def step_path(trainer) -> dict:
         packers = "inline: the packer kernel launched from inductor's code"
         if cfg.precision.fused_mlp != "off":
             packers += " (the fused MLP's GELU prologues: the opaque op)"
-    if mx and kernels and CUTE_GEMM and cfg.precision.mx_gemm == "rowwise":  # eager and compiled alike
-        kinds = ",".join(sorted(CUTE_GEMM))
-        summed = ("fast accumulation (all of K in the tensor cores' accumulator)" if CUTE_ACCUMULATION == "fast"
-                  else "each k-tile's sums added in fp32 (MXFLUX_CUTE_ACCUMULATE=fp32)")
+    if mx and kernels and CUTE_GEMM.kinds and cfg.precision.mx_gemm == "rowwise":  # eager and compiled alike
+        kinds = ",".join(sorted(CUTE_GEMM.kinds))
+        which = (f"of >= {CUTE_GEMM.min_tokens} tokens" if CUTE_GEMM.min_tokens else f"computing {kinds}")
+        summed = ("fast accumulation (all of K in the tensor cores' accumulator, MXFLUX_CUTE_ACCUMULATE=fast)"
+                  if CUTE_ACCUMULATION == "fast" else "each k-tile's sums added in fp32")
+        switch = "auto" if CUTE_GEMM.min_tokens else kinds
         where = "" if cute_available() else ", not available here"
-        gemm += (f"; those computing {kinds} with M and N in whole tile clusters, before either, on the CuTe-DSL "
-                 f"row-scaled GEMM, {summed} (MXFLUX_CUTE_GEMM={kinds}{where})")
+        gemm += (f"; those {which} with M and N in whole tile clusters, before either, on the CuTe-DSL "
+                 f"row-scaled GEMM, {summed} (MXFLUX_CUTE_GEMM={switch}{where})")
     state = getattr(trainer.optimizer, "weight_state", None)
     if not mx:
         weights = f"none ({cfg.precision.name})"
