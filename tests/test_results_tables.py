@@ -92,20 +92,28 @@ def test_a_trial_call_without_fp8_is_refused(tmp_path, capsys):
     assert "no torchao FP8 tensor-wise setting" in capsys.readouterr().err
 
 
+def _claim_setting(claim_id: str) -> str:
+    return next(c["setting"] for c in yaml.safe_load((ROOT / "benchmarks" / "claims.yaml").read_text())["claims"]
+                if c["id"] == claim_id)
+
+
+MBS64 = _claim_setting("proxy-mbs64")  # the headline's MXFP6 setting
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda rs: [r.pop("provenance") for r in rs], "lacks provenance"),
     (lambda rs: [r["provenance"].pop("driver") for r in rs], "lacks provenance.driver"),
     (lambda rs: [r["run_mode"].update(cuda_graph=True) for r in rs if r["label"] == "bf16"],
-     "lacks a bf16 or torchao FP8 tensor-wise result run like 'mxfp6'"),
-    (lambda rs: [r.update(device="NVIDIA H200") for r in rs if r["label"] == "mxfp6"], "different cards"),
-    (lambda rs: [r.update(failed="exit status 1") for r in rs if r["label"] == "mxfp6"], "did not run"),
+     f"lacks a bf16 or torchao FP8 tensor-wise result run like '{MBS64}'"),
+    (lambda rs: [r.update(device="NVIDIA H200") for r in rs if r["label"] == MBS64], "different cards"),
+    (lambda rs: [r.update(failed="exit status 1") for r in rs if r["label"] == MBS64], "did not run"),
 ])
 def test_results_it_cannot_stand_behind_are_refused(tmp_path, capsys, edit, message):
     base = _copy(tmp_path)
     _edit_results(base, "proxy-mbs64", edit)
     assert tables.main(["--check", "--base", str(base)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("results_tables: claim proxy-mbs64") and message in err, err
+    assert err.startswith("results_tables: claim proxy-mbs64:") and message in err, err
 
 
 def test_a_result_measured_before_the_code_changed_says_so(tmp_path):
