@@ -162,15 +162,15 @@ def measure(device: str, rows: int, cols: int, calls: int, code_dir=None) -> dic
 
 def _cute_gemm(p, w, calls, sync) -> dict[str, float]:
     """The CuTe-DSL GEMM's host time per call, peeled: through the `scaled_gemm` op (taking every GEMM), called
-    directly (`cute_scaled_gemm`: the output allocated, six tensors wrapped for the DSL, the compiled call), and
-    the compiled call alone on tensors wrapped once. Empty where CuTe DSL or a Hopper GPU is missing."""
+    directly (`cute_scaled_gemm`: the output allocated, six tensors wrapped for the DSL, the compiled call), the
+    wrapping alone, and the compiled call alone on tensors wrapped once. Empty where CuTe DSL or a Hopper GPU is missing."""
     from mxflux.kernels import gemm_cute
     from mxflux.ops.custom_ops import scaled_gemm
 
     if not gemm_cute.available() or p.row_data.shape[0] % 256 or w.row_data.shape[0] % 192:
         return {}
     chosen = gemm_cute.CUTE_GEMM
-    gemm_cute.CUTE_GEMM = gemm_cute._kinds("all")
+    gemm_cute.CUTE_GEMM = gemm_cute.cute_gemm_choice("all")
     try:
         args = (p.row_data, p.row_scale, w.row_data, w.row_scale)
         out = torch.empty(p.row_data.shape[0], w.row_data.shape[0], dtype=torch.bfloat16, device="cuda")
@@ -178,6 +178,8 @@ def _cute_gemm(p, w, calls, sync) -> dict[str, float]:
                     lambda: scaled_gemm(*args, "rowwise", None, torch.bfloat16), calls, sync),
                 "cute_scaled_gemm direct": per_call_us(
                     lambda: gemm_cute.cute_scaled_gemm(*args, None, torch.bfloat16), calls, sync),
+                "CuTe GEMM, tensors wrapped, no call": per_call_us(
+                    lambda: gemm_cute.prepared_gemm(*args, None, out), calls, sync),
                 "CuTe GEMM, compiled call alone": per_call_us(
                     gemm_cute.prepared_gemm(*args, None, out), calls, sync)}
     finally:

@@ -114,10 +114,10 @@ def test_the_gemm_path_names_the_cute_gemm_where_it_is_asked_for(kinds, accumula
 
     import torch
 
-    from mxflux.kernels.gemm_cute import _kinds
+    from mxflux.kernels.gemm_cute import cute_gemm_choice
     from mxflux.train import step_path as sp
 
-    monkeypatch.setattr(sp, "CUTE_GEMM", _kinds(kinds))
+    monkeypatch.setattr(sp, "CUTE_GEMM", cute_gemm_choice(kinds))
     monkeypatch.setattr(sp, "CUTE_ACCUMULATION", accumulation)
     monkeypatch.setattr(sp, "cute_available", lambda: available)
     monkeypatch.setattr(sp, "FORCE_REFERENCE", False)

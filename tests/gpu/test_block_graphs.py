@@ -134,7 +134,7 @@ def test_compiled_gemms_on_the_cute_kernel_are_bit_identical(monkeypatch, kinds)
     """With MXFLUX_CUTE_GEMM, compiled and eager layers both run the named GEMMs on the CuTe-DSL kernel
     (compiled through the opaque op, without a graph break): the same bits."""
     torch._dynamo.reset()
-    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute._kinds(kinds))
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute.cute_gemm_choice(kinds))
     layer = MXFP6Linear(3072, 9216, device="cuda")
     x = torch.randn(512, 3072, device="cuda", dtype=torch.bfloat16) * 2.0 ** torch.randint(
         -8, 8, (512, 1), device="cuda")

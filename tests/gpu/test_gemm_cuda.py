@@ -247,8 +247,9 @@ def test_cute_gemm_gives_the_row_scaled_gemms_bits(shape, accumulation, gen, mon
     fp32 accumulation must; fast accumulation is expected not to): the
     products of MX operands are short (8 significant bits), so fp32 sums of them in any order are mostly
     exact and give the reference's bits; the CuTe kernel's must match the reference as often as cuBLAS's do
-    (fp32 out, and bf16 with a bias), not less often by more than 0.1 % of the elements."""
-    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute._kinds("off"))  # scaled_gemm_cuda: cuBLAS's
+    (fp32 out, and bf16 with a bias), not less often by more than 0.1 % of the elements; and promoted, its
+    output is cuBLAS's row-scaled one bit for bit (the default's claim)."""
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute.cute_gemm_choice("off"))  # scaled_gemm_cuda: cuBLAS's
     m, n, k = shape
     a, b, bias = operands(m, n, k, G.ROWWISE, gen)
     for out_dtype, bias_ in ((torch.float32, None), (torch.bfloat16, bias)):
@@ -259,6 +260,8 @@ def test_cute_gemm_gives_the_row_scaled_gemms_bits(shape, accumulation, gen, mon
         equal_ours, equal_cublas = (float((t == want).float().mean()) for t in (ours, cublas))
         print(f"{shape} {out_dtype}: equal to the reference: CuTe {equal_ours:.5f}, cuBLAS {equal_cublas:.5f}")
         assert equal_ours >= equal_cublas - 1e-3
+        if accumulation == "fp32":  # promoted every k-tile of K 128, as cuBLAS: its bits (the probe's 18 GEMMs too)
+            assert torch.equal(ours, cublas)
 
 
 def test_the_cute_gemm_takes_only_whole_clusters_of_the_kinds_named(monkeypatch):
@@ -266,7 +269,7 @@ def test_the_cute_gemm_takes_only_whole_clusters_of_the_kinds_named(monkeypatch)
     (2x1 of 128x192, or 128x256 with fast accumulation); it takes only the kinds MXFLUX_CUTE_GEMM names (bias:
     bf16 with a bias; bf16; fp32 out), and by default (auto) only GEMMs of MIN_TOKENS tokens or more."""
     bf16, fp32 = torch.bfloat16, torch.float32
-    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute._kinds("all"))
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute.cute_gemm_choice("all"))
     monkeypatch.setattr(gemm_cute, "available", lambda: True)
     (tm, tn), (cm, cn) = gemm_cute.CONFIG
     tm, tn = tm * cm, tn * cn  # whole clusters
@@ -277,14 +280,14 @@ def test_the_cute_gemm_takes_only_whole_clusters_of_the_kinds_named(monkeypatch)
     assert not gemm_cute.takes(torch.empty(tm + 8, 64, device="meta"), torch.empty(tn, 64, device="meta"), False, bf16)
     assert not gemm_cute.takes(torch.empty(tm * 3 // 2, 64, device="meta"), torch.empty(tn, 64, device="meta"), False,
                                bf16) or cm == 1  # half a cluster
-    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute._kinds("bias,fp32"))
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute.cute_gemm_choice("bias,fp32"))
     b = torch.empty(tn, 64, device="meta")
     assert gemm_cute.takes(a, b, True, bf16) and gemm_cute.takes(a, b, False, fp32)
     assert not gemm_cute.takes(a, b, False, bf16)
-    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute._kinds("off"))
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute.cute_gemm_choice("off"))
     assert not gemm_cute.takes(a, b, True, bf16)
     # auto (the default): every kind, from MIN_TOKENS tokens: M, or the weight gradient's K
-    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute._kinds("auto"))
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute.cute_gemm_choice("auto"))
     few, enough = tm * (gemm_cute.MIN_TOKENS // tm // 2), tm * -(-gemm_cute.MIN_TOKENS // tm)
     for has_bias, out_dtype in ((True, bf16), (False, bf16)):
         assert gemm_cute.takes(torch.empty(enough, 64, device="meta"), b, has_bias, out_dtype)

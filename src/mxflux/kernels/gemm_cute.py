@@ -46,7 +46,7 @@ class CuteGemm(NamedTuple):
     min_tokens: int
 
 
-def _kinds(value: str) -> CuteGemm:
+def cute_gemm_choice(value: str) -> CuteGemm:
     """What MXFLUX_CUTE_GEMM=`value` means (tests set it by this)."""
     if value == "auto":
         return CuteGemm(frozenset(CUTE_GEMM_KINDS), positive_int("MXFLUX_CUTE_MIN_TOKENS", MIN_TOKENS, "tokens"))
@@ -57,7 +57,7 @@ def _kinds(value: str) -> CuteGemm:
                           f"{', '.join(CUTE_GEMM_KINDS)}; got {value!r}") from None
 
 
-CUTE_GEMM = _kinds(os.environ.get("MXFLUX_CUTE_GEMM", "auto"))
+CUTE_GEMM = cute_gemm_choice(os.environ.get("MXFLUX_CUTE_GEMM", "auto"))
 # How the kernel sums K: `fp32`, each k-tile's partial sums added into fp32 registers (the GEMM contract's:
 # cuBLAS's bits on an H100), or `fast`, every WGMMA into one accumulator (the tensor cores' FP8 accumulation,
 # outside the contract). Its tile (M, N) and cluster (M, N): the tensor-wise kernels' class; N 192 where the
