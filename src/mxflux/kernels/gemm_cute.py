@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -87,12 +88,23 @@ def gemm_tokens(a_data: torch.Tensor, out_dtype: torch.dtype) -> int:
     return a_data.shape[1] if out_dtype == torch.float32 else a_data.shape[0]
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
 def available() -> bool:
-    """CuTe DSL importable and a Hopper GPU present."""
+    """CuTe DSL importable and a Hopper GPU present. Traced by torch.compile (every compiled MX GEMM asks,
+    through `takes`) it is called, not traced, and its answer taken as a constant: traced, a failed import is
+    a graph break, which would split every compiled block at each GEMM where CuTe DSL is not installed."""
+    return _cute_dsl_runs_here()
+
+
+@functools.cache
+def _cute_dsl_runs_here() -> bool:
     try:
         import cutlass.cute  # noqa: F401
     except ImportError:
+        return False
+    except Exception as e:  # installed but broken (a missing CUDA-version library): say so once, use cuBLAS
+        warnings.warn(f"CuTe DSL (nvidia-cutlass-dsl) is installed but does not import ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); the MX GEMMs run on cuBLAS", stacklevel=2)
         return False
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
