@@ -113,15 +113,19 @@ def _distance(params, others) -> float:
 def test_compiled_gemms_with_deferred_scales_are_bit_identical(monkeypatch, defer):
     """Compiled, the bias-free GEMMs (dgrad, wgrad) that `defers_scales` names run as the unit-scaled
     FP8 GEMM with the row and column scales applied by the next op: the same bits as the eager
-    layer's row-scaled cuBLAS GEMMs, at a shape (N = 9216) the "auto" rule defers."""
+    layer's row-scaled cuBLAS GEMMs, at a shape (N = 9216, 8192 tokens) the "auto" rule defers (with the
+    CuTe GEMM off, which would take them where it is installed)."""
     from mxflux.kernels import gemm
 
     torch._dynamo.reset()
     monkeypatch.setattr(gemm, "DEFER_SCALES", defer)
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute.cute_gemm_choice("off"))
+    tokens = gemm.DEFER_MIN_TOKENS
+    assert gemm.defers_scales(9216, 3072, tokens, False, defer) is (defer != "none")
     layer = MXFP6Linear(3072, 9216, device="cuda")
-    x = torch.randn(512, 3072, device="cuda", dtype=torch.bfloat16) * 2.0 ** torch.randint(
-        -8, 8, (512, 1), device="cuda")
-    g = 1e-4 * torch.randn(512, 9216, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, 3072, device="cuda", dtype=torch.bfloat16) * 2.0 ** torch.randint(
+        -8, 8, (tokens, 1), device="cuda")
+    g = 1e-4 * torch.randn(tokens, 9216, device="cuda", dtype=torch.bfloat16)
     want = _fwd_bwd(layer, x, g)
     got = _fwd_bwd(torch.compile(layer, fullgraph=True), x, g)
     for w, o, name in zip(want[:3], got[:3], ("y", "dx", "dw")):
