@@ -63,7 +63,7 @@ test-kernels: $(KERNEL_DEPS)/.installed
 	TRITON_INTERPRET=1 PYTHONPATH=$(KERNEL_DEPS) $(BIN)/python -m pytest -q tests/gpu
 	PYTHONPATH=$(KERNEL_DEPS) $(BIN)/python -m pytest -q tests/gpu/test_triton_compile.py
 
-# CuTe DSL (the opt-in row-scaled GEMM, mxflux.kernels.gemm_cute) in a folder of its own, as Triton above;
+# CuTe DSL (the row-scaled GEMM taken where installed, mxflux.kernels.gemm_cute) in a folder of its own, as Triton above;
 # its packages sit one level down (the wheel adds them by a .pth file, which --target skips).
 CUTE_DEPS := .cute-deps
 $(CUTE_DEPS)/.installed: $(TESTING)
