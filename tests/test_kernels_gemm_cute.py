@@ -1,6 +1,7 @@
 """Where CuTe DSL is absent or broken, asking whether the CuTe GEMM runs costs a compiled block nothing and
 a run nothing: every compiled MX GEMM asks (`gemm_cute.takes`, traced by torch.compile), so a graph break
-there would split each block at every GEMM; a broken install falls back to cuBLAS with one warning."""
+there would split each block at every GEMM; a broken install, a kernel that cannot be built or one whose
+first launch fails leave the GEMMs to cuBLAS with one warning."""
 
 from __future__ import annotations
 
@@ -53,3 +54,69 @@ def test_a_broken_install_is_one_warning_and_cublas(fresh_probe):
     fresh_probe.setattr(builtins, "__import__", import_)
     with pytest.warns(UserWarning, match=r"installed but does not import \(RuntimeError: No CTK flavor installed"):
         assert gemm_cute.available() is False
+
+
+def _operands(m: int, n: int, k: int):
+    """E4M3 operands and power-of-two row scales on the CPU, as the row granularity makes them."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, generator=g).to(torch.float8_e4m3fn)
+    sa = 2.0 ** torch.randint(-4, 4, (m, 1), generator=g).float()
+    sb = 2.0 ** torch.randint(-4, 4, (n, 1), generator=g).float()
+    return a, sa, b, sb
+
+
+@pytest.fixture
+def cute_taking_all(monkeypatch):
+    """The CuTe GEMM asked for every GEMM, and said to be available, on CPU tensors standing in for CUDA ones
+    (cuBLAS's stand-in is torch's CPU `_scaled_mm`)."""
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute.cute_gemm_choice("all"))
+    monkeypatch.setattr(gemm_cute, "available", lambda: True)
+    monkeypatch.setattr(gemm_cute, "_UNUSABLE", None)
+    monkeypatch.setattr(gemm_cute, "_COMPILED", {})
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    return monkeypatch
+
+
+def test_a_cute_gemm_that_cannot_be_built_here_leaves_the_gemms_to_cublas_with_one_warning(cute_taking_all):
+    from mxflux.kernels.gemm import _rowwise
+
+    def cannot_build(*args, **kwargs):
+        raise RuntimeError("ptxas fatal: Value 'sm_90a' is not defined for option 'gpu-name'")
+
+    cute_taking_all.setattr(gemm_cute, "prepared_gemm", cannot_build)
+    a, sa, b, sb = _operands(256, 192, 64)
+    assert gemm_cute.takes(a, b, False, torch.bfloat16)
+    want = torch._scaled_mm(a, b.t(), sa, sb.t(), out_dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="the CuTe-DSL GEMM does not run here .RuntimeError: ptxas fatal"):
+        got = _rowwise(a, sa, b, sb, None, torch.bfloat16)
+    assert torch.equal(got, want)
+    assert not gemm_cute.takes(a, b, False, torch.bfloat16)  # cuBLAS for the rest of the process
+
+
+def test_only_a_kernels_first_launch_may_fail_over_to_cublas(cute_taking_all):
+    """A kernel built by this call whose first launch fails (loading it: a driver the build does not suit)
+    gives the GEMMs up; one that has run before and fails now raises: that is an error, not a mismatch."""
+    def built_and_failing(*args, **kwargs):
+        gemm_cute._COMPILED[len(gemm_cute._COMPILED)] = "a kernel"
+
+        def launch():
+            raise RuntimeError("CUDA_ERROR_UNSUPPORTED_PTX_VERSION")
+        return launch
+
+    a, sa, b, sb = _operands(256, 192, 64)
+    cute_taking_all.setattr(gemm_cute, "prepared_gemm", built_and_failing)
+    with pytest.warns(UserWarning, match="CUDA_ERROR_UNSUPPORTED_PTX_VERSION"):
+        with pytest.raises(gemm_cute.CuteGemmUnusable):
+            gemm_cute.cute_scaled_gemm(a, sa, b, sb, None, torch.bfloat16)
+
+    def ran_before_and_failing(*args, **kwargs):  # no kernel built by this call
+        def launch():
+            raise RuntimeError("an illegal memory access was encountered")
+        return launch
+
+    cute_taking_all.setattr(gemm_cute, "_UNUSABLE", None)
+    cute_taking_all.setattr(gemm_cute, "prepared_gemm", ran_before_and_failing)
+    with pytest.raises(RuntimeError, match="illegal memory access") as raised:
+        gemm_cute.cute_scaled_gemm(a, sa, b, sb, None, torch.bfloat16)
+    assert not isinstance(raised.value, gemm_cute.CuteGemmUnusable) and gemm_cute._UNUSABLE is None

@@ -129,15 +129,17 @@ def _finish(out32: torch.Tensor, bias, out_dtype):
 
 
 def _rowwise(a_data, a_scale, b_data, b_scale, bias, out_dtype):
-    if gemm_cute.takes(a_data, b_data, bias is not None, out_dtype):  # opt-in: MXFLUX_CUTE_GEMM
-        return gemm_cute.cute_scaled_gemm(a_data, a_scale, b_data, b_scale, bias, out_dtype)
-    caps = _caps(a_data)
+    if gemm_cute.takes(a_data, b_data, bias is not None, out_dtype):  # MXFLUX_CUTE_GEMM, where installed
+        try:
+            return gemm_cute.cute_scaled_gemm(a_data, a_scale, b_data, b_scale, bias, out_dtype)
+        except gemm_cute.CuteGemmUnusable:
+            pass  # warned once; cuBLAS from now on
     sb = b_scale.t()  # [1, N]
     if out_dtype == torch.bfloat16 and (bias is None or bias.dtype == torch.bfloat16):
         # bias (exact in fp32) is added to the fp32 accumulator in the epilogue: one rounding
         return torch._scaled_mm(a_data, b_data.t(), a_scale, sb, bias=bias, out_dtype=out_dtype,
                                 use_fast_accum=False)
-    if caps["rowwise_fp32_out"]:
+    if _caps(a_data)["rowwise_fp32_out"]:
         out = torch._scaled_mm(a_data, b_data.t(), a_scale, sb, out_dtype=torch.float32, use_fast_accum=False)
         return _finish(out, bias, out_dtype)
     raise RuntimeError("scaled_gemm_cuda: this torch has no fp32-output row-wise _scaled_mm; "

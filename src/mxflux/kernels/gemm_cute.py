@@ -109,12 +109,30 @@ def _cute_dsl_runs_here() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+class CuteGemmUnusable(RuntimeError):
+    """The kernel could not be built or loaded here (warned once): the caller runs cuBLAS's GEMM instead."""
+
+
+# Why the kernel does not run in this process, once a build or a first launch failed (None: it may).
+_UNUSABLE: str | None = None
+
+
+def _give_up(e: Exception) -> CuteGemmUnusable:
+    """Stop taking GEMMs for the rest of the process, saying why once (a toolkit or driver the DSL's
+    build does not suit: the whole step should not fail for a kernel cuBLAS can stand in for)."""
+    global _UNUSABLE
+    _UNUSABLE = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    warnings.warn(f"the CuTe-DSL GEMM does not run here ({_UNUSABLE}); the MX GEMMs run on cuBLAS from now on",
+                  stacklevel=3)
+    return CuteGemmUnusable(_UNUSABLE)
+
+
 def takes(a_data: torch.Tensor, b_data: torch.Tensor, has_bias: bool, out_dtype: torch.dtype) -> bool:
     """Whether this row-granularity GEMM runs here: `CUTE_GEMM` names its kind and it has the tokens
-    `CUTE_GEMM` asks for, and M and N are whole clusters of tiles (the epilogue reads each row's and
-    column's scale unguarded; K needs 16 bytes, as cuBLAS's FP8 GEMMs)."""
+    `CUTE_GEMM` asks for, the kernel builds and loads here, and M and N are whole clusters of tiles (the
+    epilogue reads each row's and column's scale unguarded; K needs 16 bytes, as cuBLAS's FP8 GEMMs)."""
     if (kind(has_bias, out_dtype) not in CUTE_GEMM.kinds or gemm_tokens(a_data, out_dtype) < CUTE_GEMM.min_tokens
-            or not a_data.is_cuda or not available()):
+            or not a_data.is_cuda or not available() or _UNUSABLE is not None):
         return False
     (tile_m, tile_n), (cluster_m, cluster_n) = CONFIG  # a cluster's CTAs all run: whole clusters
     return (a_data.shape[0] % (tile_m * cluster_m) == 0 and b_data.shape[0] % (tile_n * cluster_n) == 0
@@ -185,7 +203,22 @@ def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=None, most
 
 def cute_scaled_gemm(a_data, a_scale, b_data, b_scale, bias, out_dtype, accumulation=ACCUMULATION) -> torch.Tensor:
     """(A ⊙ a_scale)(B ⊙ b_scale)ᵀ + bias: a_data [M, K], b_data [N, K] E4M3 (contiguous), a_scale [M, 1],
-    b_scale [N, 1] fp32, bias [N] or None, out bf16 or fp32; K summed as `accumulation` says, on its tiles."""
+    b_scale [N, 1] fp32, bias [N] or None, out bf16 or fp32; K summed as `accumulation` says, on its tiles.
+    CuteGemmUnusable where the kernel cannot be built, or a kernel built by this call fails its first launch
+    (which loads it: where a driver or toolkit mismatch shows)."""
     out = torch.empty(a_data.shape[0], b_data.shape[0], dtype=out_dtype, device=a_data.device)
-    prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, accumulation=accumulation)()
+    built = len(_COMPILED)
+    try:
+        call = prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, accumulation=accumulation)
+    except ValueError:  # a call the kernel does not take: the caller's mistake, not the machine's
+        raise
+    except Exception as e:
+        raise _give_up(e) from e
+    if len(_COMPILED) == built:  # built and run before: an error now is an error
+        call()
+        return out
+    try:
+        call()
+    except Exception as e:
+        raise _give_up(e) from e
     return out
