@@ -103,10 +103,15 @@ def _cute_dsl_runs_here() -> bool:
     except ImportError:
         return False
     except Exception as e:  # installed but broken (a missing CUDA-version library): say so once, use cuBLAS
-        warnings.warn(f"CuTe DSL (nvidia-cutlass-dsl) is installed but does not import ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}); the MX GEMMs run on cuBLAS", stacklevel=2)
+        warnings.warn(f"CuTe DSL (nvidia-cutlass-dsl) is installed but does not import ({_what(e)}); the MX GEMMs "
+                      "run on cuBLAS", stacklevel=2)
         return False
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _what(e: Exception) -> str:
+    """An exception in one line: its type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 class CuteGemmUnusable(RuntimeError):
@@ -121,7 +126,7 @@ def _give_up(e: Exception) -> CuteGemmUnusable:
     """Stop taking GEMMs for the rest of the process, saying why once (a toolkit or driver the DSL's
     build does not suit: the whole step should not fail for a kernel cuBLAS can stand in for)."""
     global _UNUSABLE
-    _UNUSABLE = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    _UNUSABLE = _what(e)
     warnings.warn(f"the CuTe-DSL GEMM does not run here ({_UNUSABLE}); the MX GEMMs run on cuBLAS from now on",
                   stacklevel=3)
     return CuteGemmUnusable(_UNUSABLE)
