@@ -271,6 +271,7 @@ def test_the_cute_gemm_takes_only_whole_clusters_of_the_kinds_named(monkeypatch)
     bf16, fp32 = torch.bfloat16, torch.float32
     monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute.cute_gemm_choice("all"))
     monkeypatch.setattr(gemm_cute, "available", lambda: True)
+    monkeypatch.setattr(gemm_cute, "_UNUSABLE", None)
     (tm, tn), (cm, cn) = gemm_cute.CONFIG
     tm, tn = tm * cm, tn * cn  # whole clusters
     a = torch.empty(tm * 2, 64, dtype=torch.float8_e4m3fn, device="meta")
@@ -288,7 +289,8 @@ def test_the_cute_gemm_takes_only_whole_clusters_of_the_kinds_named(monkeypatch)
     assert not gemm_cute.takes(a, b, True, bf16)
     # auto (the default): every kind, from MIN_TOKENS tokens: M, or the weight gradient's K
     monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute.cute_gemm_choice("auto"))
-    few, enough = tm * (gemm_cute.MIN_TOKENS // tm // 2), tm * -(-gemm_cute.MIN_TOKENS // tm)
+    floor = gemm_cute.CUTE_GEMM.min_tokens
+    few, enough = tm * (floor // tm // 2), tm * -(-floor // tm)
     for has_bias, out_dtype in ((True, bf16), (False, bf16)):
         assert gemm_cute.takes(torch.empty(enough, 64, device="meta"), b, has_bias, out_dtype)
         assert not gemm_cute.takes(torch.empty(few, 64, device="meta"), b, has_bias, out_dtype)
