@@ -43,6 +43,11 @@ PRECISIONS = {
     "mxfp6-sac": ("tiny-mxfp6", {}, "mx_packers"),
     "mxfp6-repack-sac": ("tiny-mxfp6", {"repack_weights": True}, "mx_packers"),
     "mxfp6-repack-sac-packers-only": ("tiny-mxfp6", {"repack_weights": True}, "packers-only"),
+    # the Xᵀ of proj, fc2 and linear2 packed again in backward from their rebuilt inputs (mx_inputs)
+    "mxfp6-inputs": ("tiny-mxfp6", {}, "mx_inputs"),
+    # the same with the MLP unfused (as `mxflux bench step`'s mxfp6 settings run it)
+    "mxfp6-unfused": ("tiny-mxfp6", {"fused_mlp": "off"}, None),
+    "mxfp6-unfused-inputs": ("tiny-mxfp6", {"fused_mlp": "off"}, "mx_inputs"),
     # the col operands kept in six bits (precision.saved_operands: e2m3), with and without mx_packers
     "mxfp6-6bit-repack": ("tiny-mxfp6", {"repack_weights": True, "saved_operands": "e2m3"}, None),
     "mxfp6-6bit-repack-sac": ("tiny-mxfp6", {"repack_weights": True, "saved_operands": "e2m3"}, "mx_packers"),

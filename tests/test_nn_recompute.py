@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from mxflux.bench.compare import PROXY_OVERRIDES, PROXY_RECIPE, SETTINGS
 from mxflux.bench.memory import record_saved_tensors
 from mxflux.model import Flux, flux_config, image_ids, text_ids
-from mxflux.nn import MXFP6Linear, apply_precision, functional
+from mxflux.nn import FusedMXFP6MLP, MXFP6Linear, apply_precision, functional
 from mxflux.nn.recompute import MXPackerRecompute, mx_packer_checkpoint_context
 from mxflux.ops import eref_buffer_words
 from mxflux.ops.custom_ops import mx_erefs_op, mx_operands_op
@@ -181,6 +181,28 @@ def test_elementwise_recompute_keeps_only_gemm_and_attention_outputs(gen, kind):
     # linear1 3 + 4 and linear2 1; plus attention's output and the block's input(s), 1 each
     tokens, d = xs[0].shape[0] * sum(x.shape[1] for x in xs), plain.hidden_size
     assert saved.by_dtype["bfloat16"] <= tokens * d * 2 * (11 if kind == "double" else 10), dict(saved.by_dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,fused", [("double", "on"), ("double", "off"), ("single", "auto")])
+def test_mx_inputs_keeps_no_xt_of_inputs_backward_rebuilds(gen, kind, fused):
+    """`activation_checkpointing: mx_inputs`: outputs, gradients and counts bit-identical to the plain
+    compiled block; the Xᵀ of attention's proj, the MLP's fc2 (fused: the activation's, packed from
+    h) and linear2 are not kept, and nothing in their place: the E4M3 bytes drop by exactly theirs,
+    the bf16 bytes do not grow (their inputs are rebuilt from what backward keeps anyway)."""
+    plain, wrapped, xs, vec, pe = _blocks(kind, gen, "mx_inputs", fused_mlp=fused)
+    ref_saved, saved = _both_steps(plain, wrapped, xs, vec, pe, gen)
+    tokens = [x.shape[0] * (x.shape[1] if kind == "double" else sum(y.shape[1] for y in xs)) for x in xs]
+    if kind == "double":
+        assert isinstance(plain.img_mlp, FusedMXFP6MLP) == (fused == "on")
+        repacked = [(m, n) for stream, n in zip(("img", "txt"), tokens) for m in
+                    (getattr(plain, f"{stream}_attn").proj, getattr(plain, f"{stream}_mlp")[2])]
+    else:
+        repacked = [(plain.linear2, tokens[0])]
+    inputs_xt = sum(_col_operand_bytes(m, n) for m, n in repacked)
+    assert saved.by_dtype["float8_e4m3fn"] == ref_saved.by_dtype["float8_e4m3fn"] - inputs_xt
+    assert saved.by_dtype["bfloat16"] <= ref_saved.by_dtype["bfloat16"], (dict(saved.by_dtype), dict(ref_saved.by_dtype))
+    assert sum(saved.by_dtype.values()) <= sum(ref_saved.by_dtype.values()) - inputs_xt
 
 
 @pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])

@@ -57,6 +57,13 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     # norms, RoPE, GELU, gates and packers recomputed in backward), in each precision
     "mxfp6-repack-elementwise": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
                                  'repack_weights: true}', "model.activation_checkpointing=elementwise"),
+    # mxfp6 keeping no Xᵀ of the inputs backward rebuilds from what it keeps anyway (proj, fc2, linear2;
+    # `model.activation_checkpointing: mx_inputs`, bit-identical numerics, needs model.compile: true),
+    # and the same keeping no Wᵀ either (nor the weights' operands between steps)
+    "mxfp6-inputs": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off"}',
+                     "model.activation_checkpointing=mx_inputs"),
+    "mxfp6-repack-inputs": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
+                            'repack_weights: true}', "model.activation_checkpointing=mx_inputs"),
     "bf16-elementwise": ("precision={}", "model.activation_checkpointing=elementwise"),
     "fp8-tensorwise-elementwise": ("precision={fp8: hybrid}", "precision.fp8_scaling=tensorwise",
                                    "model.activation_checkpointing=elementwise"),

@@ -63,6 +63,11 @@ class MXConfig(NamedTuple):
     finds its e_ref alone (`_pack_apart`; where the packer has two passes), so that a
     selective-recompute policy re-runs only the col operand's (one orientation, the packer's second
     pass) in backward (`mxflux.nn.recompute`).
+    `repack_input`: forward packs only the input's row operand and keeps the input itself, and backward
+    packs Xᵀ from it (for a fused MLP, fc2's: the activation's from h, which it keeps anyway). Meant for
+    inputs backward keeps anyway or that the partitioner rebuilds from such (a tensor saved twice is
+    stored once): then the 1 B per element of Xᵀ is not kept (docs/design.md, "Inputs packed again in
+    backward").
     """
 
     mx_gemm: str = "rowwise"
@@ -71,6 +76,7 @@ class MXConfig(NamedTuple):
     repack_weights: bool = False
     recomputed: bool = False
     pack_apart: bool = False
+    repack_input: bool = False
 
     @property
     def granularity(self) -> FoldGranularity:
@@ -203,10 +209,15 @@ class _MXLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig, w_erefs, w_row_data, w_row_scale,
                 w_col_data, w_col_scale):
         counter = _forward_counter(blocks_outside_window, cfg)
-        if _packs_apart(x, cfg, weight.requires_grad):
+        ctx.x_repacked = cfg.repack_input and weight.requires_grad
+        if ctx.x_repacked:
+            x_row, x_saved = _pack(x, cfg, counter, col=False)[0], (x, None, None)
+        elif _packs_apart(x, cfg, weight.requires_grad):
             x_row, x_col = _pack_apart(x, cfg, counter)
+            x_saved = _stash(x_col, cfg)
         else:
             x_row, x_col, _ = _pack(x, cfg, counter, col=weight.requires_grad)
+            x_saved = _stash(x_col, cfg)
         ctx.w_kept = w_row_data is not None
         if ctx.w_kept:  # the weight's operands as the optimizer step left them: nothing to pack
             w_row, w_saved = Operand(w_row_data, w_row_scale), (w_col_data, None, w_col_scale)
@@ -214,7 +225,7 @@ class _MXLinear(torch.autograd.Function):
             w_row, w_saved = _pack_weight(weight, cfg, counter, col=x.requires_grad, erefs=w_erefs)
         _add_forward_count(blocks_outside_window, counter)
         y = _gemm(x_row, w_row, cfg, _compute(bias, x.dtype), x.dtype)
-        ctx.save_for_backward(*_stash(x_col, cfg), *w_saved)
+        ctx.save_for_backward(*x_saved, *w_saved)
         ctx.cfg, ctx.blocks_outside_window, ctx.w_erefs = cfg, blocks_outside_window, w_erefs
         ctx.w_dtype, ctx.b_dtype = weight.dtype, None if bias is None else bias.dtype
         return y
@@ -231,7 +242,12 @@ class _MXLinear(torch.autograd.Function):
         w_col = _unstash(*saved[3:6]) if ctx.w_kept else _weight_col(saved[3:6], cfg, ctx.blocks_outside_window,
                                                                       ctx.w_erefs)
         dx = _gemm(dy_row, w_col, cfg, None, dy.dtype) if need_x else None
-        dw = _gemm(dy_col, _unstash(*saved[0:3]), cfg, None, ctx.w_dtype) if need_w else None
+        if need_w:
+            x_col = (_pack(saved[0], cfg, ctx.blocks_outside_window, row=False)[1] if ctx.x_repacked
+                     else _unstash(*saved[0:3]))
+            dw = _gemm(dy_col, x_col, cfg, None, ctx.w_dtype)
+        else:
+            dw = None
         db = dbias.to(ctx.b_dtype) if need_b and ctx.b_dtype is not None else None
         return dx, dw, db, None, None, None, None, None, None, None
 
@@ -304,7 +320,7 @@ class _FusedMXMLP(torch.autograd.Function):
         w1_row, w1_saved = _pack_weight(w1, cfg, counter, col=True, erefs=erefs1)
         w2_row, w2_saved = _pack_weight(w2, cfg, counter, col=True, erefs=erefs2)
         h = _gemm(x_row, w1_row, cfg, _compute(b1, x.dtype), x.dtype)
-        act_row, act_col, _ = _pack(h, cfg, counter, prologue="gelu_tanh")
+        act_row, act_col, _ = _pack(h, cfg, counter, col=not cfg.repack_input, prologue="gelu_tanh")
         _add_forward_count(blocks_outside_window, counter)
         y = _gemm(act_row, w2_row, cfg, _compute(b2, x.dtype), x.dtype)
         ctx.save_for_backward(h, *_stash(x_col, cfg), *w1_saved, *_stash(act_col, cfg), *w2_saved)
@@ -322,7 +338,10 @@ class _FusedMXMLP(torch.autograd.Function):
         dy_row, dy_col, db2 = _pack(dy, cfg, outside, colsum=b2_dtype is not None)
         erefs1, erefs2 = ctx.erefs
         dact = _gemm(dy_row, _weight_col(w2_saved, cfg, outside, erefs2), cfg, None, dy.dtype)
-        dw2 = _gemm(dy_col, _unstash(*act_col), cfg, None, w2_dtype)
+        # the activation's Xᵀ: kept, or packed from h as forward packed its row operand
+        act_t = (_pack(h, cfg, outside, row=False, prologue="gelu_tanh")[1] if cfg.repack_input
+                 else _unstash(*act_col))
+        dw2 = _gemm(dy_col, act_t, cfg, None, w2_dtype)
         dh_row, dh_col, db1 = _pack(dact, cfg, outside, prologue="gelu_tanh_grad", aux=h,
                                     colsum=b1_dtype is not None)
         dx = _gemm(dh_row, _weight_col(w1_saved, cfg, outside, erefs1), cfg, None, dy.dtype)

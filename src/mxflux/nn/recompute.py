@@ -65,7 +65,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from ..ops.custom_ops import mx_erefs_op, mx_operands_op, scaled_gemm_op
 
-__all__ = ["MXPackerRecompute", "full_recompute_context", "mark_recomputed", "mx_packer_checkpoint_context"]
+__all__ = ["MXPackerRecompute", "full_recompute_context", "mark_input_repacked", "mark_recomputed",
+           "mx_packer_checkpoint_context"]
 
 _aten = torch.ops.aten
 # What the `elementwise` mode keeps: the outputs of the ops that cost FLOPs. (The attention
@@ -91,12 +92,14 @@ class MXPackerRecompute:
     packer's (measured: no codes kept), so it needs no rule here.
     """
 
-    def __init__(self, rebuilt: Collection[torch._ops.OpOverload] = (), *, elementwise: bool = False):
+    def __init__(self, rebuilt: Collection[torch._ops.OpOverload] = (), *, elementwise: bool = False,
+                 packers: bool = True):
         self.rebuilt = frozenset(rebuilt)
         self.elementwise = elementwise
+        self.packers = packers
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op is mx_operands_op.default:
+        if op is mx_operands_op.default and self.packers:
             # Eager means real tensors: torch 2.11's inductor re-runs the checkpointed region on
             # fake tensors with `is_compiling()` off (and makes an RNG seed tensor so), which
             # must pass; the check is on the packer calls only for that reason too.
@@ -116,12 +119,13 @@ class MXPackerRecompute:
         return CheckpointPolicy.PREFER_SAVE
 
 
-def mx_packer_checkpoint_context(rebuilt: Collection[torch._ops.OpOverload] = (), *, elementwise: bool = False):
+def mx_packer_checkpoint_context(rebuilt: Collection[torch._ops.OpOverload] = (), *, elementwise: bool = False,
+                                 packers: bool = True):
     """A `context_fn` for non-reentrant `torch.utils.checkpoint.checkpoint` (or `checkpoint_wrapper`)
-    that recomputes the MX packer calls on activations and the `rebuilt` ops (with `elementwise`,
-    every op but the GEMMs and attention); see `MXPackerRecompute`. The same object for the same
-    arguments (`_context_fn`)."""
-    return _context_fn(MXPackerRecompute, frozenset(rebuilt), elementwise=elementwise)
+    that recomputes the MX packer calls on activations (unless `packers` is False) and the `rebuilt`
+    ops (with `elementwise`, every op but the GEMMs and attention); see `MXPackerRecompute`. The same
+    object for the same arguments (`_context_fn`)."""
+    return _context_fn(MXPackerRecompute, frozenset(rebuilt), elementwise=elementwise, packers=packers)
 
 
 @functools.cache
@@ -190,3 +194,21 @@ def mark_recomputed(module: nn.Module, *, selective: bool = False) -> None:
             m.cfg = m.cfg._replace(recomputed=True, pack_apart=selective)
         elif isinstance(m, FrozenMXFP6Linear):  # packs its input's row operand only: nothing to pack apart
             m.cfg = m.cfg._replace(recomputed=True)
+
+
+def mark_input_repacked(module: nn.Module) -> None:
+    """Tell an MX linear (or a fused MLP: its fc2) to keep its input for backward instead of the
+    input's Xᵀ, and pack Xᵀ from it again in backward (`MXConfig.repack_input`; the same bytes). It
+    pays only where backward keeps that input anyway or the partitioner rebuilds it from what it
+    keeps: `activation_checkpointing: mx_inputs` picks such linears and rebuilds their inputs
+    (`mxflux.train.parallelize.mx_repacked_inputs`). A fused MLP's cfg is fc1's and fc2's alike (its
+    fused path needs them equal); its Function applies `repack_input` to fc2's input alone, the
+    activation, whose Xᵀ it packs from h (kept anyway for GELU's gradient)."""
+    from .linear import MXFP6Linear
+    from .mlp import FusedMXFP6MLP
+
+    linears = (module.fc1, module.fc2) if isinstance(module, FusedMXFP6MLP) else (module,)
+    if not all(isinstance(m, MXFP6Linear) for m in linears):
+        raise TypeError(f"mark_input_repacked: expected an MXFP6Linear or a FusedMXFP6MLP, got {type(module).__name__}")
+    for m in linears:
+        m.cfg = m.cfg._replace(repack_input=True)

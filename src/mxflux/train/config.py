@@ -53,8 +53,12 @@ class ModelSection(_Section):
     # "elementwise" (needs compile: true) keeps only the outputs of the GEMMs and of attention
     # and recomputes everything else in backward, the MX packer calls, norms, RoPE, GELU and the
     # gates included: less memory than mx_packers, in any precision, for more recompute.
+    # "mx_inputs" (needs compile: true) keeps no Xᵀ of the MX linears whose input backward can rebuild
+    # from what it keeps anyway (attention's proj, the MLP's fc2, a single block's linear2): their
+    # inputs are rebuilt in backward and packed again; no packer call runs twice
+    # (mxflux.train.parallelize.mx_repacked_inputs).
     # The booleans of older recipes still work: true is "full", false "none".
-    activation_checkpointing: Literal["none", "full", "attention", "mx_packers", "elementwise"] = "none"
+    activation_checkpointing: Literal["none", "full", "attention", "mx_packers", "elementwise", "mx_inputs"] = "none"
     # Under "full" or "attention", the first `double` double and `single` single blocks also keep
     # their linears' GEMM outputs, so backward does not run those GEMMs again: memory a card has
     # left bought back as speed (a single block's, per byte, buys back the most: the LoRA recipes)
@@ -89,7 +93,7 @@ class ModelSection(_Section):
     @model_validator(mode="after")
     def _selective_compiled(self) -> "ModelSection":
         mode = self.activation_checkpointing
-        if mode in ("mx_packers", "elementwise") and not self.compile:
+        if mode in ("mx_packers", "elementwise", "mx_inputs") and not self.compile:
             # Eager selective checkpointing would save every other op's output and run the packer
             # calls again with their fold-window count (counted twice); see mxflux.nn.recompute.
             raise ValueError(f"activation_checkpointing: {mode} needs model.compile: true (the "

@@ -10,7 +10,9 @@ training"). The order is the one that composes:
    block runs under a selective-checkpointing policy by which the compiled partitioner recomputes
    the MX packer calls on activations instead of keeping their FP8 column operands
    (`mxflux.nn.recompute`; `mx_packer_rebuilt_ops` says what else, and why); with "elementwise"
-   the policy recomputes every op but the GEMMs and attention.
+   the policy recomputes every op but the GEMMs and attention; with "mx_inputs" the MX linears whose
+   input backward can rebuild from what it keeps anyway keep no Xᵀ: the input is rebuilt in backward
+   and its Xᵀ packed again (`mx_repacked_inputs`).
 2. torch.compile compiles each (wrapped) block in place (`module.compile`), so the recompute
    runs the compiled code too and the parameter names do not change.
 3. FSDP2 (`fully_shard`) shards each unit of blocks and then the root, or DDP replicates the
@@ -32,12 +34,13 @@ from ..model.layers import DoubleStreamBlock, SingleStreamBlock
 from ..nn.frozen import FrozenMXFP6Linear
 from ..nn.linear import MXFP6Linear
 from ..nn.mlp import FusedMXFP6MLP
-from ..nn.recompute import full_recompute_context, mark_recomputed, mx_packer_checkpoint_context
+from ..nn.recompute import (full_recompute_context, mark_input_repacked, mark_recomputed,
+                            mx_packer_checkpoint_context)
 from ..ops import static_kernel_launch
 from .config import DistributedSection, RunConfig
 from .distributed import DistContext
 
-__all__ = ["BLOCK_GRAPHS_ONE_PROCESS", "checkpoint_block", "mx_packer_rebuilt_ops", "parallelize"]
+__all__ = ["BLOCK_GRAPHS_ONE_PROCESS", "checkpoint_block", "mx_packer_rebuilt_ops", "mx_repacked_inputs", "parallelize"]
 
 # Why per-block CUDA graphs (cudagraph trees) are one process's: a replay reads the addresses it was
 # recorded with, and FSDP2 frees each unit's all-gathered parameters after use and allocates them
@@ -102,6 +105,32 @@ def mx_packer_rebuilt_ops(block: nn.Module) -> tuple[torch._ops.OpOverload, ...]
     raise TypeError(f"activation_checkpointing=mx_packers: no recompute choice for a {type(block).__name__}")
 
 
+# What builds an MX linear's input from tensors backward keeps anyway, which `mx_inputs` rebuilds: the
+# attention output's [B, L, H·D] copy and its slices (proj's input in a double block, from what SDPA
+# keeps), GELU (of the fc1 / linear1 output its backward keeps) and the single block's concatenation.
+_REBUILT_INPUTS = (torch.ops.aten.clone.default, torch.ops.aten.slice.Tensor, torch.ops.aten.transpose.int,
+                   torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.gelu.default,
+                   torch.ops.aten.cat.default)
+
+
+def mx_repacked_inputs(block: nn.Module) -> list[nn.Module]:
+    """The MX linears (or fused MLPs, for fc2's input) of `block` whose input `activation_checkpointing:
+    mx_inputs` keeps in place of its Xᵀ, and backward packs again: those whose input is built from
+    tensors backward keeps anyway, by memory-bound ops it rebuilds (`_REBUILT_INPUTS`): attention's
+    proj (the attention output), the MLP's fc2 (GELU of h), a single block's linear2 (attention
+    output and GELU concatenated). Not qkv, fc1 and linear1: their input is a LayerNorm's output,
+    which backward does not keep (kept in bf16 it would cost 2 B per element against Xᵀ's 1)."""
+    if isinstance(block, SingleStreamBlock):
+        candidates = [block.linear2]
+    elif isinstance(block, DoubleStreamBlock):
+        candidates = [block.img_attn.proj, block.txt_attn.proj]
+        for mlp in (block.img_mlp, block.txt_mlp):
+            candidates.append(mlp if isinstance(mlp, FusedMXFP6MLP) and mlp.fused else mlp[2])
+    else:
+        raise TypeError(f"activation_checkpointing=mx_inputs: no choice of inputs for a {type(block).__name__}")
+    return [m for m in candidates if isinstance(m, (MXFP6Linear, FusedMXFP6MLP))]
+
+
 def checkpoint_block(block: nn.Module, mode: str, *, keep_gemm_outputs: bool = False) -> nn.Module:
     """`block` wrapped for `model.activation_checkpointing` `mode` ("full", "attention",
     "mx_packers" or "elementwise"), in a non-reentrant `torch.utils.checkpoint`
@@ -109,15 +138,19 @@ def checkpoint_block(block: nn.Module, mode: str, *, keep_gemm_outputs: bool = F
     attention): the block keeps its linears' GEMM outputs too."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    if mode not in ("full", "attention", "mx_packers", "elementwise"):
-        raise ValueError("activation_checkpointing: expected 'full', 'attention', 'mx_packers' or 'elementwise', "
-                         f"got {mode!r}")
+    if mode not in ("full", "attention", "mx_packers", "elementwise", "mx_inputs"):
+        raise ValueError("activation_checkpointing: expected 'full', 'attention', 'mx_packers', 'elementwise' or "
+                         f"'mx_inputs', got {mode!r}")
     if keep_gemm_outputs and mode not in ("full", "attention"):
         raise ValueError(f"blocks_keeping_gemm_outputs: applies under 'full' or 'attention', not {mode!r}")
     # In every mode forward's packer calls run again in backward; marked, they count their
     # fold-window blocks once (`mxflux.nn.functional._forward_counter`).
     selective = mode in ("mx_packers", "elementwise")
     mark_recomputed(block, selective=selective)
+    if mode == "mx_inputs":  # no packer call runs again: the inputs' Xᵀ are packed in backward instead
+        for m in mx_repacked_inputs(block):
+            mark_input_repacked(m)
+        return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context(_REBUILT_INPUTS, packers=False))
     if not selective:  # every op recomputed, inside the MX linears' autograd.Functions too, but those kept
         mx = any(isinstance(m, (MXFP6Linear, FrozenMXFP6Linear, FusedMXFP6MLP)) for m in block.modules())
         if not (mx or keep_gemm_outputs or mode == "attention"):
