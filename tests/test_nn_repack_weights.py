@@ -17,6 +17,7 @@ from test_saved_tensors import _record_saved
 from mxflux.model import Flux, flux_config, image_ids, text_ids
 from mxflux.nn import FusedMXFP6MLP, MXFP6Linear, apply_precision
 from mxflux.nn.precision.config import PrecisionConfig
+from mxflux.nn.recompute import mark_input_repacked
 from mxflux.train.config import load_recipe
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -73,6 +74,58 @@ def test_repacked_weights_in_the_fused_mlp_are_bit_identical(device, gen):
         out[repack] = _step(mlp, x, dy)
     for i, (a, b) in enumerate(zip(out[False], out[True])):
         assert torch.equal(a, b), i
+
+
+def _e4m3_bytes(module, x) -> int:
+    """The E4M3 bytes autograd keeps for one forward of `module` on `x`."""
+    _, saved = _record_saved(lambda: module(x.clone().requires_grad_()))
+    return sum(t.numel() for t in saved if t.dtype == torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mx_gemm", ["rowwise", "blockwise", "exact"])
+def test_repacked_inputs_give_bit_identical_outputs_gradients_and_counts(device, mx_gemm, gen):
+    """`MXConfig.repack_input` (`activation_checkpointing: mx_inputs` sets it): Xᵀ packed in backward
+    from the kept input gives forward's bytes, and the fold-window blocks count once; the input
+    itself is what is kept, not an E4M3 Xᵀ."""
+    x = _wide_rows(200, 256, gen).to(device)
+    dy = torch.randn(200, 128, generator=gen).bfloat16().to(device)
+    w = torch.randn(128, 256, generator=gen).to(device)
+    out, kept = {}, {}
+    for repack in (False, True):
+        layer = MXFP6Linear(256, 128, mx_gemm=mx_gemm, device=device)
+        if repack:
+            mark_input_repacked(layer)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+            layer.bias.copy_(w[:, 0])
+        out[repack] = _step(layer, x, dy)
+        kept[repack] = _e4m3_bytes(layer, x)
+    if mx_gemm != "exact":
+        assert int(out[False][-1]) > 0
+    for i, (a, b) in enumerate(zip(out[False], out[True])):
+        assert torch.equal(a, b), i
+    assert kept[False] - kept[True] >= 256 * 200, kept  # Xᵀ: [256, 200 tokens (or more, padded)], 1 B each
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_repacked_activation_in_the_fused_mlp_is_bit_identical(device, gen):
+    """A fused MLP's fc2 input (GELU of h) packed again from h in backward: the same bits, and no Xᵀ of
+    the activation kept."""
+    x = _wide_rows(96, 128, gen).to(device)
+    dy = torch.randn(96, 128, generator=gen).bfloat16().to(device)
+    out, kept = {}, {}
+    for repack in (False, True):
+        torch.manual_seed(0)
+        mlp = FusedMXFP6MLP(128, 512, mode="on").to(device)
+        if repack:
+            mark_input_repacked(mlp)
+        assert mlp.fused
+        out[repack] = _step(mlp, x, dy)
+        kept[repack] = _e4m3_bytes(mlp, x)
+    for i, (a, b) in enumerate(zip(out[False], out[True])):
+        assert torch.equal(a, b), i
+    assert kept[False] - kept[True] == 512 * 96, kept  # the activation's Xᵀ: [512, 96 tokens], 1 B each
 
 
 @pytest.mark.parametrize("device", DEVICES)
