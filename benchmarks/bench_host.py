@@ -162,9 +162,10 @@ def measure(device: str, rows: int, cols: int, calls: int, code_dir=None) -> dic
 
 def _cute_gemm(p, w, calls, sync) -> dict[str, float]:
     """The CuTe-DSL GEMM's host time per call, peeled: through the `scaled_gemm` op (taking every GEMM), called
-    directly (`cute_scaled_gemm`: the output allocated, six tensors wrapped for the DSL, the compiled call), the
-    wrapping alone, the compiled call alone on tensors wrapped once, and with apache-tvm-ffi installed the same
-    kernel through TVM-FFI's calling convention. Empty where CuTe DSL or a Hopper GPU is missing."""
+    directly (`cute_scaled_gemm`: the output allocated, the call prepared and made), and in each calling
+    convention (`gemm_cute.prepared_gemm`: the DSL's own, which wraps the six tensors first, and TVM-FFI's,
+    where apache-tvm-ffi is installed) the preparing alone and the call alone on a prepared call; with a check
+    that both conventions write the same bits. Empty where CuTe DSL or a Hopper GPU is missing."""
     from mxflux.kernels import gemm_cute
     from mxflux.ops.custom_ops import scaled_gemm
 
@@ -174,59 +175,27 @@ def _cute_gemm(p, w, calls, sync) -> dict[str, float]:
     gemm_cute.CUTE_GEMM = gemm_cute.cute_gemm_choice("all")
     try:
         args = (p.row_data, p.row_scale, w.row_data, w.row_scale)
-        out = torch.empty(p.row_data.shape[0], w.row_data.shape[0], dtype=torch.bfloat16, device="cuda")
         rows = {"scaled_gemm op, CuTe GEMM": per_call_us(
                     lambda: scaled_gemm(*args, "rowwise", None, torch.bfloat16), calls, sync),
                 "cute_scaled_gemm direct": per_call_us(
-                    lambda: gemm_cute.cute_scaled_gemm(*args, None, torch.bfloat16), calls, sync),
-                "CuTe GEMM, tensors wrapped, no call": per_call_us(
-                    lambda: gemm_cute.prepared_gemm(*args, None, out), calls, sync),
-                "CuTe GEMM, compiled call alone": per_call_us(
-                    gemm_cute.prepared_gemm(*args, None, out), calls, sync)}
+                    lambda: gemm_cute.cute_scaled_gemm(*args, None, torch.bfloat16), calls, sync)}
+        outs = {}
+        for name, tvm_ffi in (("DSL", False), ("TVM-FFI", True)):
+            if tvm_ffi and not gemm_cute.tvm_ffi_present():
+                continue
+            out = outs[name] = torch.full((p.row_data.shape[0], w.row_data.shape[0]), float("nan"),
+                                          dtype=torch.bfloat16, device="cuda")
+            call = gemm_cute.prepared_gemm(*args, None, out, tvm_ffi=tvm_ffi)
+            call()
+            rows[f"CuTe GEMM ({name} convention), call prepared, no call"] = per_call_us(
+                lambda: gemm_cute.prepared_gemm(*args, None, out, tvm_ffi=tvm_ffi), calls, sync)
+            rows[f"CuTe GEMM ({name} convention), prepared call alone"] = per_call_us(call, calls, sync)
+        if len(outs) == 2:
+            sync()
+            rows["CuTe GEMM, TVM-FFI output equal to the DSL's (1 = yes)"] = float(torch.equal(*outs.values()))
     finally:
         gemm_cute.CUTE_GEMM = chosen
-    try:
-        rows.update(_cute_gemm_tvm_ffi(args, out, calls, sync))
-    except Exception as e:  # a trial: what failed is the finding
-        print(f"CuTe GEMM via TVM-FFI: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
     return rows
-
-
-def _cute_gemm_tvm_ffi(args, want, calls, sync) -> dict[str, float]:
-    """The same kernel compiled with CuTe DSL's TVM-FFI calling convention (apache-tvm-ffi installed), which
-    takes torch tensors as they are, the stream from torch's current one: its host time per call, and
-    whether it wrote the DSL call's bits (1.0). Empty without apache-tvm-ffi."""
-    try:
-        import tvm_ffi  # noqa: F401
-    except ImportError:
-        return {}
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import from_dlpack, make_fake_stream
-
-    from mxflux.kernels import gemm_cute
-
-    a_data, a_scale, b_data, b_scale = args
-    a_scale, b_scale = a_scale.reshape(-1), b_scale.reshape(-1)
-    out = torch.full_like(want, float("nan"))
-    tensors = (a_data.unsqueeze(-1), b_data.unsqueeze(-1), out.unsqueeze(-1), a_scale, b_scale, b_scale)
-    types = (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, cutlass.BFloat16, cutlass.Float32, cutlass.Float32,
-             cutlass.Float32)
-    wrapped = []
-    for t, dtype in zip(tensors, types):
-        ct = from_dlpack(t, assumed_align=16, enable_tvm_ffi=True)
-        ct.element_type = dtype
-        wrapped.append(ct.mark_layout_dynamic(leading_dim=1 if t.dim() == 3 else 0))
-    config = gemm_cute.CONFIGS[gemm_cute.ACCUMULATION]
-    kernel = gemm_cute.kernel_for(b_data.shape[0], config, None, gemm_cute.ACCUMULATION)
-    clusters = cutlass.utils.HardwareInfo().get_max_active_clusters(config[1][0] * config[1][1])
-    compiled = cute.compile(kernel, *wrapped, False, clusters, make_fake_stream(use_tvm_ffi_env_stream=True),
-                            options="--enable-tvm-ffi")
-    call = lambda: compiled(*tensors)  # noqa: E731
-    call()
-    sync()
-    return {"CuTe GEMM via TVM-FFI, compiled call": per_call_us(call, calls, sync),
-            "CuTe GEMM via TVM-FFI, equal to the DSL call's output (1 = yes)": float(torch.equal(out, want))}
 
 
 def _stubbed(operands_module, x, op_args, calls, sync, op=True) -> dict[str, float]:

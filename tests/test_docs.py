@@ -36,6 +36,7 @@ DESIGN_HEADINGS = (
     "The three GEMMs and their operands",
     "Kernels, backends and the reference",
     "Saved operands in six bits",
+    "Inputs packed again in backward",
     "Fusions",
     "Precisions as converters and the layer map",
     "The trainer",

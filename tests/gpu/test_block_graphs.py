@@ -147,8 +147,8 @@ def test_compiled_gemms_on_the_cute_kernel_are_bit_identical(monkeypatch, kinds)
     real = gemm_cute.cute_scaled_gemm
     monkeypatch.setattr(gemm_cute, "cute_scaled_gemm", lambda *args: ran.append(args[-1]) or real(*args))
     want = _fwd_bwd(layer, x, g)
-    assert len(ran) == len(gemm_cute.CUTE_GEMM)  # one GEMM of each kind named: fprop, dgrad, wgrad
+    assert len(ran) == len(gemm_cute.CUTE_GEMM.kinds)  # one GEMM of each kind named: fprop, dgrad, wgrad
     got = _fwd_bwd(torch.compile(layer, fullgraph=True), x, g)
-    assert len(ran) == 2 * len(gemm_cute.CUTE_GEMM)
+    assert len(ran) == 2 * len(gemm_cute.CUTE_GEMM.kinds)
     for w, o, name in zip(want[:3], got[:3], ("y", "dx", "dw")):
         assert torch.equal(w, o), name

@@ -264,6 +264,23 @@ def test_cute_gemm_gives_the_row_scaled_gemms_bits(shape, accumulation, gen, mon
             assert torch.equal(ours, cublas)
 
 
+@pytest.mark.skipif(not (gemm_cute.available() and gemm_cute.tvm_ffi_present()),
+                    reason="needs CuTe DSL, apache-tvm-ffi and a Hopper GPU")
+def test_both_calling_conventions_write_the_same_bits(gen):
+    """The kernel called through TVM-FFI (the default where apache-tvm-ffi is installed: the torch tensors as
+    they are) and through the DSL's own convention (the tensors wrapped for it): the same output, bit for bit,
+    with and without a bias, bf16 and fp32 out."""
+    m, n, k = SHAPES[0]
+    a, b, bias = operands(m, n, k, G.ROWWISE, gen)
+    for out_dtype, bias_ in ((torch.float32, None), (torch.bfloat16, bias), (torch.bfloat16, None)):
+        outs = []
+        for tvm_ffi in (False, True):
+            out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+            gemm_cute.prepared_gemm(a.row_data, a.row_scale, b.row_data, b.row_scale, bias_, out, tvm_ffi=tvm_ffi)()
+            outs.append(out)
+        assert not outs[0].isnan().any() and torch.equal(*outs), (out_dtype, bias_ is not None)
+
+
 def test_the_cute_gemm_takes_only_whole_clusters_of_the_kinds_named(monkeypatch):
     """Its epilogue reads each row's and column's scale unguarded: M and N must be whole clusters of tiles
     (2x1 of 128x192, or 128x256 with fast accumulation); it takes only the kinds MXFLUX_CUTE_GEMM names (bias:
