@@ -120,3 +120,16 @@ def test_only_a_kernels_first_launch_may_fail_over_to_cublas(cute_taking_all):
     with pytest.raises(RuntimeError, match="illegal memory access") as raised:
         gemm_cute.cute_scaled_gemm(a, sa, b, sb, None, torch.bfloat16)
     assert not isinstance(raised.value, gemm_cute.CuteGemmUnusable) and gemm_cute._UNUSABLE is None
+
+
+@pytest.mark.parametrize("tvm_ffi,floor", [(True, 2048), (False, 8192)])
+def test_autos_token_floor_follows_the_calling_convention(monkeypatch, tvm_ffi, floor):
+    """Through TVM-FFI's calling convention a call costs a sixth of the host time, and the 6+12-block model's
+    2048-token GEMMs gained on the kernel; through the DSL's own only GEMMs of 8192 tokens and up did. An
+    explicit MXFLUX_CUTE_MIN_TOKENS wins either way."""
+    monkeypatch.setattr(gemm_cute, "tvm_ffi_present", lambda: tvm_ffi)
+    monkeypatch.delenv("MXFLUX_CUTE_MIN_TOKENS", raising=False)
+    assert gemm_cute.cute_gemm_choice("auto") == gemm_cute.CuteGemm(frozenset(gemm_cute.CUTE_GEMM_KINDS), floor)
+    monkeypatch.setenv("MXFLUX_CUTE_MIN_TOKENS", "4096")
+    assert gemm_cute.cute_gemm_choice("auto").min_tokens == 4096
+    assert gemm_cute.cute_gemm_choice("all").min_tokens == 0  # named kinds take every size

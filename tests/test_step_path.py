@@ -96,20 +96,29 @@ def test_the_optimizer_path_says_which_kernel_took_the_step_and_what_keeps_ours_
     assert f"optimizer {path['optimizer']};" in step_path_line(path)
 
 
-@pytest.mark.parametrize("kinds, accumulation, available, want", [
-    ("off", "fp32", True, None),
-    ("auto", "fp32", True, "; those of >= 8192 tokens with M and N in whole tile clusters, before either, on the "
-                           "CuTe-DSL row-scaled GEMM, each k-tile's sums added in fp32 (MXFLUX_CUTE_GEMM=auto)"),
-    ("bias,fp32", "fast", True, "; those computing bias,fp32 with M and N in whole tile clusters, before either, on "
-                                "the CuTe-DSL row-scaled GEMM, fast accumulation (all of K in the tensor cores' "
-                                "accumulator, MXFLUX_CUTE_ACCUMULATE=fast) (MXFLUX_CUTE_GEMM=bias,fp32)"),
-    ("bias", "fp32", True, "row-scaled GEMM, each k-tile's sums added in fp32 (MXFLUX_CUTE_GEMM=bias)"),
-    ("all", "fp32", False, "(MXFLUX_CUTE_GEMM=bf16,bias,fp32, not available here)"),
+@pytest.mark.parametrize("kinds, accumulation, available, tvm_ffi, want", [
+    ("off", "fp32", True, True, None),
+    ("auto", "fp32", True, True, "; those of >= 2048 tokens with M and N in whole tile clusters, before either, on "
+                                 "the CuTe-DSL row-scaled GEMM, each k-tile's sums added in fp32, called through "
+                                 "TVM-FFI (MXFLUX_CUTE_GEMM=auto)"),
+    ("auto", "fp32", True, False, "; those of >= 8192 tokens with M and N in whole tile clusters, before either, on "
+                                  "the CuTe-DSL row-scaled GEMM, each k-tile's sums added in fp32, called through the "
+                                  "DSL's own convention (more host time per call: apache-tvm-ffi not installed) "
+                                  "(MXFLUX_CUTE_GEMM=auto)"),
+    ("bias,fp32", "fast", True, True, "; those computing bias,fp32 with M and N in whole tile clusters, before "
+                                      "either, on the CuTe-DSL row-scaled GEMM, fast accumulation (all of K in the "
+                                      "tensor cores' accumulator, MXFLUX_CUTE_ACCUMULATE=fast), called through "
+                                      "TVM-FFI (MXFLUX_CUTE_GEMM=bias,fp32)"),
+    ("bias", "fp32", True, True, "row-scaled GEMM, each k-tile's sums added in fp32, called through TVM-FFI "
+                                 "(MXFLUX_CUTE_GEMM=bias)"),
+    ("all", "fp32", False, True, "(MXFLUX_CUTE_GEMM=bf16,bias,fp32, not available here)"),
 ])
-def test_the_gemm_path_names_the_cute_gemm_where_it_is_asked_for(kinds, accumulation, available, want, monkeypatch):
-    """A run says which GEMMs MXFLUX_CUTE_GEMM asks the CuTe kernel for (by default those of 8192 tokens or
-    more), how it sums K where that is not the contract's way, and whether CuTe DSL is there to take them
-    (without it the GEMMs stay cuBLAS's)."""
+def test_the_gemm_path_names_the_cute_gemm_where_it_is_asked_for(kinds, accumulation, available, tvm_ffi, want,
+                                                                monkeypatch):
+    """A run says which GEMMs MXFLUX_CUTE_GEMM asks the CuTe kernel for (by default those of 2048 tokens or
+    more through TVM-FFI's calling convention, 8192 through the DSL's), how it sums K where that is not the
+    contract's way, how it is called, and whether CuTe DSL is there to take them (without it the GEMMs stay
+    cuBLAS's)."""
     from types import SimpleNamespace
 
     import torch
@@ -117,6 +126,10 @@ def test_the_gemm_path_names_the_cute_gemm_where_it_is_asked_for(kinds, accumula
     from mxflux.kernels.gemm_cute import cute_gemm_choice
     from mxflux.train import step_path as sp
 
+    from mxflux.kernels import gemm_cute
+
+    monkeypatch.setattr(gemm_cute, "tvm_ffi_present", lambda: tvm_ffi)
+    monkeypatch.setattr(sp, "cute_tvm_ffi", lambda: tvm_ffi)
     monkeypatch.setattr(sp, "CUTE_GEMM", cute_gemm_choice(kinds))
     monkeypatch.setattr(sp, "CUTE_ACCUMULATION", accumulation)
     monkeypatch.setattr(sp, "cute_available", lambda: available)

@@ -284,7 +284,7 @@ def test_both_calling_conventions_write_the_same_bits(gen):
 def test_the_cute_gemm_takes_only_whole_clusters_of_the_kinds_named(monkeypatch):
     """Its epilogue reads each row's and column's scale unguarded: M and N must be whole clusters of tiles
     (2x1 of 128x192, or 128x256 with fast accumulation); it takes only the kinds MXFLUX_CUTE_GEMM names (bias:
-    bf16 with a bias; bf16; fp32 out), and by default (auto) only GEMMs of MIN_TOKENS tokens or more."""
+    bf16 with a bias; bf16; fp32 out), and by default (auto) only GEMMs of its floor in tokens or more."""
     bf16, fp32 = torch.bfloat16, torch.float32
     monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute.cute_gemm_choice("all"))
     monkeypatch.setattr(gemm_cute, "available", lambda: True)
@@ -304,7 +304,7 @@ def test_the_cute_gemm_takes_only_whole_clusters_of_the_kinds_named(monkeypatch)
     assert not gemm_cute.takes(a, b, False, bf16)
     monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute.cute_gemm_choice("off"))
     assert not gemm_cute.takes(a, b, True, bf16)
-    # auto (the default): every kind, from MIN_TOKENS tokens: M, or the weight gradient's K
+    # auto (the default): every kind, from its floor in tokens: M, or the weight gradient's K
     monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute.cute_gemm_choice("auto"))
     floor = gemm_cute.CUTE_GEMM.min_tokens
     few, enough = tm * (floor // tm // 2), tm * -(-floor // tm)

@@ -1,7 +1,8 @@
 """The row-granularity MX GEMM on CuTe DSL's kernel (`cute_rowwise_gemm`: CUTLASS's persistent Hopper FP8
 GEMM with the row and column scales and the bias in its epilogue), where CuTe DSL is installed (`pip install
 .[cute]`) and a Hopper GPU is present. MXFLUX_CUTE_GEMM says which GEMMs it takes: `auto` (the default) every
-GEMM of at least MXFLUX_CUTE_MIN_TOKENS (8192) tokens; or, at any size, those named by what they compute:
+GEMM of at least MXFLUX_CUTE_MIN_TOKENS tokens (2048 with apache-tvm-ffi installed, 8192 without; see the floor
+below); or, at any size, those named by what they compute:
 `bias` (bf16 out with a bias: the forward GEMMs), `bf16` (bf16 out, no bias: the input gradients), `fp32`
 (fp32 out: the weight gradients), a comma-separated list of them, or `all`; `off`: none (cuBLAS's GEMMs).
 
@@ -17,9 +18,11 @@ accumulator instead (cuBLAS's fast accumulation, which torchao's FP8 recipe runs
 faster, outside the contract, opt-in. Eager and compiled calls both take it for the GEMMs it is on for,
 and a run names it (`train.step_path`).
 
-Why the token floor: a call costs more host time than cuBLAS's (the custom op, the tensors wrapped for
-the DSL), which a step of small GEMMs cannot hide: the 6+12-block model at 4096 tokens ran 0.70x bf16 on
-it, 43 % of the step idle (benchmarks/RESULTS.md), while the proxy at 8192-32768 tokens gained 5-7 %.
+Why the token floor: a call costs more host time than cuBLAS's, which a step of small GEMMs cannot hide.
+Through the DSL's own calling convention (the six tensors wrapped per call) the 6+12-block model at 2048-4096
+tokens ran 0.70x bf16 on it, 43 % of the step idle, while the proxy at 8192-32768 tokens gained 5-7 %; through
+TVM-FFI's (apache-tvm-ffi installed: the torch tensors as they are, a sixth of the host time) the same model
+ran 1.19x bf16 (benchmarks/RESULTS.md). So the floor is 2048 tokens with TVM-FFI, 8192 without.
 
 Tiles are visited in bands of SWIZZLE tile columns (MXFLUX_CUTE_SWIZZLE, at most; the largest power of
 two that divides the problem's tile columns): within a band the persistent CTAs walk down M, so A is read
@@ -38,7 +41,22 @@ import torch
 from ..switches import SwitchError, choice, positive_int, subset
 
 CUTE_GEMM_KINDS = ("bias", "bf16", "fp32")
-MIN_TOKENS = 8192  # `auto`'s floor: the proxy's GEMMs at MBS 32 (8192 and 16384 tokens) gained on the kernel
+# `auto`'s floor in tokens, by calling convention (`prepared_gemm`): through TVM-FFI's, the smallest GEMMs
+# measured gained (the 6+12-block model's, 2048 and 4096 tokens: its step 1.124x FP8's on an H100, against 1.091x
+# with them on cuBLAS); through the DSL's own, whose call costs ~120 µs of host time, only the proxy's at MBS 32
+# and up (8192 and 16384 tokens; benchmarks/RESULTS.md)
+MIN_TOKENS_TVM_FFI, MIN_TOKENS_DSL = 2048, 8192
+
+
+@functools.cache
+def tvm_ffi_present() -> bool:
+    """apache-tvm-ffi importable: the kernel is then compiled with CuTe DSL's TVM-FFI calling convention,
+    which takes torch tensors as they are (DLPack in C) and the stream from torch's current one."""
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class CuteGemm(NamedTuple):
@@ -50,7 +68,8 @@ class CuteGemm(NamedTuple):
 def cute_gemm_choice(value: str) -> CuteGemm:
     """What MXFLUX_CUTE_GEMM=`value` means (tests set it by this)."""
     if value == "auto":
-        return CuteGemm(frozenset(CUTE_GEMM_KINDS), positive_int("MXFLUX_CUTE_MIN_TOKENS", MIN_TOKENS, "tokens"))
+        floor = MIN_TOKENS_TVM_FFI if tvm_ffi_present() else MIN_TOKENS_DSL
+        return CuteGemm(frozenset(CUTE_GEMM_KINDS), positive_int("MXFLUX_CUTE_MIN_TOKENS", floor, "tokens"))
     try:
         return CuteGemm(subset("MXFLUX_CUTE_GEMM", "off", CUTE_GEMM_KINDS, value), 0)
     except SwitchError:
@@ -177,17 +196,6 @@ def kernel_for(n: int, config, most_swizzle: int | None = None, accumulation: st
 def _band_width(n: int, config, most_swizzle: int | None) -> int:
     (_, tile_n), (_, cluster_n) = config
     return swizzle_for(n // (tile_n * cluster_n), SWIZZLE if most_swizzle is None else most_swizzle)
-
-
-@functools.cache
-def tvm_ffi_present() -> bool:
-    """apache-tvm-ffi importable: the kernel is then compiled with CuTe DSL's TVM-FFI calling convention,
-    which takes torch tensors as they are (DLPack in C) and the stream from torch's current one."""
-    try:
-        import tvm_ffi  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=None, most_swizzle=None,

@@ -17,6 +17,7 @@ from ..kernels.gemm import DEFER_BIAS_MAX_N
 from ..kernels.gemm_cute import ACCUMULATION as CUTE_ACCUMULATION
 from ..kernels.gemm_cute import CUTE_GEMM
 from ..kernels.gemm_cute import available as cute_available
+from ..kernels.gemm_cute import tvm_ffi_present as cute_tvm_ffi
 from ..ops.custom_ops import DEFER_MIN_DIM, DEFER_MIN_TOKENS, DEFER_SCALES, FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK, static_launch_on
 from .build import weight_state_off
 from .optimizer import STEP_KERNELS
@@ -89,8 +90,10 @@ def step_path(trainer) -> dict:
                   if CUTE_ACCUMULATION == "fast" else "each k-tile's sums added in fp32")
         switch = "auto" if CUTE_GEMM.min_tokens else kinds
         where = "" if cute_available() else ", not available here"
+        call = ("called through TVM-FFI" if cute_tvm_ffi() else
+                "called through the DSL's own convention (more host time per call: apache-tvm-ffi not installed)")
         gemm += (f"; those {which} with M and N in whole tile clusters, before either, on the CuTe-DSL "
-                 f"row-scaled GEMM, {summed} (MXFLUX_CUTE_GEMM={switch}{where})")
+                 f"row-scaled GEMM, {summed}, {call} (MXFLUX_CUTE_GEMM={switch}{where})")
     state = getattr(trainer.optimizer, "weight_state", None)
     if not mx:
         weights = f"none ({cfg.precision.name})"
