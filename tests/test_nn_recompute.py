@@ -183,8 +183,8 @@ def test_elementwise_recompute_keeps_only_gemm_and_attention_outputs(gen, kind):
     assert saved.by_dtype["bfloat16"] <= tokens * d * 2 * (11 if kind == "double" else 10), dict(saved.by_dtype)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind,fused", [("double", "on"), ("double", "off"), ("single", "auto")])
+@pytest.mark.parametrize("kind,fused", [pytest.param("double", "on", marks=pytest.mark.slow),
+                                        pytest.param("double", "off", marks=pytest.mark.slow), ("single", "auto")])
 def test_mx_inputs_keeps_no_xt_of_inputs_backward_rebuilds(gen, kind, fused):
     """`activation_checkpointing: mx_inputs`: outputs, gradients and counts bit-identical to the plain
     compiled block; the Xᵀ of attention's proj, the MLP's fc2 (fused: the activation's, packed from
@@ -295,10 +295,11 @@ def test_mx_packers_config_takes_the_old_booleans_and_needs_compile():
     assert cfg.model.activation_checkpointing == "mx_packers"
     with pytest.raises(RecipeError, match="activation_checkpointing: mx_packers needs model.compile: true"):
         load_recipe("tiny-mxfp6", ["model.activation_checkpointing=mx_packers"])
-    with pytest.raises(RecipeError, match="activation_checkpointing: elementwise needs model.compile: true"):
-        load_recipe("tiny-mxfp6", ["model.activation_checkpointing=elementwise"])
+    for mode in ("elementwise", "mx_inputs"):
+        with pytest.raises(RecipeError, match=f"activation_checkpointing: {mode} needs model.compile: true"):
+            load_recipe("tiny-mxfp6", [f"model.activation_checkpointing={mode}"])
     with pytest.raises(RecipeError, match="model.activation_checkpointing: Input should be 'none', 'full', "
-                                          "'attention', 'mx_packers' or 'elementwise'"):
+                                          "'attention', 'mx_packers', 'elementwise' or 'mx_inputs'"):
         load_recipe("tiny-mxfp6", ["model.activation_checkpointing=packers"])
     # blocks_keeping_gemm_outputs: under full or attention, and no more blocks than the model has
     kept = load_recipe("tiny-mxfp6", ["model.activation_checkpointing=attention",
@@ -316,7 +317,8 @@ def test_mx_packers_config_takes_the_old_booleans_and_needs_compile():
     for name, overrides in SETTINGS.items():
         proxy = load_recipe(PROXY_RECIPE, [*PROXY_OVERRIDES, *overrides])
         assert proxy.model.activation_checkpointing == ("mx_packers" if name.endswith("-sac") else "elementwise"
-                                                        if name.endswith("-elementwise") else "none"), name
+                                                        if name.endswith("-elementwise") else "mx_inputs"
+                                                        if name.endswith("-inputs") else "none"), name
         assert proxy.precision.repack_weights == ("repack" in name), name
         assert (proxy.precision.saved_operands == "e2m3") == ("6bit" in name), name
 

@@ -274,9 +274,9 @@ def test_activation_checkpointing_gives_the_same_step(demo_root, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["mx_packers", "elementwise"])
+@pytest.mark.parametrize("mode", ["mx_packers", "elementwise", "mx_inputs"])
 def test_selective_checkpointing_gives_the_same_compiled_step(demo_root, tmp_path, mode):
-    """`model.activation_checkpointing: mx_packers` or `elementwise` through the Trainer (compiled
+    """`model.activation_checkpointing: mx_packers`, `elementwise` or `mx_inputs` through the Trainer (compiled
     blocks; the unfused MLP, as the benchmark settings run it): the same loss, weights and
     fold-window count as the compiled model without it, and fewer FP8 operands kept for backward
     (tests/test_nn_recompute.py checks the blocks in detail)."""

@@ -106,8 +106,10 @@ def mx_packer_rebuilt_ops(block: nn.Module) -> tuple[torch._ops.OpOverload, ...]
 
 
 # What builds an MX linear's input from tensors backward keeps anyway, which `mx_inputs` rebuilds: the
-# attention output's [B, L, H·D] copy and its slices (proj's input in a double block, from what SDPA
-# keeps), GELU (of the fc1 / linear1 output its backward keeps) and the single block's concatenation.
+# attention output's [B, L, H·D] copy and its slices (proj's inputs in a double block, from what SDPA
+# keeps), GELU (fc2's and linear2's part, from the output GELU's backward keeps) and the concatenations (a
+# single block's linear2 input; in a double block, q, k and v's of both streams, whose pieces backward keeps
+# too: on the CPU's inductor a double block keeps 5 % more without them, benchmarks/saved_bytes.py).
 _REBUILT_INPUTS = (torch.ops.aten.clone.default, torch.ops.aten.slice.Tensor, torch.ops.aten.transpose.int,
                    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.gelu.default,
                    torch.ops.aten.cat.default)
@@ -133,7 +135,7 @@ def mx_repacked_inputs(block: nn.Module) -> list[nn.Module]:
 
 def checkpoint_block(block: nn.Module, mode: str, *, keep_gemm_outputs: bool = False) -> nn.Module:
     """`block` wrapped for `model.activation_checkpointing` `mode` ("full", "attention",
-    "mx_packers" or "elementwise"), in a non-reentrant `torch.utils.checkpoint`
+    "mx_packers", "elementwise" or "mx_inputs"), in a non-reentrant `torch.utils.checkpoint`
     (`checkpoint_wrapper`: the parameter names do not change); `keep_gemm_outputs` (full and
     attention): the block keeps its linears' GEMM outputs too."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -143,12 +145,13 @@ def checkpoint_block(block: nn.Module, mode: str, *, keep_gemm_outputs: bool = F
                          f"'mx_inputs', got {mode!r}")
     if keep_gemm_outputs and mode not in ("full", "attention"):
         raise ValueError(f"blocks_keeping_gemm_outputs: applies under 'full' or 'attention', not {mode!r}")
-    # In every mode forward's packer calls run again in backward; marked, they count their
-    # fold-window blocks once (`mxflux.nn.functional._forward_counter`).
+    # In every mode but mx_inputs forward's packer calls run again in backward; marked, they count their
+    # fold-window blocks once (`mxflux.nn.functional._forward_counter`). Under mx_inputs none should, and
+    # marked they stay the opaque op, which the partitioner never re-runs (an inlined packer it could).
     selective = mode in ("mx_packers", "elementwise")
     mark_recomputed(block, selective=selective)
-    if mode == "mx_inputs":  # no packer call runs again: the inputs' Xᵀ are packed in backward instead
-        for m in mx_repacked_inputs(block):
+    if mode == "mx_inputs":  # the inputs' Xᵀ packed in backward from the inputs, rebuilt there
+        for m in mx_repacked_inputs(block):  # (TypeError for a block of another kind)
             mark_input_repacked(m)
         return checkpoint_wrapper(block, context_fn=mx_packer_checkpoint_context(_REBUILT_INPUTS, packers=False))
     if not selective:  # every op recomputed, inside the MX linears' autograd.Functions too, but those kept
