@@ -133,3 +133,25 @@ def test_autos_token_floor_follows_the_calling_convention(monkeypatch, tvm_ffi, 
     monkeypatch.setenv("MXFLUX_CUTE_MIN_TOKENS", "4096")
     assert gemm_cute.cute_gemm_choice("auto").min_tokens == 4096
     assert gemm_cute.cute_gemm_choice("all").min_tokens == 0  # named kinds take every size
+
+
+def test_a_broken_tvm_ffi_is_one_warning_and_the_dsls_convention(monkeypatch):
+    """apache-tvm-ffi that fails to import with something other than ImportError (a library it cannot load)
+    must not break importing mxflux: one warning, and the DSL's own calling convention (with its floor)."""
+    real_import = builtins.__import__
+
+    def failing(name, *args, **kwargs):
+        if name == "tvm_ffi":
+            raise OSError("libtvm_ffi.so: cannot open shared object file")
+        return real_import(name, *args, **kwargs)
+
+    gemm_cute.tvm_ffi_present.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", failing)
+    monkeypatch.delitem(sys.modules, "tvm_ffi", raising=False)
+    monkeypatch.delenv("MXFLUX_CUTE_MIN_TOKENS", raising=False)
+    try:
+        with pytest.warns(UserWarning, match="apache-tvm-ffi is installed but does not import .OSError"):
+            assert gemm_cute.tvm_ffi_present() is False
+        assert gemm_cute.cute_gemm_choice("auto").min_tokens == gemm_cute.MIN_TOKENS_DSL
+    finally:
+        gemm_cute.tvm_ffi_present.cache_clear()

@@ -56,6 +56,10 @@ def tvm_ffi_present() -> bool:
         import tvm_ffi  # noqa: F401
     except ImportError:
         return False
+    except Exception as e:  # installed but broken: the DSL's own convention still works
+        warnings.warn(f"apache-tvm-ffi is installed but does not import ({type(e).__name__}: {e}); the CuTe GEMM is "
+                      "called through CuTe DSL's own convention (more host time per call)", stacklevel=2)
+        return False
     return True
 
 
