@@ -36,7 +36,7 @@ def test_the_console_line_counts_graph_breaks_only_where_compiled():
 @pytest.mark.parametrize("overrides, inline_pack, static, want", [
     ([], True, True, "inline: the packer kernel launched from inductor's code"),
     (["model.activation_checkpointing=full"], True, True,
-     "opaque op (model.activation_checkpointing: full; recomputed"),
+     "opaque op (model.activation_checkpointing: full; packer calls stay"),
     ([], False, True, "opaque op (the default; MXFLUX_INLINE_PACK=1"),
     ([], True, False, "opaque op (inductor's static launch of user kernels is off"),
     (["model.compile=false"], True, True, "opaque op (model.compile: false)"),

@@ -77,8 +77,8 @@ def step_path(trainer) -> dict:
         packers = ("opaque op (inductor's static launch of user kernels is off: mxflux.ops.static_kernel_launch() "
                    "turns it on)")
     elif m.activation_checkpointing != "none":
-        packers = (f"opaque op (model.activation_checkpointing: {m.activation_checkpointing}; recomputed packer "
-                   "calls stay the op the recompute policy sees)")
+        packers = (f"opaque op (model.activation_checkpointing: {m.activation_checkpointing}; packer calls stay the "
+                   "op the recompute policy sees, which it re-runs only as the mode says)")
     else:
         packers = "inline: the packer kernel launched from inductor's code"
         if cfg.precision.fused_mlp != "off":
