@@ -72,6 +72,17 @@ def accumulator_coordinates(tiled_mma, mma_thread, shape_mnl, tile_mn):
     return tiled_mma.get_slice(mma_thread).partition_C(tiles)
 
 
+def stage_mmas(tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: int):
+    """The WGMMAs of one pipeline stage: acc += A·B over the stage's `num_k_blocks` k-blocks (the fast main
+    loop's prologue and steady state). A plain function, run while the kernel is traced, its loop unrolled in
+    Python. (The promoted loop keeps its own: it sets the accumulate flag on the tiled MMA per k-block, and
+    hidden in a function that change escaped the DSL's tracking of what its dynamic loop changes: the IR
+    did not verify.)"""
+    for k_block_idx in range(num_k_blocks):
+        k_block_coord = (None, None, k_block_idx, stage)
+        cute.gemm(tiled_mma, acc, tCrA[k_block_coord], tCrB[k_block_coord], acc)
+
+
 class RowScaledFP8Gemm:
     """
     C = (A ⊙ a_scale)(B ⊙ b_scale)ᵀ (+ bias) on Hopper: A [M, K], B [N, K] in E4M3 (K-major), a_scale [M] and
@@ -769,20 +780,8 @@ class RowScaledFP8Gemm:
                         # Wait for TMA copies to complete
                         mainloop_pipeline.consumer_wait(mainloop_consumer_read_state)
                         # WGMMA
-                        for k_block_idx in cutlass.range_constexpr(num_k_blocks):
-                            k_block_coord = (
-                                None,
-                                None,
-                                k_block_idx,
-                                mainloop_consumer_read_state.index,
-                            )
-                            cute.gemm(
-                                tiled_mma,
-                                accumulators,
-                                tCrA[k_block_coord],
-                                tCrB[k_block_coord],
-                                accumulators,
-                            )
+                        stage_mmas(tiled_mma, accumulators, tCrA, tCrB, mainloop_consumer_read_state.index,
+                                   num_k_blocks)
 
                         cute.nvgpu.warpgroup.commit_group()
                         mainloop_consumer_read_state.advance()
@@ -791,20 +790,8 @@ class RowScaledFP8Gemm:
                         # Wait for TMA copies to complete
                         mainloop_pipeline.consumer_wait(mainloop_consumer_read_state)
                         # WGMMA
-                        for k_block_idx in cutlass.range_constexpr(num_k_blocks):
-                            k_block_coord = (
-                                None,
-                                None,
-                                k_block_idx,
-                                mainloop_consumer_read_state.index,
-                            )
-                            cute.gemm(
-                                tiled_mma,
-                                accumulators,
-                                tCrA[k_block_coord],
-                                tCrB[k_block_coord],
-                                accumulators,
-                            )
+                        stage_mmas(tiled_mma, accumulators, tCrA, tCrB, mainloop_consumer_read_state.index,
+                                   num_k_blocks)
 
                         cute.nvgpu.warpgroup.commit_group()
                         # Wait on the wgmma barrier for WGMMA to complete

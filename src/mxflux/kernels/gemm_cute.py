@@ -228,19 +228,12 @@ def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=None, most
     key = (bias is not None, out.dtype, *config, _band_width(b_data.shape[0], config, most_swizzle), accumulation,
            tvm_ffi)
     compiled = _COMPILED.get(key)
-    if tvm_ffi and compiled is not None:
+    if tvm_ffi and compiled is not None:  # the torch tensors are the arguments: nothing to wrap
         return lambda: compiled(*tensors)
     out_type = cutlass.Float32 if out.dtype == torch.float32 else cutlass.BFloat16
     types = (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, out_type, cutlass.Float32, cutlass.Float32, cutlass.Float32)
     args = tuple(_tensor(t, dtype, 1 if t.dim() == 3 else 0, tvm_ffi) for t, dtype in zip(tensors, types))
-    if tvm_ffi:
-        from cutlass.cute.runtime import make_fake_stream
-
-        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    else:
-        import cuda.bindings.driver as cuda
-
-        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    stream = _stream(tvm_ffi)
     if compiled is None:  # the kernel object is built only to compile (host time per call: bench_host.py)
         kernel = kernel_for(b_data.shape[0], config, most_swizzle, accumulation)
         cluster = config[1]
@@ -251,6 +244,18 @@ def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=None, most
         return lambda: compiled(*tensors)
     # the wrappers only point at the tensors' memory: the call keeps the tensors made here alive
     return lambda tensors=tensors: compiled(*args, stream)
+
+
+def _stream(tvm_ffi: bool):
+    """The stream argument: for TVM-FFI a placeholder that makes the call take torch's current stream; for the
+    DSL's own convention torch's current stream itself."""
+    if tvm_ffi:
+        from cutlass.cute.runtime import make_fake_stream
+
+        return make_fake_stream(use_tvm_ffi_env_stream=True)
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
 def cute_scaled_gemm(a_data, a_scale, b_data, b_scale, bias, out_dtype, accumulation=ACCUMULATION) -> torch.Tensor:
