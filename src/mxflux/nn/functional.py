@@ -210,13 +210,11 @@ class _MXLinear(torch.autograd.Function):
                 w_col_data, w_col_scale):
         counter = _forward_counter(blocks_outside_window, cfg)
         ctx.x_repacked = cfg.repack_input and weight.requires_grad
-        if ctx.x_repacked:
+        if ctx.x_repacked:  # Xᵀ packed in backward from x itself
             x_row, x_saved = _pack(x, cfg, counter, col=False)[0], (x, None, None)
-        elif _packs_apart(x, cfg, weight.requires_grad):
-            x_row, x_col = _pack_apart(x, cfg, counter)
-            x_saved = _stash(x_col, cfg)
         else:
-            x_row, x_col, _ = _pack(x, cfg, counter, col=weight.requires_grad)
+            x_row, x_col = (_pack_apart(x, cfg, counter) if _packs_apart(x, cfg, weight.requires_grad)
+                            else _pack(x, cfg, counter, col=weight.requires_grad)[:2])
             x_saved = _stash(x_col, cfg)
         ctx.w_kept = w_row_data is not None
         if ctx.w_kept:  # the weight's operands as the optimizer step left them: nothing to pack
