@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mxflux.train import load_recipe
-from mxflux.train.build import build_model, weight_state_off
+from mxflux.train.build import build_model, rows_release_off, weight_state_off
 from mxflux.train.step_path import step_path_line
 
 
@@ -22,6 +22,24 @@ def test_the_weight_state_says_what_turns_it_off(recipe, overrides, reason):
     cfg = load_recipe(recipe, overrides)
     model, _ = build_model(cfg, "cpu")
     assert weight_state_off(cfg, model).startswith(reason)
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    ([], None),
+    (["model.compile=true", "model.activation_checkpointing=mx_inputs"], None),
+    (["model.compile=true", "model.activation_checkpointing=mx_packers"], None),
+    (["precision.release_weight_rows=false"], "precision.release_weight_rows: false"),
+    (["train.cuda_graph=true"], "train.cuda_graph: true"),
+    (["model.compile=true", "model.compile_mode=reduce-overhead"], "model.compile_mode: reduce-overhead"),
+    (["model.activation_checkpointing=full"], "model.activation_checkpointing: full (backward runs the GEMMs'"),
+    (["model.activation_checkpointing=attention"], "model.activation_checkpointing: attention"),
+])
+def test_the_row_operands_are_freed_only_where_nothing_reads_them_before_the_step(overrides, reason):
+    """Between forward and the step the weights' row operands are read again only by a captured step or
+    per-block CUDA graphs (at their old addresses) and by checkpointing that runs the GEMMs' forward
+    again; everywhere else they are freed, and the reason names the field."""
+    got = rows_release_off(load_recipe("tiny-mxfp6", overrides))
+    assert got == reason if reason is None else got.startswith(reason), got
 
 
 def test_the_console_line_counts_graph_breaks_only_where_compiled():

@@ -4,7 +4,9 @@ in one call (as torchao's `precompute_float8_dynamic_scale_for_fsdp` gives a loo
     apply_precision(model, "mxfp6")        # MXFP6Linear layers, the model on its device
     optimizer = mxflux.optim.AdamW(model, lr=1e-4, weight_decay=0.01, max_grad_norm=1.0)
     for batch in batches:
-        loss_of(model, batch).backward()
+        loss = loss_of(model, batch)
+        optimizer.release_weight_rows()    # optional: 1 byte per MX weight element less at the peak
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -22,6 +24,12 @@ Where the Triton step does not run (the CPU, non-fp32 or non-contiguous paramete
 torch's fused AdamW, clipping by its `grad_scale`, and the layers pack their weights themselves:
 the same training, without the saving. Kept operands cost 2 bytes per MX weight element
 (`keep_operands=False`: the e_ref alone, a few words per row and column).
+
+`release_weight_rows()`, called between a forward and its backward, frees the kept operands' row halves
+(1 byte per weight element) until the step writes them again: backward does not read them. Call it after
+the last forward before a step only (a forward in between packs the weights again), and not where
+something reads them at fixed addresses or runs forward again in backward (CUDA graphs, full activation
+checkpointing).
 
 A compiled model reads the kept state unchecked; it is brought up to date by a forward pre-hook on
 `model`, so compile its blocks (`block.compile()`), not `model` as a whole, or call
@@ -63,6 +71,7 @@ class AdamW(ClippingAdamW):
         if state.of:  # MXFP6 weights the Triton step can update (on CUDA, fp32, contiguous)
             self.weight_state = state
             state.install(model)
+        self.releases_rows = True  # in a loop of one's own, calling release_weight_rows is the choice
         self._one: torch.Tensor | None = None
         self._clipping = False
 

@@ -262,6 +262,40 @@ def test_the_step_keeps_the_operands_of_what_it_writes(gen, monkeypatch, tile):
     assert torch.equal(y_kept, m(x))
 
 
+def test_released_rows_are_written_again_by_the_step_or_by_refresh(gen, monkeypatch):
+    """`release_weight_rows` frees the kept row operands (1 byte per weight element) where the owner
+    allows it, and the layers stop using what is kept: an eager forward packs the weight itself, the same
+    bits. The next step gives them their memory back and writes the packer's values; without a step,
+    refresh writes the packer's bits."""
+    monkeypatch.setattr(adamw_cuda, "LARGE", 1024)
+    shapes = [(224, 96), (128, 64)]
+    layers, opt = _kept_layers(gen, shapes)
+    g = dev_gen(gen, DEVICE)
+    _step(opt, layers, g)
+    kept = [opt.weight_state.kept[m.weight].operands for m in layers]
+    m, x = layers[0], torch.randn(48, 96, generator=g, device=DEVICE).bfloat16()
+    y = m(x)
+    assert opt.release_weight_rows() == 0 and kept[0][0].untyped_storage().nbytes() == 224 * 96  # not allowed
+    opt.releases_rows = True
+    assert opt.release_weight_rows() == sum(r * c for r, c in shapes)
+    assert [k[0].untyped_storage().nbytes() for k in kept] == [0, 0]
+    assert m.kept_weight_state() == (None, None)
+    assert torch.equal(m(x), y)
+    assert opt.release_weight_rows() == 0  # nothing left to free
+    _step(opt, layers, g)
+    for m, k in zip(layers, kept):
+        assert k[0].untyped_storage().nbytes() == m.weight.numel() and m.kept_weight_state()[1] is k
+        want = mx_operands_reference(m.weight.detach().bfloat16(), granularity=G.ROWWISE, hadamard=m.cfg.hadamard)
+        _assert_same_mx_values(k, want, tuple(m.weight.shape))
+    opt.release_weight_rows()
+    opt.refresh_weight_state()
+    for m, k in zip(layers, kept):
+        want = mx_operands_reference(m.weight.detach().bfloat16(), granularity=G.ROWWISE, hadamard=m.cfg.hadamard)
+        for name, got in zip(FIELDS, k):
+            assert_bits_equal(name, got, getattr(want, name))
+        assert m.kept_weight_state()[1] is k
+
+
 def test_blocks_the_previous_e_ref_cannot_hold_are_fixed_up_to_the_packers_operands(gen, monkeypatch):
     """Weight a: a row's largest block grows by more than two binades between the e_ref the step
     holds and the step. Weight b: a block eleven binades below its row's largest, inside the weight's
@@ -342,6 +376,9 @@ def test_repack_weights_keeps_the_e_ref_but_no_operands_between_steps(repack, op
         assert "their e_ref only" in weights
     else:
         assert "e_ref only" not in weights
+        assert "their row operands, 0.00 GiB, kept from forward to the step: the optimizer was not built" in weights
+        trainer.optimizer.releases_rows = True
+        assert "row operands, 0.00 GiB, freed from the last micro-batch's forward" in step_path(trainer)["mx_weights"]
 
 
 def test_only_row_granularity_layers_keep_state():
@@ -351,11 +388,12 @@ def test_only_row_granularity_layers_keep_state():
 
 
 # ---------------------------------------------------------------------- end to end, on a GPU
-def _mlp_run(seed: int, track: bool, captured: bool, steps: int = 4, keep: bool = False, compiled: bool = False):
+def _mlp_run(seed: int, track: bool, captured: bool, steps: int = 4, keep: bool = False, compiled: bool = False,
+             release: bool = False):
     """A two-layer MXFP6 MLP (weights through the kernels) trained with clipping, eager or captured;
     `keep`: the step also keeps the weights' operands for the layers; `compiled`: the model under
     torch.compile (which reads kept operands unchecked: refreshed before each step, as the
-    trainer's forward hook does)."""
+    trainer's forward hook does); `release`: their row operands freed between forward and backward."""
     from mxflux.train.clipping import clip_and_step
 
     torch.manual_seed(seed)
@@ -365,6 +403,7 @@ def _mlp_run(seed: int, track: bool, captured: bool, steps: int = 4, keep: bool 
     if track:
         opt.weight_state = MXWeightState.of_model(model, keep_operands=keep, min_elements=adamw_cuda.LARGE)
         assert len(opt.weight_state.of) == 2 and len(opt.weight_state.kept) == (2 if keep else 0)
+    opt.releases_rows = release
     forward = torch.compile(model) if compiled else model
     xs = [torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) * 4 for _ in range(steps)]
     static = torch.empty_like(xs[0])
@@ -373,6 +412,7 @@ def _mlp_run(seed: int, track: bool, captured: bool, steps: int = 4, keep: bool 
         if compiled:
             opt.refresh_weight_state()
         loss = forward(static).float().square().mean()
+        assert opt.release_weight_rows() == (1024 * 512 * 2 if release else 0)
         loss.backward()
         clip_and_step(opt, model.parameters(), 0.5)
         return loss.detach()
@@ -408,10 +448,21 @@ def test_training_with_the_erefs_from_the_step_is_bit_identical(captured, keep):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="end-to-end training on a GPU")
-def test_compiled_training_with_the_kept_operands_is_bit_identical():
+def test_eager_training_with_the_row_operands_released_is_bit_identical():
+    seed = int(torch.randint(0, 2**31, (1,)))
+    l0, w0 = _mlp_run(seed, track=False, captured=False)
+    l1, w1 = _mlp_run(seed, track=True, captured=False, keep=True, release=True)
+    assert l0 == l1, (seed, l0, l1)
+    for a, b in zip(w0, w1):
+        assert torch.equal(a, b), seed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="end-to-end training on a GPU")
+@pytest.mark.parametrize("release", [False, True], ids=["rows-kept", "rows-released"])
+def test_compiled_training_with_the_kept_operands_is_bit_identical(release):
     seed = int(torch.randint(0, 2**31, (1,)))
     l0, w0 = _mlp_run(seed, track=False, captured=False, compiled=True)
-    l1, w1 = _mlp_run(seed, track=True, captured=False, keep=True, compiled=True)
+    l1, w1 = _mlp_run(seed, track=True, captured=False, keep=True, compiled=True, release=release)
     assert l0 == l1, (seed, l0, l1)
     for a, b in zip(w0, w1):
         assert torch.equal(a, b), seed

@@ -100,6 +100,8 @@ class BareLoop:
             with self._autocast():
                 pred = self.train_model(**inputs)
             loss = per_sample_mse(pred, target).mean()
+            if i == self.accum - 1:  # as the trainer: nothing reads the weights' row operands until the step
+                self.optimizer.release_weight_rows()
             no_sync = contextlib.nullcontext()
             if i < self.accum - 1 and hasattr(self.train_model, "no_sync"):
                 no_sync = self.train_model.no_sync()

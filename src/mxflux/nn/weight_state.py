@@ -157,6 +157,30 @@ class MXWeightState:
         for m in self.layers[p]:
             m.weight_state_version = weight_version(p)
 
+    def release_rows(self) -> int:
+        """Free the kept row operands' data (1 B per weight element) until the next step or refresh
+        writes them again; the bytes freed. For the time between a training forward and its backward,
+        where the peak of a step lies: forward has read the row operands and backward reads Wᵀ alone
+        (docs/design.md, "The weights' operands from the optimizer step"). The layers count as not
+        current meanwhile, so an eager forward packs its weight itself and `refresh` writes the rows
+        again where no step has; the step writes them where it updates the weight."""
+        freed = 0
+        for p, kept in self.kept.items():
+            storage = kept.operands[0].untyped_storage()
+            if storage.nbytes():
+                freed += storage.nbytes()
+                storage.resize_(0)
+                for m in self.layers[p]:
+                    m.weight_state_version = None
+        return freed
+
+    def restore_rows(self, p: torch.Tensor) -> None:
+        """Give `p`'s kept row operand its memory back after `release_rows`, for a writer to fill."""
+        rows = self.kept[p].operands[0]
+        storage = rows.untyped_storage()
+        if storage.nbytes() < rows.numel() * rows.element_size():
+            storage.resize_(rows.numel() * rows.element_size())
+
     def refresh(self) -> None:
         """Recompute what the step computes (e_ref, and the operands it keeps) for every weight written
         by something other than the step since, or never computed: the packer's two passes."""
@@ -176,6 +200,7 @@ class MXWeightState:
         weight_exponents(x, hadamard, view)
         kept = self.kept.get(p)
         if kept is not None:
+            self.restore_rows(p)
             got = mx_operands(x, None, kept.counter, True, True, FoldGranularity.ROWWISE.value, hadamard, "none", False,
                               view)
             for dst, src in zip(kept.operands, got[:4]):

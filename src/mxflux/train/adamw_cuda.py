@@ -145,6 +145,7 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
                             rows, cols, *hyper, HADAMARD=hadamard, HW=not interpreting(), BR=W.BR,
                             NB=W.NB, SLICES=W.SLICES, num_warps=W.NUM_WARPS)
                     else:
+                        state.restore_rows(orig)  # after `release_rows`: written whole below
                         rd, rs, cd, cs = kept.operands
                         kernels.adamw_operands_kernel[grid](
                             p, g, s["exp_avg"], s["exp_avg_sq"], R, C, cd.shape[1], factor, lr, step_size[j:],

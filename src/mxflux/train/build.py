@@ -18,7 +18,7 @@ from .config import RecipeError, RunConfig
 from .optimizer import ClippingAdamW
 from .parallelize import parallelize
 
-__all__ = ["build_model", "build_optimizer", "build_training_model", "weight_state_off"]
+__all__ = ["build_model", "build_optimizer", "build_training_model", "rows_release_off", "weight_state_off"]
 
 
 def build_model(cfg: RunConfig, device: torch.device | str) -> tuple[Flux, PrecisionReport]:
@@ -74,7 +74,24 @@ def build_optimizer(cfg: RunConfig, model: torch.nn.Module, *, capturable: bool 
         if state is not None:
             optimizer.weight_state = state
             state.install(model)  # compiled blocks read it unchecked: up to date before each forward
+            optimizer.releases_rows = bool(state.kept) and rows_release_off(cfg) is None
     return optimizer
+
+
+def rows_release_off(cfg: RunConfig) -> str | None:
+    """Why the kept weights' row operands stay allocated from forward to the optimizer step (the field
+    to change); None where the trainer frees them after the last micro-batch's forward
+    (`precision.release_weight_rows`): only where nothing reads them between the two."""
+    m = cfg.model
+    if not cfg.precision.release_weight_rows:
+        return "precision.release_weight_rows: false"
+    if cfg.train.cuda_graph:
+        return "train.cuda_graph: true (the captured step reads them at fixed addresses)"
+    if m.compile and m.compile_mode == "reduce-overhead":
+        return "model.compile_mode: reduce-overhead (the blocks' CUDA graphs read them at fixed addresses)"
+    if m.activation_checkpointing in ("full", "attention"):
+        return f"model.activation_checkpointing: {m.activation_checkpointing} (backward runs the GEMMs' forward again)"
+    return None
 
 
 def _triton_step_off(cfg: RunConfig) -> str | None:

@@ -52,6 +52,17 @@ class ClippingAdamW(torch.optim.AdamW):
         self.weight_state: MXWeightState | None = None
         # Which kernel took the last step (`STEP_KERNELS`), for the run's report of its step path.
         self.last_step: str | None = None
+        # Whether `release_weight_rows` frees anything: set by the owner, who knows that nothing reads
+        # the row operands between a forward and the step (`train.build.rows_release_off`).
+        self.releases_rows = False
+
+    def release_weight_rows(self) -> int:
+        """Between the last micro-batch's forward and its backward: free the kept weights' row operands
+        until this optimizer's step writes them again (`MXWeightState.release_rows`), where the owner
+        allows it; the bytes freed."""
+        if self.weight_state is None or not self.releases_rows:
+            return 0
+        return self.weight_state.release_rows()
 
     def refresh_weight_state(self) -> None:
         """Bring the attached MX weights' state up to date (a captured step before each replay: the

@@ -19,7 +19,7 @@ from ..kernels.gemm_cute import CUTE_GEMM
 from ..kernels.gemm_cute import available as cute_available
 from ..kernels.gemm_cute import tvm_ffi_present as cute_tvm_ffi
 from ..ops.custom_ops import DEFER_MIN_DIM, DEFER_MIN_TOKENS, DEFER_SCALES, FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK, static_launch_on
-from .build import weight_state_off
+from .build import rows_release_off, weight_state_off
 from .optimizer import STEP_KERNELS
 
 __all__ = ["compile_counts", "step_path", "step_path_line"]
@@ -110,6 +110,12 @@ def step_path(trainer) -> dict:
             else:
                 why = "the weights are FSDP2 shards: their operands would have to be gathered in their place"
             weights += f": their e_ref only, each forward packs them with pass 2 ({why})"
+        else:
+            rows = sum(k.operands[0].numel() for k in state.kept.values()) / 2**30
+            weights += (f"; their row operands, {rows:.2f} GiB, freed from the last micro-batch's forward to the step"
+                        if getattr(trainer.optimizer, "releases_rows", False) else
+                        f"; their row operands, {rows:.2f} GiB, kept from forward to the step: "
+                        f"{rows_release_off(cfg) or 'the optimizer was not built by the trainer'}")
         weights += ")"
     else:
         why = weight_state_off(cfg, trainer.model) or "no weight qualifies (Triton missing or the reference forced)"

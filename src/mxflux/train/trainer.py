@@ -1,13 +1,12 @@
 """The training loop: rectified-flow Flux training with fp32 master weights and bf16 compute.
 
 One `Trainer` owns the model (fp32 parameters; MX/FP8 modules and autocast compute in bf16),
-the AdamW optimizer with the MLPerf constants, the LR schedule (warm-up, then constant or
-decaying: `lr_factor`) and the data position, so that a checkpoint captures everything and a
-resumed run's next loss equals the uninterrupted run's. The training noise holds no state: every draw of a sample is a function
-of (train seed, optimizer step, dataset index) (`mxflux.train.noise`), and each global batch is
-the same set of samples on any number of ranks, so a run's losses do not depend on its world
-size (up to floating-point reduction order) and a checkpoint resumes onto any world size
-(docs/design.md, "The trainer").
+the AdamW optimizer with the MLPerf constants, the LR schedule (warm-up, then constant or decaying: `lr_factor`)
+and the data position, so that a checkpoint captures everything and a resumed run's next loss equals the
+uninterrupted run's. The training noise holds no state: every draw of a sample is a function of (train seed,
+optimizer step, dataset index) (`mxflux.train.noise`), and each global batch is the same set of samples on any
+number of ranks, so a run's losses do not depend on its world size (up to floating-point reduction order) and a
+checkpoint resumes onto any world size (docs/design.md, "The trainer").
 
 A step never waits for the device: its loss, gradient norm and window count stay device
 tensors (`StepResult`) until the loop (`mxflux.train.loop`) reads them, all at once, where it
@@ -215,7 +214,8 @@ class Trainer:
             # The reported value is a detached copy taken before the 1/accum scaling, so that
             # nothing below (or in a distributed wrapper) can rescale it in place.
             total += loss.detach().double()
-            last = i == len(micro_batches) - 1
+            if (last := i == len(micro_batches) - 1):  # nothing reads the weights' row operands until the step
+                self.optimizer.release_weight_rows()
             with contextlib.nullcontext() if last or not hasattr(self.train_model, "no_sync") \
                     else self.train_model.no_sync():
                 (loss / len(micro_batches)).backward()

@@ -40,6 +40,11 @@ class MXFP6Options(BaseModel):
     # uses instead of packing the weight (the same values; 2 bytes per weight element kept between
     # steps; none with repack_weights, which asks for no weight operand kept through the step).
     weight_operands_in_optimizer: bool = True
+    # Those operands' row halves (1 byte per weight element) freed from the last micro-batch's
+    # forward, which has read them, to the optimizer step, which writes them anew: backward reads Wᵀ
+    # alone, and the step's peak lies in between. Where the step allows it (not captured, no per-block
+    # CUDA graphs, no checkpointing that runs forward again: `train.build.rows_release_off`).
+    release_weight_rows: bool = True
 
 
 def _mlp_activation(module: nn.Module) -> str | None:
@@ -68,7 +73,8 @@ class MXFP6Converter(PrecisionConverter):
     selected_by = "fp6"
     selector_value = "e2m3"
     options = tuple(f for f in MXFP6Options.model_fields if f != "fp6")
-    same_values = ("saved_operands", "repack_weights", "weight_exponents_in_optimizer", "weight_operands_in_optimizer")
+    same_values = ("saved_operands", "repack_weights", "weight_exponents_in_optimizer", "weight_operands_in_optimizer",
+                   "release_weight_rows")
 
     def ineligibility(self, linear: nn.Linear) -> str | None:
         return mx_ineligibility(linear.in_features, linear.out_features, self.cfg.mx_gemm)
