@@ -87,7 +87,7 @@ SETTINGS["mxfp6-graph-pack-weights"] = (*SETTINGS["mxfp6-graph"], "precision.wei
 # A/B of the weights' row operands freed from the last forward to the optimizer step
 # (precision.release_weight_rows; the same bits): mxfp6 and mxfp6-inputs with them kept through backward
 SETTINGS["mxfp6-keep-rows"] = (*SETTINGS["mxfp6"], "precision.release_weight_rows=false")
-SETTINGS["mxfp6-inputs-keep-rows"] = (*SETTINGS["mxfp6-inputs"], "precision.release_weight_rows=false")
+SETTINGS["mxfp6-keep-rows-inputs"] = (*SETTINGS["mxfp6-inputs"], "precision.release_weight_rows=false")
 # Each precision with every compiled block replayed as CUDA graphs of its own (torch.compile's
 # cudagraph trees, `model.compile_mode: reduce-overhead`): the host's per-op cost without capturing
 # the whole step, so with gradient accumulation too.
