@@ -287,6 +287,9 @@ def test_released_rows_are_written_again_by_the_step_or_by_refresh(gen, monkeypa
         assert k[0].untyped_storage().nbytes() == m.weight.numel() and m.kept_weight_state()[1] is k
         want = mx_operands_reference(m.weight.detach().bfloat16(), granularity=G.ROWWISE, hadamard=m.cfg.hadamard)
         _assert_same_mx_values(k, want, tuple(m.weight.shape))
+    layers[1].weight.requires_grad_(False)  # a frozen weight, which no step writes, keeps its rows
+    assert opt.release_weight_rows() == 224 * 96 and kept[1][0].untyped_storage().nbytes() == 128 * 64
+    layers[1].weight.requires_grad_(True)
     opt.release_weight_rows()
     opt.refresh_weight_state()
     for m, k in zip(layers, kept):

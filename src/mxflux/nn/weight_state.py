@@ -163,11 +163,12 @@ class MXWeightState:
         where the peak of a step lies: forward has read the row operands and backward reads Wᵀ alone
         (docs/design.md, "The weights' operands from the optimizer step"). The layers count as not
         current meanwhile, so an eager forward packs its weight itself and `refresh` writes the rows
-        again where no step has; the step writes them where it updates the weight."""
+        again where no step has; the step writes them where it updates the weight. Frozen weights
+        (`requires_grad` false), which no step writes, keep theirs."""
         freed = 0
         for p, kept in self.kept.items():
             storage = kept.operands[0].untyped_storage()
-            if storage.nbytes():
+            if storage.nbytes() and p.requires_grad:
                 freed += storage.nbytes()
                 storage.resize_(0)
                 for m in self.layers[p]:
