@@ -24,9 +24,11 @@ from mxflux.bench.compare import PROXY_OVERRIDES, PROXY_RECIPE, SETTINGS
 from mxflux.bench.memory import record_saved_tensors
 from mxflux.model import Flux, flux_config, image_ids, text_ids
 from mxflux.nn import FusedMXFP6MLP, MXFP6Linear, apply_precision, functional
+from mxflux.nn.linear import weight_version
+from mxflux.nn.mlp import linears_with_own_forward
 from mxflux.nn.recompute import MXPackerRecompute, mx_packer_checkpoint_context
 from mxflux.ops import eref_buffer_words
-from mxflux.ops.custom_ops import mx_erefs_op, mx_operands_op
+from mxflux.ops.custom_ops import mx_erefs_op, mx_operands, mx_operands_op
 from mxflux.train.config import RecipeError, load_recipe
 from mxflux.train.parallelize import checkpoint_block
 
@@ -203,6 +205,63 @@ def test_mx_inputs_keeps_no_xt_of_inputs_backward_rebuilds(gen, kind, fused):
     assert saved.by_dtype["float8_e4m3fn"] == ref_saved.by_dtype["float8_e4m3fn"] - inputs_xt
     assert saved.by_dtype["bfloat16"] <= ref_saved.by_dtype["bfloat16"], (dict(saved.by_dtype), dict(ref_saved.by_dtype))
     assert sum(saved.by_dtype.values()) <= sum(ref_saved.by_dtype.values()) - inputs_xt
+
+
+def _keep_weight_operands(block) -> list[torch.Tensor]:
+    """Attach to the linears of `block` that run their own forward the operands of their weights, as the
+    optimizer step keeps them (here from the CPU's packer): their row data tensors."""
+    rows = []
+    for m in linears_with_own_forward(block):
+        ops = mx_operands(m.weight.detach(), None, torch.zeros(1, dtype=torch.int64), True, True,
+                          m.cfg.granularity.value, m.cfg.hadamard, "none", False)[:4]
+        m.weight_operands, m.weight_state_version = tuple(ops), weight_version(m.weight)
+        rows.append(ops[0])
+    return rows
+
+
+@pytest.mark.parametrize("kind, mode", [("double", "mx_inputs"), ("single", "mx_inputs"), ("single", "none"),
+                                        ("single", "full")])
+def test_backward_reads_no_kept_weight_row_operand_unless_it_runs_forward_again(gen, kind, mode):
+    """What lets the trainer free the weights' kept row operands between forward and the step
+    (`precision.release_weight_rows`; `train.build.rows_release_off`): a compiled block's backward does
+    not read them, plain or under `mx_inputs` (the partitioner never recomputes the GEMM op). Here they
+    are overwritten with E4M3 NaN after forward: autograd has not saved them (its version check would
+    fail) and the gradients stay bit for bit those of the same step without it. Under full
+    checkpointing backward runs forward's GEMMs again and reads them, which is why the trainer keeps
+    them there."""
+    plain, wrapped, xs, vec, pe = _blocks(kind, gen, mode if mode != "none" else "full")
+    block = plain if mode == "none" else wrapped
+    rows = _keep_weight_operands(block)
+    assert rows
+    good = [r.clone() for r in rows]
+    torch._dynamo.reset()
+    block.compile()
+    xs = [x.clone().requires_grad_() for x in xs]
+    g = torch.Generator().manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+    dys = None
+    results = []
+    for poisoned in (False, False, True):  # the first call compiles
+        for r, v in zip(rows, good):
+            r.copy_(v)
+        for x in xs:
+            x.grad = None
+        block.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = block(*xs, vec, pe)
+        outs = out if isinstance(out, tuple) else (out,)
+        if poisoned:
+            for r in rows:
+                r.view(torch.uint8).fill_(0x7F)  # E4M3 NaN
+        dys = dys or [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+        try:
+            torch.autograd.backward(outs, dys)
+        except RuntimeError as e:  # autograd saved them for backward, and its version check saw the write
+            assert poisoned and "modified by an inplace operation" in str(e)
+            results.append(None)
+            break
+        results.append([*(x.grad for x in xs), *(p.grad for p in block.parameters())])
+    reads = results[2] is None or not all(torch.equal(a, b) for a, b in zip(results[1], results[2]))
+    assert reads == (mode == "full")
 
 
 @pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
