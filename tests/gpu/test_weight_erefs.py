@@ -16,6 +16,7 @@ from pack_inputs import DISTS, TRITON_DEVICE, assert_bits_equal, dev_gen, triton
 
 from mxflux.kernels import mx_operands_cuda, weight_erefs
 from mxflux.mx.formats import get_format
+from mxflux.kernels import adamw_cuda as adamw_kernels
 from mxflux.kernels.adamw_cuda import OperandTile
 from mxflux.kernels.operands_cuda import weight_exponents_cuda
 from mxflux.mx import FoldGranularity as G
@@ -282,7 +283,22 @@ def test_released_rows_are_written_again_by_the_step_or_by_refresh(gen, monkeypa
     assert m.kept_weight_state() == (None, None)
     assert torch.equal(m(x), y)
     assert opt.release_weight_rows() == 0  # nothing left to free
+    # the step's kernel gets every tensor with its memory back (the interpreter's launcher would hand a
+    # freed one its storage itself; a GPU kernel would write through a null pointer)
+    kernel = adamw_kernels.adamw_operands_kernel
+
+    class WholeTensorsOnly:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                for t in args:
+                    if isinstance(t, torch.Tensor):
+                        assert t.untyped_storage().nbytes() >= t.numel() * t.element_size(), t.shape
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(adamw_kernels, "adamw_operands_kernel", WholeTensorsOnly())
     _step(opt, layers, g)
+    monkeypatch.setattr(adamw_kernels, "adamw_operands_kernel", kernel)
     for m, k in zip(layers, kept):
         assert k[0].untyped_storage().nbytes() == m.weight.numel() and m.kept_weight_state()[1] is k
         want = mx_operands_reference(m.weight.detach().bfloat16(), granularity=G.ROWWISE, hadamard=m.cfg.hadamard)
