@@ -183,6 +183,29 @@ def test_allocator_replay_finds_what_is_alive_at_the_peak():
                       {"holder": "parameters", "bytes": 1000, "blocks": 1}]
 
 
+def test_the_breakdown_names_the_weights_kept_operands_while_they_are_allocated():
+    """Blocks alive before the step are named by address: the parameters, gradients, optimizer state, and
+    the weights' operands the optimizer step keeps, row and col; a released row operand has no address."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mxflux.bench.memory import _known_tensors
+
+    model = torch.nn.Linear(64, 32, bias=False)
+    f8 = torch.float8_e4m3fn
+    operands = (torch.empty(32, 64, dtype=f8), torch.empty(32, 1), torch.empty(64, 32, dtype=f8), torch.empty(64, 1))
+    kept = SimpleNamespace(operands=operands)
+    optimizer = SimpleNamespace(state={}, weight_state=SimpleNamespace(kept={model.weight: kept}))
+    known = _known_tensors(model, optimizer)
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    assert known[ptr(model.weight)] == "parameters"
+    assert known[ptr(operands[0])] == "weights' row operands (kept by the optimizer step)"
+    assert known[ptr(operands[2])] == "weights' col operands (kept by the optimizer step)"
+    operands[0].untyped_storage().resize_(0)  # released between forward and the step
+    assert "weights' row operands (kept by the optimizer step)" not in _known_tensors(model, optimizer).values()
+
+
 def test_host_ops_inside_attention_are_attention():
     """On the CPU the eager attention is matmuls and a softmax inside one autograd node: its ops
     count as attention, not as GEMMs; elsewhere the op's own name decides first."""

@@ -209,6 +209,12 @@ def _known_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.numel() > 1:
                     known[local(v).untyped_storage().data_ptr()] = "optimizer state"
+        weight_state = getattr(optimizer, "weight_state", None)
+        for kept in getattr(weight_state, "kept", {}).values():  # alive before the step unless released then
+            rows, _, cols, _ = kept.operands
+            for t, half in ((rows, "row"), (cols, "col")):
+                if t.untyped_storage().nbytes():
+                    known[t.untyped_storage().data_ptr()] = f"weights' {half} operands (kept by the optimizer step)"
     return known
 
 
