@@ -11,7 +11,8 @@ text tokens), backward, clipping to total norm 1, the optimizer step, zero_grad.
 - `bf16`, `fp8-tensorwise`, `mxfp6`: the precision (`mxflux.bench.compare.SETTINGS`), torch's fused
   AdamW after `torch.nn.utils.clip_grad_norm_` (what a loop written against torch has);
 - `mxfp6-mxflux-adamw`: MXFP6 with `mxflux.optim.AdamW(model, max_grad_norm=1.0)`: the trainer's
-  step, which writes the MX weights' e_ref and operands and clips in its pass.
+  step, which writes the MX weights' e_ref and operands and clips in its pass, and its
+  `release_weight_rows()` between forward and backward.
 
 Writes bench_user_loop_mbs<N>_<date>.json (per setting: ms per step over the timed steps, median,
 mean, min and all; peak allocated GiB; ratios to bf16 and fp8-tensorwise by the median;
@@ -85,7 +86,10 @@ def worker(args) -> dict:
     def step():
         with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16):
             pred = model(**inputs)
-        (pred.float() - target).square().mean().backward()
+        loss = (pred.float() - target).square().mean()
+        if clip is None:
+            optimizer.release_weight_rows()  # as mxflux.optim's docstring loop: the row operands until the step
+        loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
