@@ -315,6 +315,21 @@ def test_released_rows_are_written_again_by_the_step_or_by_refresh(gen, monkeypa
         assert m.kept_weight_state()[1] is k
 
 
+def test_a_finished_runs_kept_operands_are_freed_while_its_layers_are_still_held(gen, monkeypatch):
+    """`mxflux bench step` frees the trainer's state before the bare loop builds its own; the layers (held
+    by compiled code) keep the kept operands alive, so `_release` frees their memory under them."""
+    from mxflux.bench.step import _release
+
+    monkeypatch.setattr(adamw_cuda, "LARGE", 1024)
+    shapes = [(224, 96), (128, 64)]
+    layers, opt = _kept_layers(gen, shapes)
+    _step(opt, layers, dev_gen(gen, DEVICE))
+    kept = [m.kept_weight_state()[1] for m in layers]
+    assert all(k is not None for k in kept)
+    _release(torch.nn.Sequential(*layers), opt)
+    assert [t.untyped_storage().nbytes() for k in kept for t in k] == [0] * 8
+
+
 def test_blocks_the_previous_e_ref_cannot_hold_are_fixed_up_to_the_packers_operands(gen, monkeypatch):
     """Weight a: a row's largest block grows by more than two binades between the e_ref the step
     holds and the step. Weight b: a block eleven binades below its row's largest, inside the weight's

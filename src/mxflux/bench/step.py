@@ -153,8 +153,13 @@ def _barrier(ctx) -> None:
 def _release(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Free a finished run's parameters, gradients and optimizer state now, whatever still holds
     the module (deleting the trainer was not enough: on the H200 the bare loop's peak was the
-    trainer's plus the trainer's whole state, 114 GiB against 57 for the same model)."""
+    trainer's plus the trainer's whole state, 114 GiB against 57 for the same model), and the MX
+    weights' kept operands, which the layers hold too (on the H100 they stood under the bare loop's peak:
+    38.77 GiB against the trainer's 37.05 at MBS 64)."""
     optimizer.state.clear()
+    weight_state = getattr(optimizer, "weight_state", None)
+    if weight_state is not None:
+        weight_state.free()
     for p in model.parameters():
         p.grad = None
         p.data = p.data.new_empty(0)

@@ -175,6 +175,16 @@ class MXWeightState:
                     m.weight_state_version = None
         return freed
 
+    def free(self) -> int:
+        """Free every kept operand's memory, row and col, for good (a finished run's state, whose layers
+        may still be held by compiled code); the bytes freed. No step or refresh may follow."""
+        freed = 0
+        for kept in self.kept.values():
+            for t in kept.operands:
+                freed += t.untyped_storage().nbytes()
+                t.untyped_storage().resize_(0)
+        return freed
+
     def restore_rows(self, p: torch.Tensor) -> None:
         """Give `p`'s kept row operand its memory back after `release_rows`, for a writer to fill."""
         rows = self.kept[p].operands[0]
