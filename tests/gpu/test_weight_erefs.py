@@ -315,7 +315,7 @@ def test_released_rows_are_written_again_by_the_step_or_by_refresh(gen, monkeypa
         assert m.kept_weight_state()[1] is k
 
 
-def test_a_finished_runs_kept_operands_are_freed_while_its_layers_are_still_held(gen, monkeypatch):
+def test_a_finished_runs_kept_operands_are_released_while_its_layers_are_still_held(gen, monkeypatch):
     """`mxflux bench step` frees the trainer's state before the bare loop builds its own; the layers (held
     by compiled code) keep the kept operands alive, so `_release` frees their memory under them."""
     from mxflux.bench.step import _release
