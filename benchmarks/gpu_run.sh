@@ -4,7 +4,8 @@
 # tests        the CUDA test suite (tests/gpu and the CPU files with CUDA variants; GPU_TESTS="files" for a
 #              subset). The whole suite runs ~16 minutes, more than one call allows: run it as `tests1`
 #              (every tests/gpu file but the packers', about 8 min) and `tests2` (the packer tests and the
-#              CPU files with CUDA variants, about 5 min), one call each; logs $OUT/gpu_tests1.log, gpu_tests2.log
+#              CPU files with CUDA variants, about 5 min), one call each; logs $OUT/gpu_tests1.log, gpu_tests2.log.
+#              GPU_TESTS is split at spaces; GPU_TESTS_K="a or b" is passed whole as pytest's -k
 # kernels      benchmarks/bench_kernels.py: every packer and GEMM at the Flux-12B shapes
 # layers       benchmarks/bench_layers.py: MXFP6Linear / FusedMXFP6MLP / peer vs bf16
 # layerprofile per-kernel times of single linears (LAYER_PROFILE="proj 16384 proj 32768")
@@ -93,7 +94,7 @@ for stage in "$@"; do
       # (-v: one line per test as it ends, line-buffered, so a call cut by its time limit still
       # names what ran and passed)
       timeout ${TESTS_TIMEOUT:-570} python3 -m pytest -v --tb=short --durations=10 --slow ${GPU_TESTS:-$files} \
-        -p no:cacheprovider 2>&1 | grep --line-buffered -v "^W11" > "$log"
+        ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} -p no:cacheprovider 2>&1 | grep --line-buffered -v "^W11" > "$log"
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$log" | tail -40 ;;
     kernels)
       timeout ${KERNELS_TIMEOUT:-400} python3 benchmarks/bench_kernels.py --out "$OUT" 2>&1 | grep -v "^W11" | tail -120 ;;
