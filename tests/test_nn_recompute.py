@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.utils._python_dispatch
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -219,16 +220,42 @@ def _keep_weight_operands(block) -> list[torch.Tensor]:
     return rows
 
 
+def _gemm_traced_as_on_cuda(monkeypatch, deferred: bool) -> None:
+    """Compiled, the MX GEMMs go into the graph as CUDA traces them without CuTe DSL: torch's row-scaled
+    `_scaled_mm` (`kernels.gemm.scaled_gemm_cuda_traceable`, which the CPU's torch runs too) or, with
+    `deferred`, the unit-scaled GEMM with its scales applied after it (at any size here); eager calls
+    stay the op."""
+    from mxflux.kernels import gemm
+    from mxflux.mx import FoldGranularity
+    from mxflux.ops.custom_ops import scaled_gemm_op
+
+    monkeypatch.setattr(gemm, "_check", lambda *args: None)  # (which asks for CUDA tensors)
+    if deferred:
+        monkeypatch.setattr(gemm, "DEFER_SCALES", "all")
+
+    def scaled_gemm(a_data, a_scale, b_data, b_scale, granularity, bias, out_dtype):
+        if torch.compiler.is_compiling():
+            return gemm.scaled_gemm_cuda_traceable(a_data, a_scale, b_data, b_scale,
+                                                   FoldGranularity.from_mx_gemm(granularity), bias, out_dtype)
+        return scaled_gemm_op(a_data, a_scale, b_data, b_scale, granularity, bias, out_dtype)
+
+    monkeypatch.setattr(functional, "scaled_gemm", scaled_gemm)
+
+
+@pytest.mark.parametrize("gemm", ["op", "scaled_mm", "deferred"])
 @pytest.mark.parametrize("kind, mode", [("double", "mx_inputs"), ("single", "mx_inputs"), ("single", "none"),
                                         ("single", "full")])
-def test_backward_reads_no_kept_weight_row_operand_unless_it_runs_forward_again(gen, kind, mode):
+def test_backward_reads_no_kept_weight_row_operand_unless_it_runs_forward_again(gen, monkeypatch, kind, mode, gemm):
     """What lets the trainer free the weights' kept row operands between forward and the step
     (`precision.release_weight_rows`; `train.build.rows_release_off`): a compiled block's backward does
-    not read them, plain or under `mx_inputs` (the partitioner never recomputes the GEMM op). Here they
-    are overwritten with E4M3 NaN after forward: autograd has not saved them (its version check would
-    fail) and the gradients stay bit for bit those of the same step without it. Under full
-    checkpointing backward runs forward's GEMMs again and reads them, which is why the trainer keeps
-    them there."""
+    not read them, plain or under `mx_inputs` (the partitioner never recomputes the GEMM), with the GEMM
+    as the opaque op (the CPU, and CUDA with the CuTe GEMM) or traced as torch's `_scaled_mm`, row-scaled
+    or unit-scaled with the scales after it (CUDA's cuBLAS path). Here they are overwritten with E4M3 NaN
+    after forward: autograd has not saved them (its version check would fail) and the gradients stay bit
+    for bit those of the same step without it. Under full checkpointing backward runs forward's GEMMs
+    again and reads them, which is why the trainer keeps them there."""
+    if gemm != "op":
+        _gemm_traced_as_on_cuda(monkeypatch, deferred=gemm == "deferred")
     plain, wrapped, xs, vec, pe = _blocks(kind, gen, mode if mode != "none" else "full")
     block = plain if mode == "none" else wrapped
     rows = _keep_weight_operands(block)
@@ -247,7 +274,12 @@ def test_backward_reads_no_kept_weight_row_operand_unless_it_runs_forward_again(
             x.grad = None
         block.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = block(*xs, vec, pe)
+            if not results:  # the forward's generated code: the GEMMs as the op, or as `_scaled_mm`
+                out, code = run_and_get_code(block, *xs, vec, pe)
+                assert ("_scaled_mm(" in "".join(code)) == (gemm != "op")
+                assert ("torch.ops.mxflux.scaled_gemm" in "".join(code)) == (gemm == "op")
+            else:
+                out = block(*xs, vec, pe)
         outs = out if isinstance(out, tuple) else (out,)
         if poisoned:
             for r in rows:
