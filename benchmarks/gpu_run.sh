@@ -57,9 +57,10 @@
 #   bash benchmarks/gpu_run.sh fsdp12b >$OUT/fsdp12b.log 2>&1
 # The results record the commit they measured (mxflux.bench.provenance); the device's copy of the tree may
 # carry a stale .git (the session's first commit), so pass the commit sent: MXFLUX_GIT_COMMIT=$(git rev-parse HEAD) MXFLUX_GIT_DIRTY=$(git diff --quiet HEAD && echo 0 || echo 1)
-# Wheels in .whl/ (pydantic for torch 2.11's Python 3.12, torchao, ...: ~15 MiB) are installed to /tmp/site,
-# and those in .whl-lora/ (diffusers, transformers, tokenizers, hf_xet: ~31 MiB, only `lora` needs them) when
-# carried: apart, .whl fits beside CuTe DSL's first part (benchmarks/cutedsl_carry.sh).
+# Wheels in .whl/ (pydantic for torch 2.11's Python 3.12, torchao, ...: ~7 MiB; `bash benchmarks/gpu_wheels.sh`
+# writes them) are installed to /tmp/site, and those in .whl-lora/ (diffusers, transformers, tokenizers, hf_xet:
+# ~31 MiB, only `lora` needs them) when carried: apart, .whl fits beside CuTe DSL's first part
+# (benchmarks/cutedsl_carry.sh).
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
