@@ -35,12 +35,11 @@ def test_the_weight_state_says_what_turns_it_off(recipe, overrides, reason):
     (["model.activation_checkpointing=attention"], "model.activation_checkpointing: attention"),
 ])
 def test_the_row_operands_are_freed_only_where_nothing_reads_them_before_the_step(overrides, reason):
-    """Asked for (`precision.release_weight_rows`, opt-in), the weights' row operands are freed between
-    forward and the step except where something reads them again: a captured step or per-block CUDA
-    graphs (at their old addresses) and checkpointing that runs the GEMMs' forward again; the reason
-    names the field. Not asked for, the reason is the field itself."""
-    assert rows_release_off(load_recipe("tiny-mxfp6")) == "precision.release_weight_rows: false"
-    got = rows_release_off(load_recipe("tiny-mxfp6", ["precision.release_weight_rows=true", *overrides]))
+    """By default (`precision.release_weight_rows`) the weights' row operands are freed between forward
+    and the step except where something reads them again: a captured step or per-block CUDA graphs (at
+    their old addresses) and checkpointing that runs the GEMMs' forward again; the reason names the
+    field. Turned off, the reason is the field itself."""
+    got = rows_release_off(load_recipe("tiny-mxfp6", overrides))
     assert got == reason if reason is None else got.startswith(reason), got
 
 

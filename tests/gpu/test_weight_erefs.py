@@ -392,7 +392,7 @@ def test_repack_weights_keeps_the_e_ref_but_no_operands_between_steps(repack, op
 
     cfg = load_recipe("tiny-mxfp6", [f"precision.repack_weights={str(repack).lower()}",
                                      f"precision.weight_operands_in_optimizer={str(operands).lower()}",
-                                     'precision.fused_mlp="off"'])
+                                     'precision.fused_mlp="off"', "precision.release_weight_rows=false"])
     model = torch.nn.Sequential(MXFP6Linear(512, 1024, repack_weights=repack),
                                 MXFP6Linear(1024, 512, repack_weights=repack)).to(DEVICE)
     converter = cfg.precision.converter()

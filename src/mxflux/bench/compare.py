@@ -85,9 +85,8 @@ SETTINGS["mxfp6-graph-pass1"] = (*SETTINGS["mxfp6-graph"], "precision.weight_exp
 # weights (pass 2 on the step's e_ref; precision.weight_operands_in_optimizer)
 SETTINGS["mxfp6-graph-pack-weights"] = (*SETTINGS["mxfp6-graph"], "precision.weight_operands_in_optimizer=false")
 # A/B of the weights' row operands freed from the last forward to the optimizer step
-# (precision.release_weight_rows, opt-in; the same bits): mxfp6 and mxfp6-inputs with them freed
-SETTINGS["mxfp6-release-rows"] = (*SETTINGS["mxfp6"], "precision.release_weight_rows=true")
-SETTINGS["mxfp6-release-rows-inputs"] = (*SETTINGS["mxfp6-inputs"], "precision.release_weight_rows=true")
+# (precision.release_weight_rows, on by default; the same bits): mxfp6 with them kept
+SETTINGS["mxfp6-rows-kept"] = (*SETTINGS["mxfp6"], "precision.release_weight_rows=false")
 # Each precision with every compiled block replayed as CUDA graphs of its own (torch.compile's
 # cudagraph trees, `model.compile_mode: reduce-overhead`): the host's per-op cost without capturing
 # the whole step, so with gradient accumulation too.

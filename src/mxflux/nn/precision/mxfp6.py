@@ -43,9 +43,9 @@ class MXFP6Options(BaseModel):
     # Those operands' row halves (1 byte per weight element) freed from the last micro-batch's
     # forward, which has read them, to the optimizer step, which writes them anew: backward reads Wᵀ
     # alone, and the step's peak lies in between. Where the step allows it (not captured, no per-block
-    # CUDA graphs, no checkpointing that runs forward again: `train.build.rows_release_off`). Opt-in until
-    # it has run on a GPU (its tests and the step's peak: benchmarks/NOTES.md).
-    release_weight_rows: bool = False
+    # CUDA graphs, no checkpointing that runs forward again: `train.build.rows_release_off`). The same
+    # bits with or without (tests/gpu/test_weight_erefs.py).
+    release_weight_rows: bool = True
 
 
 def _mlp_activation(module: nn.Module) -> str | None:
