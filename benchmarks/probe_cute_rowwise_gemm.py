@@ -12,7 +12,7 @@ out; wgrad, fp32 out), checks its output against cuBLAS's row-scaled one
 the share of bit-equal elements says whether the sums are fp32's: the `fast` configurations do not promote
 their partial sums, the `-fp32` ones do)
 and times it beside cuBLAS row-scaled (what MXFP6 runs) and cuBLAS tensor-wise (unit scales: the
-tiles torchao's GEMMs get).
+tiles torchao's GEMMs get), with and without fast accumulation (torchao's forward GEMMs have it).
 
     PYTHONPATH=src python3 benchmarks/probe_cute_rowwise_gemm.py --json $OUT/cute_rowwise_gemm.json [--m 4096,32768]
     python3 benchmarks/probe_cute_rowwise_gemm.py --compile-only   # no GPU: builds each configuration for sm_90a
@@ -149,9 +149,13 @@ def main() -> int:
             one = torch.ones((), device="cuda")
             rowwise = lambda: torch._scaled_mm(a, b.t(), sa, sb, bias=bias, out_dtype=out_dtype)  # noqa: E731
             tensorwise = lambda: torch._scaled_mm(a, b.t(), one, one, bias=bias, out_dtype=out_dtype)  # noqa: E731
+            # torchao's FP8 recipe runs its forward GEMMs so (fast accumulation, outside our contract): the
+            # kernel the step's FP8 fprop gets, beside which the promoted kernel's fprop is measured
+            tensorwise_fast = lambda: torch._scaled_mm(a, b.t(), one, one, bias=bias, out_dtype=out_dtype,  # noqa: E731
+                                                       use_fast_accum=True)
             want = rowwise()
             row = dict(linear=name, kind=kind, m=m, n=n, k=k, bias=has_bias, cublas_rowwise_ms=bench(rowwise),
-                       cublas_tensorwise_ms=bench(tensorwise))
+                       cublas_tensorwise_ms=bench(tensorwise), cublas_tensorwise_fast_ms=bench(tensorwise_fast))
             for config in configs:
                 tile, cluster, most, accumulation = CONFIGS[config]
                 out = torch.full_like(want, float("nan"))  # every element must be written
@@ -179,7 +183,8 @@ def main() -> int:
         for m_tokens, kind in ((t, k) for t in tokens for k in ("fprop", "dgrad", "wgrad")):
             these = [r for r in rows if r["kind"] == kind and r["m" if kind != "wgrad" else "k"] == m_tokens]
             line = (f"{kind} at {m_tokens} tokens: cuBLAS row-scaled {sum(r['cublas_rowwise_ms'] for r in these):.2f} "
-                    f"ms, tensor-wise {sum(r['cublas_tensorwise_ms'] for r in these):.2f}")
+                    f"ms, tensor-wise {sum(r['cublas_tensorwise_ms'] for r in these):.2f}, tensor-wise fast "
+                    f"{sum(r['cublas_tensorwise_fast_ms'] for r in these):.2f}")
             for config in configs:
                 if all("ms" in r.get(config, {}) for r in these):
                     ok = all(r[config]["within_contract"] for r in these)
