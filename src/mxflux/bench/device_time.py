@@ -48,7 +48,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Activity", "CATEGORIES", "MX_QUANT_KERNELS", "FP8_CAST_KERNELS", "OPTIMIZER_KERNELS", "kernel_category",
+__all__ = ["Activity", "CATEGORIES", "GEMM_OPS", "MX_QUANT_KERNELS", "FP8_CAST_KERNELS", "OPTIMIZER_KERNELS", "kernel_category",
            "category_of", "split_device_time", "activities_from_chrome_trace", "exposed_communication_us", "idle_gaps",
            "split_host_time", "host_top"]
 
@@ -249,10 +249,12 @@ def device_breakdown(acts: list[Activity], steps: int, *, wall_s: float | None =
 
 # --- the CPU: ops' self time -----------------------------------------------------------------------
 
+# The host ops that run GEMMs (torch's, and the MX GEMM op), by name
+GEMM_OPS = re.compile(r"^(aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm|_scaled_grouped_mm|matmul|linear)"
+                      r"|mxflux::scaled_gemm)$")
 _OP_RULES = (
     ("mx_quant", re.compile(r"mxflux::(mx_operands|compact_operand|expand_operand)")),
-    ("gemm", re.compile(r"^(aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm|_scaled_grouped_mm|matmul|linear)"
-                        r"|mxflux::scaled_gemm)$")),
+    ("gemm", GEMM_OPS),
     ("attention", re.compile(r"attention|sdpa|flash", re.I)),
     ("optimizer", re.compile(r"^Optimizer\.(step|zero_grad)|^aten::_fused_adamw?_|^aten::_foreach_")),
     ("communication", re.compile(r"nccl|gloo|c10d::|all_gather|allgather|reduce_scatter|all_reduce|allreduce"

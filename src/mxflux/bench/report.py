@@ -189,11 +189,45 @@ def print_table(results: list[dict], *, console=None) -> None:
     for r in results:
         if r.get("failed"):
             console.print(f"{r['label']} failed: {r['failed']}", style="red")
+    if any(_get(r, "breakdown", "gemm_shapes") for r in ok):
+        _print_gemm_shapes(ok, console)
     if len(ok) > 1:
         for warning in comparison_warnings(ok):
             console.print(f"warning: {warning}", style="bold yellow")
         if not rounds:
             console.print("one round: no spread measured (--rounds 3 measures it)", style="dim")
+
+
+def _print_gemm_shapes(results: list[dict], console, top: int = 24) -> None:
+    """The trainer's GEMM device time by problem (M, N, K), one column per setting: ms per step and
+    TFLOP/s (`mxflux.bench.gemm_shapes`); kernels without a GEMM op found summed in one row."""
+    from rich.table import Table
+
+    cells: dict = {}
+    for i, r in enumerate(results):
+        for row in _get(r, "breakdown", "gemm_shapes") or []:
+            key = (row["m"], row["n"], row["k"]) if row["m"] is not None else None
+            ms, calls = cells.setdefault(key, {}).get(i, (0.0, 0.0))
+            cells[key][i] = (ms + row["ms_per_step"], calls + row["calls_per_step"])
+    keys = sorted((k for k in cells if k is not None), key=lambda k: -max(ms for ms, _ in cells[k].values()))[:top]
+    table = Table(title="trainer GEMMs by problem: device ms per step (TFLOP/s)")
+    table.add_column("M x N x K")
+    for r in results:
+        table.add_column(r["label"], justify="right")
+
+    def cell(key, i):
+        if i not in cells.get(key, {}):
+            return "–"
+        ms, calls = cells[key][i]
+        if key is None:
+            return f"{ms:.2f}"
+        return f"{ms:.2f} ({2 * key[0] * key[1] * key[2] * calls / (ms * 1e9):.0f})" if ms > 0 else f"{ms:.2f}"
+
+    for key in keys:
+        table.add_row(f"{key[0]} x {key[1]} x {key[2]}", *(cell(key, i) for i in range(len(results))))
+    if None in cells:
+        table.add_row("no GEMM op found", *(cell(None, i) for i in range(len(results))))
+    console.print(table)
 
 
 def write_json(path: str | os.PathLike, result) -> Path:

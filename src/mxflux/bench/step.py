@@ -24,8 +24,9 @@ the measurement). Warm-up and profiled steps are not timed. It reports:
   the CPU the process's peak resident set size (ru_maxrss, whole process lifetime);
 - with profiling, the device-time split: busy time (the union of all kernels, memcpys and
   memsets) divided exactly among gemm / mx_quant / attention / communication / other /
-  memcpy_memset, next to the profiled steps' wall time (busy <= wall is checked). On the CPU, the
-  split of the host ops' self time;
+  memcpy_memset, next to the profiled steps' wall time (busy <= wall is checked), and the GEMMs'
+  device time by problem shape (`mxflux.bench.gemm_shapes`). On the CPU, the split of the host
+  ops' self time;
 - with `memory_path`, one more step recorded for `mxflux.bench.memory` (what is alive at the
   peak, by allocating frame; what autograd saved, by dtype and module).
 
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import os
 import resource
 import tempfile
@@ -53,6 +55,7 @@ from ..model import flux_config
 from ..model.configs import flops_per_sample
 from ..train.config import RunConfig, load_recipe
 from .device_time import (activities_from_chrome_trace, device_breakdown, host_top, split_host_time)
+from .gemm_shapes import gemm_shapes
 
 __all__ = ["bench_step", "bench_settings", "load_bench_recipe", "PEAK_BF16_TFLOPS"]
 
@@ -206,7 +209,10 @@ def _profiled(step, n: int, device: torch.device) -> dict:
 
     cuda = device.type == "cuda"
     _sync(device)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    # (the ops' input shapes: each GEMM kernel's problem, `gemm_shapes`; they cost host time in the
+    # profiled steps only, whose idle time is not reported against the timed steps')
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []),
+                 record_shapes=cuda) as prof:
         t0 = time.perf_counter()
         for _ in range(n):
             step()
@@ -219,9 +225,10 @@ def _profiled(step, n: int, device: torch.device) -> dict:
     with tempfile.TemporaryDirectory(prefix="mxflux-trace-") as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        acts = activities_from_chrome_trace(path, device=index)
-    out = device_breakdown(acts, n, wall_s=wall)
+        trace = json.loads(path.read_text())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    out = device_breakdown(activities_from_chrome_trace(trace, device=index), n, wall_s=wall)
+    out["gemm_shapes"] = gemm_shapes(trace, n, device=index)
     out["host_top"] = host_top(prof.events())
     return out
 

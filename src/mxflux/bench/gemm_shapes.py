@@ -1,0 +1,122 @@
+"""A profiled step's GEMM device time by problem shape: which GEMMs one recipe loses to another.
+
+The device-time split (`mxflux.bench.device_time`) says how much of a step the GEMMs take, and its
+kernel names say which kernels ran, but the MX GEMM runs one kernel for every shape, so two
+recipes' GEMM totals cannot be compared GEMM by GEMM from it. Here each GEMM kernel of the
+profiler's Chrome trace (recorded with `record_shapes=True`) is charged to the GEMM op that launched
+it, and the op's operand shapes give the problem (M, N, K): the kernel event and the host launch
+(`cudaLaunchKernel`, `cuLaunchKernelEx`, ...) share a correlation id, and the innermost GEMM op on
+the launching thread whose span holds the launch is the caller. (CuTe DSL's kernels are launched
+inside the `mxflux::scaled_gemm` op, cuBLAS's inside `aten::_scaled_mm` or `aten::mm`, also when
+inductor's generated code calls them.)
+
+The shapes mean the same in every recipe, so rows line up across settings: torchao's FP8 linears
+and the MX linears both run fprop as (tokens, out, in), dgrad as (tokens, in, out) and wgrad as
+(out, in, tokens); bf16's `mm` / `addmm` likewise.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+
+from .device_time import GEMM_OPS, kernel_category
+
+__all__ = ["gemm_shapes", "problem"]
+
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+# Where each GEMM op's A and B are among its inputs, and whether B is [N, K] (the MX op's weight-like
+# operand) or [K, N] (torch's); and where its bias is, if it takes one
+# (2-D GEMMs only: matmul and linear may be batched, and call mm or addmm, which are charged instead)
+_OPERANDS = {"mxflux::scaled_gemm": (0, 2, "nk", 5), "aten::_scaled_mm": (0, 1, "kn", 4),
+             "aten::addmm": (1, 2, "kn", 0), "aten::mm": (0, 1, "kn", None)}
+NO_OP = "(no GEMM op found)"
+
+
+def problem(op: str, dims: list) -> tuple[int, int, int, bool] | None:
+    """(M, N, K, has bias) of GEMM op `op` from its recorded input dims, or None where the op is not
+    a plain 2-D GEMM (batched, or the dims not recorded)."""
+    where = _OPERANDS.get(op)
+    if where is None or not dims:
+        return None
+    ia, ib, b_layout, ibias = where
+    try:
+        (m, k), b = dims[ia], dims[ib]
+    except (IndexError, TypeError, ValueError):
+        return None
+    if len(b) != 2:
+        return None
+    n, kb = (b[0], b[1]) if b_layout == "nk" else (b[1], b[0])
+    if kb != k:
+        return None
+    bias = ibias is not None and ibias < len(dims) and bool(dims[ibias])
+    return int(m), int(n), int(k), bias
+
+
+def _gemm_ops_by_thread(events: list[dict]) -> dict:
+    """Per host thread, its GEMM ops as sorted (start, end, name, dims) tuples."""
+    by_tid: dict = {}
+    for ev in events:
+        if ev.get("cat") == "cpu_op" and ev.get("ph") == "X" and GEMM_OPS.search(ev.get("name", "")):
+            start = float(ev["ts"])
+            by_tid.setdefault((ev.get("pid"), ev.get("tid")), []).append(
+                (start, start + float(ev.get("dur", 0.0)), ev["name"], (ev.get("args") or {}).get("Input Dims")))
+    for ops in by_tid.values():
+        ops.sort(key=lambda o: o[0])
+    return by_tid
+
+
+def _caller(ops: list, starts: list, t: float):
+    """The innermost op of `ops` (sorted by start) whose span holds time `t`: of those that started
+    by `t` and have not ended, the one that started last."""
+    i = bisect.bisect_right(starts, t)
+    while i > 0:
+        i -= 1
+        start, end, name, dims = ops[i]
+        if end >= t:
+            return name, dims
+    return None
+
+
+def gemm_shapes(trace: dict, steps: int, *, device: int | None = None, top: int = 40) -> list[dict]:
+    """The GEMM kernels' device time per step, by (M, N, K) (see the module docstring), largest first:
+    each row the problem, the ops that ran it, calls and ms per step, and TFLOP/s (2·M·N·K per call).
+    Kernels no GEMM op could be found for are one row per kernel name, M, N and K None."""
+    events = trace.get("traceEvents", [])
+    launches = {}
+    for ev in events:
+        if ev.get("cat") in _LAUNCH_CATS and "correlation" in (ev.get("args") or {}):
+            launches[ev["args"]["correlation"]] = ((ev.get("pid"), ev.get("tid")), float(ev["ts"]))
+    ops = _gemm_ops_by_thread(events)
+    starts = {tid: [o[0] for o in these] for tid, these in ops.items()}
+    rows: dict = {}
+    for ev in events:
+        if ev.get("cat") != "kernel" or ev.get("ph") != "X" or kernel_category(ev.get("name", "")) != "gemm":
+            continue
+        args = ev.get("args") or {}
+        if device is not None and args.get("device", device) != device:
+            continue
+        launch = launches.get(args.get("correlation"))
+        caller = _caller(ops[launch[0]], starts[launch[0]], launch[1]) if launch and launch[0] in ops else None
+        shape = problem(*caller) if caller else None
+        key = shape[:3] if shape else (None, None, None, ev.get("name", "")[:80])
+        row = rows.setdefault(key, {"m": key[0], "n": key[1], "k": key[2], "bias": bool(shape and shape[3]),
+                                    "ops": set(), "kernels": set(), "calls": 0, "us": 0.0})
+        row["ops"].add(caller[0] if caller else NO_OP)
+        row["kernels"].add(_short_kernel_name(ev.get("name", "")))
+        row["calls"] += 1
+        row["us"] += float(ev.get("dur", 0.0))
+    out = []
+    for row in sorted(rows.values(), key=lambda r: -r["us"])[:top]:
+        ms = row["us"] / 1e3 / steps
+        flops = 2 * row["m"] * row["n"] * row["k"] * row["calls"] / steps if row["m"] is not None else None
+        out.append({"m": row["m"], "n": row["n"], "k": row["k"], "bias": row["bias"], "ops": sorted(row["ops"]),
+                    "kernels": sorted(row["kernels"]), "calls_per_step": row["calls"] / steps, "ms_per_step": ms,
+                    "tflops": flops / (ms * 1e9) if flops is not None and ms > 0 else None})
+    return out
+
+
+def _short_kernel_name(name: str) -> str:
+    """A kernel's name without the template arguments CuTe DSL and CUTLASS append (their names run to
+    hundreds of characters): enough to tell the kernels apart."""
+    return re.split(r"_object_at_|<", name, maxsplit=1)[0][:80]
