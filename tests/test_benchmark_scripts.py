@@ -441,6 +441,28 @@ def test_cute_fp32_accumulation_adds_each_k_tile_into_fp32_registers(tmp_path):
     assert adds["128x192-2x1-s8"] == 0 and adds["128x192-2x1-s8-fp32"] in (96, 192), adds
 
 
+@pytest.mark.skipif(not _cute_dsl_installed(), reason="needs nvidia-cutlass-dsl")
+def test_cute_epilogue_in_64_column_sub_tiles_has_half_the_barrier_rounds(tmp_path):
+    """The `-e64` configuration (MXFLUX_CUTE_EPILOGUE_N=64): the 128x192 tile's epilogue in three sub-tiles of 64
+    columns, each between two barriers of the consumer warp groups, where the default has six of 32: in the PTX
+    (the fp32-out GEMM, the last built) 6 barriers against 12, the WGMMAs and the stores to shared memory alike."""
+    counts = {}
+    for config in ("128x192-2x1-s8-fp32", "128x192-2x1-s8-fp32-e64"):
+        dump = tmp_path / config
+        dump.mkdir()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+               "CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(dump),
+               "CUTE_DSL_DISABLE_FILE_CACHING": "1"}
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_cute_rowwise_gemm.py"), "--compile-only",
+                            "--configs", config], env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        (ptx,) = dump.glob("*.ptx")
+        text = ptx.read_text()
+        counts[config] = tuple(len(re.findall(p, text)) for p in (r"\bbar(?:rier)?\.sync\b", r"wgmma\.mma_async",
+                                                                    r"\bst\.shared"))
+    assert counts == {"128x192-2x1-s8-fp32": (12, 4, 48), "128x192-2x1-s8-fp32-e64": (6, 4, 48)}, counts
+
+
 def test_bench_kernels_times_the_gemms_an_mx_linear_runs(monkeypatch):
     """bench_kernels' fprop, dgrad and wgrad problems are the GEMMs MXFP6Linear's forward and backward run
     (A rows, B rows, contraction, bias, out dtype), recorded from a CPU linear K -> N at M tokens."""

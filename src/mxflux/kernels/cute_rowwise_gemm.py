@@ -134,6 +134,7 @@ class RowScaledFP8Gemm:
         raster_along_m: bool,
         fp32_accumulation: bool = False,
         promotion_k_tiles: int = 1,
+        epilogue_n: Optional[int] = None,
     ):
         """
         Initializes the configuration for a Hopper dense GEMM kernel.
@@ -162,6 +163,10 @@ class RowScaledFP8Gemm:
         # k-tiles (of K 128) summed by the tensor cores between two promotions: 1 as CUTLASS; 2 halves the
         # waits for the partial tile (K must then be a multiple of 256: `gemm_cute.prepared_gemm` checks)
         self.promotion_k_tiles = promotion_k_tiles
+        # the epilogue's sub-tile width (None: the example's 32 columns for two warp groups): each sub-tile is
+        # converted, stored to shared memory and sent by TMA between two barriers of both consumer warp groups,
+        # which idle the tensor cores in this cooperative schedule; 64 halves those rounds (the probe's trial)
+        self.epilogue_n = epilogue_n
         self.mma_inst_shape_mn = None
         # K dimension is deferred in _setup_attributes
         self.tile_shape_mnk = (*tile_shape_mn, 1)
@@ -257,8 +262,12 @@ class RowScaledFP8Gemm:
 
         is_cooperative = self.atom_layout_mnk == (2, 1, 1)
         self.epi_tile = self._sm90_compute_tile_shape_or_override(
-            self.tile_shape_mnk, self.c_dtype, is_cooperative=is_cooperative
+            self.tile_shape_mnk, self.c_dtype, is_cooperative=is_cooperative,
+            epi_tile_override=None if self.epilogue_n is None
+            else (min(128, self.tile_shape_mnk[0]), self.epilogue_n),
         )
+        if self.tile_shape_mnk[1] % self.epi_tile[1]:
+            raise ValueError(f"the epilogue's sub-tile width {self.epi_tile[1]} must divide tile N {self.tile_shape_mnk[1]}")
 
         # Compute stage before compute smem layout
         self.ab_stage, self.epi_stage = self._compute_stages(
@@ -950,7 +959,9 @@ class RowScaledFP8Gemm:
             + cute.size(b_shape) * b_dtype.width // 8
         )
         c_bytes_per_stage = cute.size(epi_tile) * c_dtype.width // 8
-        epi_stage = 4
+        # four sub-tile buffers, or two where four would take more than 64 KiB (a wide fp32 sub-tile): the A/B
+        # stages keep the room they have with the example's sub-tiles
+        epi_stage = 4 if c_bytes_per_stage * 4 <= 65536 else 2
         epi_bytes = c_bytes_per_stage * epi_stage
 
         mbar_helpers_bytes = 1024
