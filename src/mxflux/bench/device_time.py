@@ -48,9 +48,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Activity", "CATEGORIES", "GEMM_OPS", "MX_QUANT_KERNELS", "FP8_CAST_KERNELS", "OPTIMIZER_KERNELS", "kernel_category",
-           "category_of", "split_device_time", "activities_from_chrome_trace", "exposed_communication_us", "idle_gaps",
-           "split_host_time", "host_top"]
+__all__ = ["Activity", "CATEGORIES", "GEMM_OPS", "MX_QUANT_KERNELS", "FP8_CAST_KERNELS", "OPTIMIZER_KERNELS",
+           "kernel_category", "category_of", "split_device_time", "activities_from_chrome_trace",
+           "exposed_communication_us", "idle_gaps", "split_host_time", "host_top"]
 
 CATEGORIES = ("gemm", "mx_quant", "attention", "communication", "optimizer", "other", "memcpy_memset")
 

@@ -267,7 +267,8 @@ class RowScaledFP8Gemm:
             else (min(128, self.tile_shape_mnk[0]), self.epilogue_n),
         )
         if self.tile_shape_mnk[1] % self.epi_tile[1]:
-            raise ValueError(f"the epilogue's sub-tile width {self.epi_tile[1]} must divide tile N {self.tile_shape_mnk[1]}")
+            raise ValueError(f"the epilogue's sub-tile width {self.epi_tile[1]} must divide tile N "
+                             f"{self.tile_shape_mnk[1]}")
 
         # Compute stage before compute smem layout
         self.ab_stage, self.epi_stage = self._compute_stages(

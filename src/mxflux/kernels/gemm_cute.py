@@ -90,10 +90,10 @@ ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fp32", ("fp32", "fast"))
 CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1)), "fp32k2": ((128, 192), (2, 1))}
 CONFIG = CONFIGS[ACCUMULATION]
 SWIZZLE = positive_int("MXFLUX_CUTE_SWIZZLE", 8, "tile columns")
-# The epilogue's sub-tile width in columns (MXFLUX_CUTE_EPILOGUE_N): 32, the example's, or 64, half the rounds of
-# barriers and stores in which the tensor cores idle (on trial: benchmarks/NOTES.md, "The MX GEMMs against FP8's,
-# problem by problem")
-EPILOGUE_N = int(choice("MXFLUX_CUTE_EPILOGUE_N", "32", ("32", "64")))
+# The epilogue's sub-tile width in columns (MXFLUX_CUTE_EPILOGUE_N): 32, the kernel's own for its 128-row tiles
+# (None: nothing overridden), or 64, half the rounds of barriers and stores in which the tensor cores idle (on
+# trial: benchmarks/NOTES.md, "The MX GEMMs against FP8's, problem by problem")
+EPILOGUE_N = {"32": None, "64": 64}[choice("MXFLUX_CUTE_EPILOGUE_N", "32", ("32", "64"))]
 
 
 def swizzle_for(tiles_n: int, most: int) -> int:
