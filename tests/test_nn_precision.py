@@ -28,6 +28,7 @@ def test_two_precisions_are_rejected_naming_both_fields(other, value):
     ({}, "fused_mlp", "off", "mxfp6"),
     ({"fp8": "hybrid"}, "saved_operands", "e2m3", "mxfp6"),
     ({}, "fp8_scaling", "rowwise", "fp8"),
+    ({"fp6": "e2m3"}, "fp8_fast_accumulation", False, "fp8"),
 ])
 def test_an_option_of_an_unselected_precision_is_an_error(selector, option, value, owner):
     with pytest.raises(ValidationError, match=f"{option}: an option of precision {owner}, but this recipe runs"):
@@ -318,6 +319,26 @@ def test_fp8_hybrid_configs_are_torchaos_recipes_with_e5m2_gradients():
     assert torchao_rowwise.cast_config_grad_output.target_dtype == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="fp8_scaling: expected"):
         float8_linear_config("blockwise")
+
+
+def test_fp8_without_fast_accumulation_promotes_the_forward_gemms_sums_too():
+    """`fp8_fast_accumulation: false` (the bench setting fp8-tensorwise-exact): torchao's tensor-wise recipe
+    with the output GEMM's sums in fp32, the backward GEMMs' as they were: the accumulation of MXFP6's GEMM
+    contract. The swapped linears carry it."""
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    exact = float8_linear_config("tensorwise", fast_accumulation=False)
+    default = Float8LinearConfig()
+    assert default.gemm_config_output.use_fast_accum is True  # what torchao ships
+    assert exact.gemm_config_output.use_fast_accum is False
+    assert (exact.gemm_config_grad_input, exact.gemm_config_grad_weight) == (default.gemm_config_grad_input,
+                                                                              default.gemm_config_grad_weight)
+    assert float8_linear_config("tensorwise", fast_accumulation=True) == default
+    block = TinyBlock()
+    apply_precision(block, PrecisionConfig(fp8="hybrid", fp8_fast_accumulation=False, **FLUX_LIKE))
+    swapped = [m for m in block.modules() if isinstance(m, Float8Linear)]
+    assert len(swapped) == 4 and all(m.config == exact for m in swapped)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where FP8 cannot run")

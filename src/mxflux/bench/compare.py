@@ -41,6 +41,10 @@ SETTINGS: dict[str, tuple[str, ...]] = {
     "bf16": ("precision={}",),
     "fp8-tensorwise": ("precision={fp8: hybrid}", "precision.fp8_scaling=tensorwise"),
     "fp8-rowwise": ("precision={fp8: hybrid}", "precision.fp8_scaling=rowwise"),
+    # torchao's tensor-wise recipe with its forward GEMM's sums promoted to fp32 too (no fast accumulation):
+    # FP8 at the accumulation MXFP6's GEMM contract has
+    "fp8-tensorwise-exact": ("precision={fp8: hybrid}", "precision.fp8_scaling=tensorwise",
+                             "precision.fp8_fast_accumulation=false"),
     "mxfp6": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off"}',),
     # mxfp6 with the saved col operands in 6 bits (bit-identical numerics, 25/32 the saved bytes)
     "mxfp6-6bit": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '

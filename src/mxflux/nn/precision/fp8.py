@@ -8,6 +8,10 @@ scale granularity, and with it which library recipe this is derived from:
 - tensorwise (default): one fp32 scale per tensor. Exactly torchao's default
   `Float8LinearConfig()` (its "tensorwise" recipe, which is hybrid already): fast accumulation
   in the output GEMM only.
+
+`fp8_fast_accumulation: false` turns that off too (torchao's `gemm_config_output`), so that every
+GEMM's partial sums are added into fp32 as in the backward ones and in MXFP6's GEMM contract:
+the comparison of FP8 with MXFP6 at equal accumulation (the bench setting `fp8-tensorwise-exact`).
 - rowwise: one scale per row of each GEMM operand (along the contraction axis), scales rounded
   down to powers of two. torchao's "rowwise" recipe with one change: its gradients are E4M3,
   here they are E5M2, so both scalings run the same hybrid number formats.
@@ -35,9 +39,11 @@ FP8_ALIGN = 16  # torch._scaled_mm needs both GEMM dims of the weight to be mult
 FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper and newer have FP8 tensor cores
 
 
-def float8_linear_config(scaling: str):
-    """torchao `Float8LinearConfig` of the hybrid recipe with `scaling` ('tensorwise' | 'rowwise')."""
+def float8_linear_config(scaling: str, fast_accumulation: bool = True):
+    """torchao `Float8LinearConfig` of the hybrid recipe with `scaling` ('tensorwise' | 'rowwise'), the output
+    GEMM with fast accumulation (torchao's default) or not."""
     from torchao.float8 import CastConfig, Float8LinearConfig, ScalingGranularity
+    from torchao.float8.config import Float8GemmConfig
 
     granularity = {"tensorwise": ScalingGranularity.TENSORWISE,
                    "rowwise": ScalingGranularity.AXISWISE}.get(scaling)
@@ -52,6 +58,9 @@ def float8_linear_config(scaling: str):
         # torchao's own choice per recipe: power-of-two scales for row-wise (their rounding is
         # then exact and equal values quantize alike in forward and backward), not tensor-wise.
         round_scales_to_power_of_2=scaling == "rowwise",
+        # the forward GEMM's sums: in the tensor cores' FP8 accumulator (fast) or promoted to fp32 (the two
+        # backward GEMMs' default either way)
+        gemm_config_output=Float8GemmConfig(use_fast_accum=fast_accumulation),
     )
 
 
@@ -77,6 +86,9 @@ class FP8Options(BaseModel):
 
     fp8: Literal["hybrid"] | None = None  # E4M3 activations and weights, E5M2 gradients
     fp8_scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
+    # torchao's default: the forward GEMM sums in the tensor cores' FP8 accumulator; false: in fp32, as the
+    # backward GEMMs and MXFP6's GEMM contract do
+    fp8_fast_accumulation: bool = True
 
 
 @register_precision
@@ -101,7 +113,8 @@ class FP8Converter(PrecisionConverter):
         device = next(iter(chosen.values())).weight.device
         if device.type == "cuda" and (why := fp8_unavailability(device)):
             raise _unavailable_error(why)  # the device is known now: fail before anything runs
-        convert_to_float8_training(model, config=float8_linear_config(self.cfg.fp8_scaling),
+        convert_to_float8_training(model, config=float8_linear_config(self.cfg.fp8_scaling,
+                                                                      self.cfg.fp8_fast_accumulation),
                                    module_filter_fn=lambda _module, fqn: fqn in chosen)
         first = model.get_submodule(next(iter(chosen)))
         _check_device_at_first_forward(model, first)
