@@ -135,6 +135,27 @@ def test_the_graph_settings_are_their_precisions_with_the_step_captured():
         bench_step(load_bench_recipe(PROXY_RECIPE, [*SETTINGS["mxfp6-graph"]]), warmup=2, distributed=False)
 
 
+def test_fp8_at_mxfp6s_accumulation_is_a_setting_but_not_the_fp8_baseline():
+    """fp8-tensorwise-exact loads as torchao's tensor-wise recipe without fast accumulation; the ratios stay
+    held against the recipe as torchao ships it (fast accumulation in the forward GEMM), also in results
+    written before the field existed."""
+    from mxflux.bench.compare import PROXY_OVERRIDES, PROXY_RECIPE, SETTINGS
+    from mxflux.bench.report import is_fp8_tensorwise
+    from mxflux.bench.step import load_bench_recipe
+
+    exact = load_bench_recipe(PROXY_RECIPE, [*SETTINGS["fp8-tensorwise-exact"], *PROXY_OVERRIDES]).precision
+    shipped = load_bench_recipe(PROXY_RECIPE, [*SETTINGS["fp8-tensorwise"], *PROXY_OVERRIDES]).precision
+    assert (exact.fp8_fast_accumulation, shipped.fp8_fast_accumulation) == (False, True)
+    assert exact.model_copy(update={"fp8_fast_accumulation": True}) == shipped
+
+    def result(cfg):
+        return {"precision": "fp8", "precision_config": cfg}
+
+    assert is_fp8_tensorwise(result(shipped.model_dump()))
+    assert not is_fp8_tensorwise(result(exact.model_dump()))
+    assert is_fp8_tensorwise(result({"fp8": "hybrid", "fp8_scaling": "tensorwise"}))  # before the field
+
+
 def test_a_captured_bare_loop_is_refused_without_a_cuda_device(capsys):
     """--cuda-graph needs one process on a CUDA device: a clear error before any run, never a
     trainer run first and a failure after it."""
