@@ -16,8 +16,8 @@
 #              the last with activation_checkpointing: mx_packers; all in src/mxflux/bench/compare.py
 #              SETTINGS; the trainer's step captured as one CUDA graph: BENCH_SETTINGS=bf16,bf16-graph,
 #              fp8-tensorwise,fp8-tensorwise-graph,mxfp6,mxfp6-graph; torchao at MXFP6's accumulation, no
-#              fast accumulation in its forward GEMM: fp8-tensorwise-exact; the trial of the CuTe GEMM's
-#              64-column epilogue: mxfp6-cute-e64); JSON $OUT/bench_step_mbs16.json
+#              fast accumulation in its forward GEMM: fp8-tensorwise-exact; the trials of the CuTe GEMM's
+#              epilogue: mxfp6-cute-e64, mxfp6-cute-e64-pf); JSON $OUT/bench_step_mbs16.json
 # bench32, bench64  the same at micro-batch 32, 64 ($OUT/bench_step_mbs32.json, ...)
 # memory       `--memory` breakdown of one step at micro-batch 16 for bf16, fp8-tensorwise, mxfp6
 #              ($OUT/memory_mbs16.json, tables in $OUT/memory_mbs16.log; MEMORY_MBS, MEMORY_SETTINGS to change)
