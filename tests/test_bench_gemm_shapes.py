@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from mxflux.bench.gemm_shapes import NO_OP, _gemm_ops_by_thread, gemm_shapes, problem
+from mxflux.bench.device_time import GEMM_OPS
+from mxflux.bench.gemm_shapes import NO_OP, PACKER_OPS, _ops_by_thread, gemm_shapes, packer_shapes, problem
 from mxflux.bench.report import print_table
 
 
@@ -95,9 +96,9 @@ def test_problem_reads_each_ops_operands(op, dims, want):
 
 
 def test_the_profilers_recorded_dims_give_the_problems(tmp_path):
-    """A real CPU profile: torch's mm, addmm and linear and the MX GEMM op, exported as Chrome trace;
-    every GEMM op found with the problem it ran."""
-    from mxflux.ops.custom_ops import scaled_gemm_op
+    """A real CPU profile: torch's mm, addmm and linear, the MX GEMM op and the packer op, exported as Chrome
+    trace; every GEMM op found with the problem it ran, the packer with the tensor it packed."""
+    from mxflux.ops.custom_ops import mx_operands_op, scaled_gemm_op
     from torch.profiler import ProfilerActivity, profile
 
     a, b, bias = torch.randn(64, 32), torch.randn(32, 16), torch.randn(16)
@@ -107,32 +108,67 @@ def test_the_profilers_recorded_dims_give_the_problems(tmp_path):
         torch.mm(a, b)
         torch.addmm(bias, a, b)
         scaled_gemm_op(a8, torch.ones(64, 1), b8, torch.ones(16, 1), "rowwise", bias, torch.bfloat16)
+        mx_operands_op(torch.randn(64, 96, dtype=torch.bfloat16), None, torch.zeros(1, dtype=torch.int64), True, True,
+                       "rowwise", True, "none", False)
     prof.export_chrome_trace(str(tmp_path / "t.json"))
-    (ops,) = _gemm_ops_by_thread(json.loads((tmp_path / "t.json").read_text())["traceEvents"]).values()
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    (ops,) = _ops_by_thread(events, GEMM_OPS).values()
     found = {(name, problem(name, dims)) for _, _, name, dims in ops}
     assert ("aten::mm", (64, 16, 32, False)) in found
     assert ("aten::addmm", (64, 16, 32, True)) in found
     assert ("mxflux::scaled_gemm", (64, 16, 32, True)) in found
+    (packers,) = _ops_by_thread(events, PACKER_OPS).values()
+    assert [(name, dims[0]) for _, _, name, dims in packers] == [("mxflux::mx_operands", [64, 96])]
+
+
+def test_packer_kernels_are_charged_to_the_packer_call_by_the_tensor_it_packed():
+    """Two packer calls per step on X [32768, 3072] (two passes each: two kernels a call) and one on dY
+    [32768, 21504], one packer kernel launched by the optimizer step outside any packer op, a GEMM kernel (not
+    a packer's): per step the time, the calls and the input's read rate."""
+    ev = []
+    for step, t0 in enumerate((0.0, 10_000.0)):
+        c = 100 * step
+        ev += [_op("mxflux::mx_operands", t0 + 10, 40, [[32768, 3072], [], [1], [], [], [], [], [], [], []]),
+               _launch(c + 1, t0 + 20), _kernel("_pack_kernel", c + 1, t0 + 100, 300),
+               _launch(c + 2, t0 + 30), _kernel("_pack_kernel", c + 2, t0 + 400, 500),
+               _op("mxflux::mx_operands", t0 + 60, 20, [[32768, 21504], [], [1], [], [], [], [], [], [], []]),
+               _launch(c + 3, t0 + 70), _kernel("_pack_kernel", c + 3, t0 + 1000, 2000),
+               _op("Optimizer.step#ClippingAdamW.step", t0 + 90, 50, []),
+               _launch(c + 4, t0 + 100), _kernel("_operands_fixup_kernel", c + 4, t0 + 3100, 50),
+               _launch(c + 5, t0 + 110), _kernel(NVJET, c + 5, t0 + 3200, 700)]
+    rows = packer_shapes({"traceEvents": ev}, 2)
+    by = {(r["rows"], r["cols"]): r for r in rows}
+    assert set(by) == {(32768, 21504), (32768, 3072), (None, None)}
+    x = by[(32768, 3072)]
+    assert (x["calls_per_step"], x["ms_per_step"], x["ops"]) == (2, pytest.approx(0.8), ["mxflux::mx_operands"])
+    assert x["input_gb_per_s"] == pytest.approx(2 * 32768 * 3072 * 2 / (0.8 * 1e6))
+    assert by[(None, None)]["kernels"] == ["_operands_fixup_kernel"] and by[(None, None)]["ops"] == [NO_OP]
+    assert [r["rows"] for r in rows] == [32768, 32768, None]  # largest first: dY 2.0 ms, X 0.8, the fix-up
+    assert PACKER_OPS.search("mxflux::mx_operands_inline") and not PACKER_OPS.search("mxflux::mx_erefs")
 
 
 def test_the_table_lines_the_settings_up_by_problem():
     from rich.console import Console
 
-    def result(label, rows):
+    def result(label, rows, packers=()):
         return {"label": label, "step_ms": 10.0, "images_per_s_per_gpu": 1.0, "mfu": None, "ms_per_512": 1.0,
                 "memory": {"max_allocated_gib": 1.0, "max_reserved_gib": None, "device_used_gib": None},
                 "loss": 1.0, "model": "m", "device": "NVIDIA H100", "world_size": 1, "global_batch_size": 1,
                 "micro_batch_size": 1, "image_tokens": 1, "text_tokens": 1, "compile": True, "steps": 1,
-                "warmup_steps": 1, "breakdown": {"gemm_shapes": rows, "busy_ms_per_step": 9.0,
-                                                  "categories": {}, "wall_ms_per_step": 10.0}}
+                "warmup_steps": 1, "breakdown": {"gemm_shapes": rows, "packer_shapes": list(packers),
+                                                  "busy_ms_per_step": 9.0, "categories": {},
+                                                  "wall_ms_per_step": 10.0}}
 
     row = {"m": 32768, "n": 9216, "k": 3072, "calls_per_step": 1, "ms_per_step": 1.0}
     console = Console(width=200, record=True)
+    packer = {"rows": 32768, "cols": 3072, "calls_per_step": 2, "ms_per_step": 0.8}
     print_table([result("fp8", [row]), result("mxfp6", [{**row, "ms_per_step": 1.25},
                                                         {"m": None, "n": None, "k": None, "calls_per_step": 2,
-                                                         "ms_per_step": 0.5}])], console=console)
+                                                         "ms_per_step": 0.5}], [packer])], console=console)
     text = console.export_text()
     line = next(x for x in text.splitlines() if "32768 x 9216 x 3072" in x)
     assert "1.00 (1855)" in line and "1.25 (1484)" in line
     orphan = next(x for x in text.splitlines() if "no GEMM op found" in x)
     assert "–" in orphan and "0.50" in orphan
+    packed = next(x for x in text.splitlines() if "32768 x 3072 " in x)
+    assert "0.80 (503)" in packed and "–" in packed  # 2 calls x 32768 x 3072 x 2 B in 0.8 ms; FP8 packs none

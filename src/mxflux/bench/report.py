@@ -194,6 +194,8 @@ def print_table(results: list[dict], *, console=None) -> None:
             console.print(f"{r['label']} failed: {r['failed']}", style="red")
     if any(_get(r, "breakdown", "gemm_shapes") for r in ok):
         _print_gemm_shapes(ok, console)
+    if any(_get(r, "breakdown", "packer_shapes") for r in ok):
+        _print_packer_shapes(ok, console)
     if len(ok) > 1:
         for warning in comparison_warnings(ok):
             console.print(f"warning: {warning}", style="bold yellow")
@@ -201,20 +203,22 @@ def print_table(results: list[dict], *, console=None) -> None:
             console.print("one round: no spread measured (--rounds 3 measures it)", style="dim")
 
 
-def _print_gemm_shapes(results: list[dict], console, top: int = 24) -> None:
-    """The trainer's GEMM device time by problem (M, N, K), one column per setting: ms per step and
-    TFLOP/s (`mxflux.bench.gemm_shapes`); kernels without a GEMM op found summed in one row."""
+def _print_by_problem(results: list[dict], console, field: str, dims: tuple[str, ...], title: str, rate,
+                      unmatched: str, top: int = 24) -> None:
+    """One table of the trainer's `breakdown[field]` rows (`mxflux.bench.gemm_shapes`) by their problem (the
+    `dims` fields), one column per setting: ms per step and, in brackets, `rate(problem, ms, calls)`; the rows
+    of kernels no op was found for summed in one line."""
     from rich.table import Table
 
     cells: dict = {}
     for i, r in enumerate(results):
-        for row in _get(r, "breakdown", "gemm_shapes") or []:
-            key = (row["m"], row["n"], row["k"]) if row["m"] is not None else None
+        for row in _get(r, "breakdown", field) or []:
+            key = tuple(row[d] for d in dims) if row[dims[0]] is not None else None
             ms, calls = cells.setdefault(key, {}).get(i, (0.0, 0.0))
             cells[key][i] = (ms + row["ms_per_step"], calls + row["calls_per_step"])
     keys = sorted((k for k in cells if k is not None), key=lambda k: -max(ms for ms, _ in cells[k].values()))[:top]
-    table = Table(title="trainer GEMMs by problem: device ms per step (TFLOP/s)")
-    table.add_column("M x N x K")
+    table = Table(title=title)
+    table.add_column(" x ".join(d.upper() if len(d) == 1 else d for d in dims))
     for r in results:
         table.add_column(r["label"], justify="right")
 
@@ -222,15 +226,27 @@ def _print_gemm_shapes(results: list[dict], console, top: int = 24) -> None:
         if i not in cells.get(key, {}):
             return "–"
         ms, calls = cells[key][i]
-        if key is None:
-            return f"{ms:.2f}"
-        return f"{ms:.2f} ({2 * key[0] * key[1] * key[2] * calls / (ms * 1e9):.0f})" if ms > 0 else f"{ms:.2f}"
+        return f"{ms:.2f} ({rate(key, ms, calls):.0f})" if key is not None and ms > 0 else f"{ms:.2f}"
 
     for key in keys:
-        table.add_row(f"{key[0]} x {key[1]} x {key[2]}", *(cell(key, i) for i in range(len(results))))
+        table.add_row(" x ".join(map(str, key)), *(cell(key, i) for i in range(len(results))))
     if None in cells:
-        table.add_row("no GEMM op found", *(cell(None, i) for i in range(len(results))))
+        table.add_row(unmatched, *(cell(None, i) for i in range(len(results))))
     console.print(table)
+
+
+def _print_gemm_shapes(results: list[dict], console) -> None:
+    """The trainer's GEMM device time by problem M x N x K: ms per step (TFLOP/s)."""
+    _print_by_problem(results, console, "gemm_shapes", ("m", "n", "k"),
+                      "trainer GEMMs by problem: device ms per step (TFLOP/s)",
+                      lambda k, ms, calls: 2 * k[0] * k[1] * k[2] * calls / (ms * 1e9), "no GEMM op found")
+
+
+def _print_packer_shapes(results: list[dict], console) -> None:
+    """The trainer's MX packer device time by the tensor packed: ms per step (GB/s of its bf16 input)."""
+    _print_by_problem(results, console, "packer_shapes", ("rows", "cols"),
+                      "trainer MX packers by tensor packed: device ms per step (GB/s of bf16 input)",
+                      lambda k, ms, calls: 2 * k[0] * k[1] * calls / (ms * 1e6), "outside a packer op")
 
 
 def write_json(path: str | os.PathLike, result) -> Path:

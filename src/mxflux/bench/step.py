@@ -25,7 +25,7 @@ the measurement). Warm-up and profiled steps are not timed. It reports:
 - with profiling, the device-time split: busy time (the union of all kernels, memcpys and
   memsets) divided exactly among gemm / mx_quant / attention / communication / other /
   memcpy_memset, next to the profiled steps' wall time (busy <= wall is checked), and the GEMMs'
-  device time by problem shape (`mxflux.bench.gemm_shapes`). On the CPU, the split of the host
+  and packers' device time by problem shape (`mxflux.bench.gemm_shapes`). On the CPU, the split of the host
   ops' self time;
 - with `memory_path`, one more step recorded for `mxflux.bench.memory` (what is alive at the
   peak, by allocating frame; what autograd saved, by dtype and module).
@@ -55,7 +55,7 @@ from ..model import flux_config
 from ..model.configs import flops_per_sample
 from ..train.config import RunConfig, load_recipe
 from .device_time import (activities_from_chrome_trace, device_breakdown, host_top, split_host_time)
-from .gemm_shapes import gemm_shapes
+from .gemm_shapes import gemm_shapes, packer_shapes
 
 __all__ = ["bench_step", "bench_settings", "load_bench_recipe", "PEAK_BF16_TFLOPS"]
 
@@ -229,6 +229,7 @@ def _profiled(step, n: int, device: torch.device) -> dict:
     index = device.index if device.index is not None else torch.cuda.current_device()
     out = device_breakdown(activities_from_chrome_trace(trace, device=index), n, wall_s=wall)
     out["gemm_shapes"] = gemm_shapes(trace, n, device=index)
+    out["packer_shapes"] = packer_shapes(trace, n, device=index)
     out["host_top"] = host_top(prof.events())
     return out
 
