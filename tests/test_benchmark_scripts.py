@@ -416,6 +416,21 @@ def test_cute_rowwise_gemm_builds_for_sm90_without_a_gpu(tmp_path):
         (c, *v) for c in probe.CONFIGS for v in ((True, False), (False, False), (False, True))}
 
 
+def _cute_ptx(config: str, tmp_path) -> str:
+    """The PTX of the probe's configuration `config` built for sm_90a without a GPU: that of the last of its three
+    GEMMs built (each overwrites the file), the fp32-out one."""
+    dump = tmp_path / config
+    dump.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(dump),
+           "CUTE_DSL_DISABLE_FILE_CACHING": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_cute_rowwise_gemm.py"), "--compile-only",
+                        "--configs", config], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (ptx,) = dump.glob("*.ptx")
+    return ptx.read_text()
+
+
 @pytest.mark.skipif(not _cute_dsl_installed(), reason="needs nvidia-cutlass-dsl")
 def test_cute_fp32_accumulation_adds_each_k_tile_into_fp32_registers(tmp_path):
     """`MXFLUX_CUTE_ACCUMULATE=fp32` (the GEMM contract's accumulation): in the kernel's PTX, the k-tile's four
@@ -424,16 +439,7 @@ def test_cute_fp32_accumulation_adds_each_k_tile_into_fp32_registers(tmp_path):
     a bias: its epilogue only multiplies)."""
     adds = {}
     for config in ("128x192-2x1-s8", "128x192-2x1-s8-fp32"):
-        dump = tmp_path / config
-        dump.mkdir()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-               "CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(dump),
-               "CUTE_DSL_DISABLE_FILE_CACHING": "1"}
-        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_cute_rowwise_gemm.py"), "--compile-only",
-                            "--configs", config], env=env, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
-        (ptx,) = dump.glob("*.ptx")  # the last of the three GEMMs built (each overwrites the file): fp32 out
-        text = ptx.read_text()
+        text = _cute_ptx(config, tmp_path)
         adds[config] = len(re.findall(r"\badd(?:\.rn)?\.f32\b", text))
         wgmmas = len(re.findall(r"wgmma\.mma_async", text))
         assert wgmmas == (4 if config.endswith("fp32") else 8)  # fast: the example's prologue and main loop
@@ -451,16 +457,7 @@ def test_cute_epilogue_trials_have_half_the_barrier_rounds_and_the_scales_read_b
     (2 stores) behind one barrier more."""
     counts, first_load = {}, {}
     for config in ("128x192-2x1-s8-fp32", "128x192-2x1-s8-fp32-e64", "128x192-2x1-s8-fp32-e64-pf"):
-        dump = tmp_path / config
-        dump.mkdir()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-               "CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(dump),
-               "CUTE_DSL_DISABLE_FILE_CACHING": "1"}
-        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_cute_rowwise_gemm.py"), "--compile-only",
-                            "--configs", config], env=env, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-2000:]
-        (ptx,) = dump.glob("*.ptx")
-        text = ptx.read_text()
+        text = _cute_ptx(config, tmp_path)
         counts[config] = tuple(len(re.findall(p, text)) for p in (r"\bbar(?:rier)?\.sync\b", r"wgmma\.mma_async",
                                                                     r"\bst\.shared", r"\bld\.global"))
         first_load[config] = text.find("ld.global") < text.find("wgmma.mma_async")
