@@ -2,9 +2,11 @@
 # One device call that runs the named stages in order and leaves logs and results under $OUT:
 #   PYTHONPATH=src bash benchmarks/gpu_run.sh tests convergence bench16 fsdp12b
 # tests        the CUDA test suite (tests/gpu and the CPU files with CUDA variants; GPU_TESTS="files" for a
-#              subset). The whole suite runs ~16 minutes, more than one call allows: run it as `tests1`
-#              (every tests/gpu file but the packers', about 8 min) and `tests2` (the packer tests and the
-#              CPU files with CUDA variants, about 5 min), one call each; logs $OUT/gpu_tests1.log, gpu_tests2.log.
+#              subset). The whole suite runs ~20 minutes, more than one call allows: run it as `tests1`
+#              (the tests/gpu files before test_gemm_cuda.py), `tests3` (test_gemm_cuda.py and the tests/gpu
+#              files after it but the packers': tests1 whole no longer fit the 570 s limit) and `tests2` (the
+#              packer tests and the CPU files with CUDA variants, about 7 min), one call each; logs
+#              $OUT/gpu_tests1.log, gpu_tests2.log, gpu_tests3.log.
 #              GPU_TESTS is split at spaces; GPU_TESTS_K="a or b" is passed whole as pytest's -k
 # kernels      benchmarks/bench_kernels.py: every packer and GEMM at the Flux-12B shapes
 # layers       benchmarks/bench_layers.py: MXFP6Linear / FusedMXFP6MLP / peer vs bf16
@@ -16,8 +18,7 @@
 #              the last with activation_checkpointing: mx_packers; all in src/mxflux/bench/compare.py
 #              SETTINGS; the trainer's step captured as one CUDA graph: BENCH_SETTINGS=bf16,bf16-graph,
 #              fp8-tensorwise,fp8-tensorwise-graph,mxfp6,mxfp6-graph; torchao at MXFP6's accumulation, no
-#              fast accumulation in its forward GEMM: fp8-tensorwise-exact; the trials of the CuTe GEMM's
-#              epilogue: mxfp6-cute-e64, mxfp6-cute-e64-pf); JSON $OUT/bench_step_mbs16.json
+#              fast accumulation in its forward GEMM: fp8-tensorwise-exact); JSON $OUT/bench_step_mbs16.json
 # bench32, bench64  the same at micro-batch 32, 64 ($OUT/bench_step_mbs32.json, ...)
 # memory       `--memory` breakdown of one step at micro-batch 16 for bf16, fp8-tensorwise, mxfp6
 #              ($OUT/memory_mbs16.json, tables in $OUT/memory_mbs16.log; MEMORY_MBS, MEMORY_SETTINGS to change)
@@ -86,11 +87,13 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    tests|tests1|tests2)
+    tests|tests1|tests2|tests3)
       packer_tests="tests/gpu/test_operands_cuda.py tests/gpu/test_operands_interpreted.py tests/gpu/test_operands_inline.py tests/gpu/test_triton_compile.py"
       case $stage in
         tests) files="tests/gpu tests/test_saved_tensors.py tests/test_nn_repack_weights.py" ;;
-        tests1) files=$(ls tests/gpu/test_*.py | grep -vxF -f <(tr ' ' '\n' <<<"$packer_tests")) ;;
+        tests1|tests3)  # the tests/gpu files but the packers', split at test_gemm_cuda.py
+          files=$(ls tests/gpu/test_*.py | grep -vxF -f <(tr ' ' '\n' <<<"$packer_tests") |
+                  awk -v later=$([ $stage = tests3 ] && echo 1 || echo 0) '($0 >= "tests/gpu/test_gemm_cuda.py") == later') ;;
         tests2) files="$packer_tests tests/test_saved_tensors.py tests/test_nn_repack_weights.py" ;;
       esac
       log="$OUT/gpu_$stage.log"

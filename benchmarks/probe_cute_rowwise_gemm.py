@@ -29,9 +29,8 @@ import sys
 import time
 
 # tile (M, N), cluster (M, N), the most tile-column clusters to a band of the tile order (1: no bands, each
-# tile column walked down M in turn), how K is summed (`gemm_cute.ACCUMULATION`: fast, or fp32 with each
-# k-tile's partial sums promoted) and, where given, the epilogue's sub-tile width and whether the tile's scales
-# are read before its main loop, of each configuration tried (the kernel takes tile M 64 or 128, tile N 64,
+# tile column walked down M in turn) and how K is summed (`gemm_cute.ACCUMULATION`: fast, or fp32 with each
+# k-tile's partial sums promoted) of each configuration tried (the kernel takes tile M 64 or 128, tile N 64,
 # 128, 192 or 256, at most 4 CTAs to a cluster)
 CONFIGS = {"128x256-2x1": ((128, 256), (2, 1), 1, "fast"), "128x256-2x1-s4": ((128, 256), (2, 1), 4, "fast"),
            "128x256-2x1-s8": ((128, 256), (2, 1), 8, "fast"), "128x256-1x2-s4": ((128, 256), (1, 2), 4, "fast"),
@@ -41,13 +40,9 @@ CONFIGS = {"128x256-2x1": ((128, 256), (2, 1), 1, "fast"), "128x256-2x1-s4": ((1
            "128x192-2x1-s4-fp32": ((128, 192), (2, 1), 4, "fp32"),
            "128x192-2x1-s8-fp32k2": ((128, 192), (2, 1), 8, "fp32k2"),
            "128x192-2x1-s8": ((128, 192), (2, 1), 8, "fast"),
-           # the promoted kernel with its epilogue in 64-column sub-tiles: half the barrier rounds; with A
-           # multicast across a 1x2 cluster instead of B. (Promoted 128x128 tiles, one consumer warp group,
-           # need 2 x 128 accumulator registers a thread: ptxas spills 348 bytes; not tried.)
-           "128x192-2x1-s8-fp32-e64": ((128, 192), (2, 1), 8, "fp32", 64),
-           "128x192-1x2-s8-fp32": ((128, 192), (1, 2), 8, "fp32"),
-           # the 64-column epilogue with the tile's scales and bias read before its main loop
-           "128x192-2x1-s8-fp32-e64-pf": ((128, 192), (2, 1), 8, "fp32", 64, True)}
+           # the promoted kernel with A multicast across a 1x2 cluster instead of B. (Promoted 128x128 tiles, one
+           # consumer warp group, need 2 x 128 accumulator registers a thread: ptxas spills 348 bytes; not tried.)
+           "128x192-1x2-s8-fp32": ((128, 192), (1, 2), 8, "fp32")}
 SM90_SMS = 132  # an H100 SXM's SMs: the persistent grid's size where no device is there to ask
 
 
@@ -70,13 +65,8 @@ def _kernel(config: str, n: int):
     """The configuration's kernel for N output columns (the band no wider than divides them)."""
     from mxflux.kernels.gemm_cute import kernel_for
 
-    tile, cluster, most, accumulation, *epilogue = CONFIGS[config]
-    return kernel_for(n, (tile, cluster), most, accumulation, _epilogue(epilogue))
-
-
-def _epilogue(given: list) -> tuple:
-    """A configuration's epilogue as `gemm_cute.kernel_for` takes it: (sub-tile width or None, prefetch)."""
-    return (given[0] if given else None, given[1] if len(given) > 1 else False)
+    tile, cluster, most, accumulation = CONFIGS[config]
+    return kernel_for(n, (tile, cluster), most, accumulation)
 
 
 def compile_only(configs: list[str]) -> list[dict]:
@@ -170,11 +160,11 @@ def main() -> int:
             row = dict(linear=name, kind=kind, m=m, n=n, k=k, bias=has_bias, cublas_rowwise_ms=bench(rowwise),
                        cublas_tensorwise_ms=bench(tensorwise), cublas_tensorwise_fast_ms=bench(tensorwise_fast))
             for config in configs:
-                tile, cluster, most, accumulation, *epilogue = CONFIGS[config]
+                tile, cluster, most, accumulation = CONFIGS[config]
                 out = torch.full_like(want, float("nan"))  # every element must be written
                 try:
                     call = prepared_gemm(a, sa, b, sb, bias, out, (tile, cluster), most,  # sb [1, N]: read flat
-                                         accumulation, epilogue=_epilogue(epilogue))
+                                         accumulation)
                     call()
                     torch.cuda.synchronize()
                 except Exception as e:  # a configuration the DSL or the device refuses: say so, go on

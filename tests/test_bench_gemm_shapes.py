@@ -124,14 +124,16 @@ def test_the_profilers_recorded_dims_give_the_problems(tmp_path):
 def test_packer_kernels_are_charged_to_the_packer_call_by_the_tensor_it_packed():
     """Two packer calls per step on X [32768, 3072] (two passes each: two kernels a call) and one on dY
     [32768, 21504], one packer kernel launched by the optimizer step outside any packer op, a GEMM kernel (not
-    a packer's): per step the time, the calls and the input's read rate."""
+    a packer's): per step the time, the calls (op calls, not kernels) and the input's read rate."""
     ev = []
     for step, t0 in enumerate((0.0, 10_000.0)):
         c = 100 * step
-        ev += [_op("mxflux::mx_operands", t0 + 10, 40, [[32768, 3072], [], [1], [], [], [], [], [], [], []]),
-               _launch(c + 1, t0 + 20), _kernel("_pack_kernel", c + 1, t0 + 100, 300),
-               _launch(c + 2, t0 + 30), _kernel("_pack_kernel", c + 2, t0 + 400, 500),
-               _op("mxflux::mx_operands", t0 + 60, 20, [[32768, 21504], [], [1], [], [], [], [], [], [], []]),
+        for call, t in enumerate((t0 + 10, t0 + 40)):  # the two calls on X, a kernel a pass each
+            p1, p2, run = c + 10 + 2 * call, c + 11 + 2 * call, t0 + 100 + 400 * call
+            ev += [_op("mxflux::mx_operands", t, 20, [[32768, 3072], [], [1], [], [], [], [], [], [], []]),
+                   _launch(p1, t + 5), _kernel("_pack_kernel", p1, run, 150),
+                   _launch(p2, t + 10), _kernel("_pack_kernel", p2, run + 200, 250)]
+        ev += [_op("mxflux::mx_operands", t0 + 60, 20, [[32768, 21504], [], [1], [], [], [], [], [], [], []]),
                _launch(c + 3, t0 + 70), _kernel("_pack_kernel", c + 3, t0 + 1000, 2000),
                _op("Optimizer.step#ClippingAdamW.step", t0 + 90, 50, []),
                _launch(c + 4, t0 + 100), _kernel("_operands_fixup_kernel", c + 4, t0 + 3100, 50),

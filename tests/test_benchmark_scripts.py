@@ -447,26 +447,6 @@ def test_cute_fp32_accumulation_adds_each_k_tile_into_fp32_registers(tmp_path):
     assert adds["128x192-2x1-s8"] == 0 and adds["128x192-2x1-s8-fp32"] in (96, 192), adds
 
 
-@pytest.mark.skipif(not _cute_dsl_installed(), reason="needs nvidia-cutlass-dsl")
-def test_cute_epilogue_trials_have_half_the_barrier_rounds_and_the_scales_read_before_the_main_loop(tmp_path):
-    """The `-e64` configuration (MXFLUX_CUTE_EPILOGUE=64): the 128x192 tile's epilogue in three sub-tiles of 64
-    columns, each between two barriers of the consumer warp groups, where the default has six of 32: in the PTX
-    (the fp32-out GEMM, the last built) 6 barriers against 12, the WGMMAs and the stores to shared memory alike.
-    `-e64-pf` (MXFLUX_CUTE_EPILOGUE=64-prefetch) reads the tile's scales from global memory before its first
-    WGMMA (at most two loads a thread, where the default's 26 follow the main loop), puts them in shared memory
-    (2 stores) behind one barrier more."""
-    counts, first_load = {}, {}
-    for config in ("128x192-2x1-s8-fp32", "128x192-2x1-s8-fp32-e64", "128x192-2x1-s8-fp32-e64-pf"):
-        text = _cute_ptx(config, tmp_path)
-        counts[config] = tuple(len(re.findall(p, text)) for p in (r"\bbar(?:rier)?\.sync\b", r"wgmma\.mma_async",
-                                                                    r"\bst\.shared", r"\bld\.global"))
-        first_load[config] = text.find("ld.global") < text.find("wgmma.mma_async")
-    assert counts == {"128x192-2x1-s8-fp32": (12, 4, 48, 26), "128x192-2x1-s8-fp32-e64": (6, 4, 48, 26),
-                      "128x192-2x1-s8-fp32-e64-pf": (7, 4, 50, 3)}, counts
-    assert first_load == {"128x192-2x1-s8-fp32": False, "128x192-2x1-s8-fp32-e64": False,
-                          "128x192-2x1-s8-fp32-e64-pf": True}, first_load
-
-
 def test_bench_kernels_times_the_gemms_an_mx_linear_runs(monkeypatch):
     """bench_kernels' fprop, dgrad and wgrad problems are the GEMMs MXFP6Linear's forward and backward run
     (A rows, B rows, contraction, bias, out dtype), recorded from a CPU linear K -> N at M tokens."""

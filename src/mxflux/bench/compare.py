@@ -124,10 +124,6 @@ SETTINGS["mxfp6-cute-all"] = SETTINGS["mxfp6"]
 # the same with its partial sums promoted to fp32 every k-tile (the GEMM contract's accumulation, the default's)
 SETTINGS["mxfp6-cute-bias-promoted"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-cute-all-promoted"] = SETTINGS["mxfp6"]
-# the default with the CuTe GEMM's epilogue in 64-column sub-tiles, and with the tile's scales read before its main
-# loop too (MXFLUX_CUTE_EPILOGUE=64, 64-prefetch; the same bits)
-SETTINGS["mxfp6-cute-e64"] = SETTINGS["mxfp6"]
-SETTINGS["mxfp6-cute-e64-pf"] = SETTINGS["mxfp6"]
 # Environment variables a setting's process runs with (the switches read at import, not recipe fields); the
 # deferred-scales settings are cuBLAS's alone
 _CUBLAS = {"MXFLUX_CUTE_GEMM": "off"}
@@ -141,8 +137,6 @@ SETTING_ENV = {"mxfp6-inline-pack": {"MXFLUX_INLINE_PACK": "1"},
                "mxfp6-cute-bias-fp32": {"MXFLUX_CUTE_GEMM": "bias,fp32", "MXFLUX_CUTE_ACCUMULATE": "fast"},
                "mxfp6-cute-all": {"MXFLUX_CUTE_GEMM": "all", "MXFLUX_CUTE_ACCUMULATE": "fast"},
                "mxfp6-cute-bias-promoted": {"MXFLUX_CUTE_GEMM": "bias", "MXFLUX_CUTE_ACCUMULATE": "fp32"},
-               "mxfp6-cute-e64": {"MXFLUX_CUTE_EPILOGUE": "64"},
-               "mxfp6-cute-e64-pf": {"MXFLUX_CUTE_EPILOGUE": "64-prefetch"},
                "mxfp6-cute-all-promoted": {"MXFLUX_CUTE_GEMM": "all", "MXFLUX_CUTE_ACCUMULATE": "fp32"}}
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 

@@ -75,19 +75,21 @@ def _ops_by_thread(events: list[dict], ops: re.Pattern) -> dict:
 
 def _caller(ops: list, starts: list, t: float):
     """The innermost op of `ops` (sorted by start) whose span holds time `t`: of those that started
-    by `t` and have not ended, the one that started last."""
+    by `t` and have not ended, the one that started last, as (name, dims, start)."""
     i = bisect.bisect_right(starts, t)
     while i > 0:
         i -= 1
         start, end, name, dims = ops[i]
         if end >= t:
-            return name, dims
+            return name, dims, start
     return None
 
 
 def _charged(trace: dict, device: int | None, category: str, ops: re.Pattern, problem_of) -> dict:
     """The `category` kernels of `trace` charged to the innermost op named by `ops` around their launch:
-    {problem_of(op, dims) or (None, kernel name): {"problem", "ops", "kernels", "calls", "us"}}."""
+    {problem_of(op, dims) or (None, kernel name): {"problem", "ops", "kernels", "calls", "us"}}. `calls`
+    counts op calls, not kernels (a packer call launches one kernel a pass); kernels launched outside any
+    such op count one each."""
     events = trace.get("traceEvents", [])
     launches = {}
     for ev in events:
@@ -104,13 +106,17 @@ def _charged(trace: dict, device: int | None, category: str, ops: re.Pattern, pr
             continue
         launch = launches.get(args.get("correlation"))
         caller = _caller(by_tid[launch[0]], starts[launch[0]], launch[1]) if launch and launch[0] in by_tid else None
-        problem = problem_of(*caller) if caller else None
+        problem = problem_of(*caller[:2]) if caller else None
         key = problem if problem is not None else (None, ev.get("name", "")[:80])
-        row = rows.setdefault(key, {"problem": problem, "ops": set(), "kernels": set(), "calls": 0, "us": 0.0})
+        row = rows.setdefault(key, {"problem": problem, "ops": set(), "kernels": set(), "launched_by": set(),
+                                    "us": 0.0})
         row["ops"].add(caller[0] if caller else NO_OP)
         row["kernels"].add(_short_kernel_name(ev.get("name", "")))
-        row["calls"] += 1
+        # the op call (its thread and start) that launched the kernel, or the kernel itself where none did
+        row["launched_by"].add((launch[0], caller[2]) if caller else (None, ev.get("ts"), ev.get("name")))
         row["us"] += float(ev.get("dur", 0.0))
+    for row in rows.values():
+        row["calls"] = len(row.pop("launched_by"))
     return rows
 
 

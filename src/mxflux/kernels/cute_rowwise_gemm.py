@@ -134,8 +134,6 @@ class RowScaledFP8Gemm:
         raster_along_m: bool,
         fp32_accumulation: bool = False,
         promotion_k_tiles: int = 1,
-        epilogue_n: Optional[int] = None,
-        prefetch_scales: bool = False,
     ):
         """
         Initializes the configuration for a Hopper dense GEMM kernel.
@@ -164,14 +162,6 @@ class RowScaledFP8Gemm:
         # k-tiles (of K 128) summed by the tensor cores between two promotions: 1 as CUTLASS; 2 halves the
         # waits for the partial tile (K must then be a multiple of 256: `gemm_cute.prepared_gemm` checks)
         self.promotion_k_tiles = promotion_k_tiles
-        # the epilogue's sub-tile width (None: the example's 32 columns for two warp groups): each sub-tile is
-        # converted, stored to shared memory and sent by TMA between two barriers of both consumer warp groups,
-        # which idle the tensor cores in this cooperative schedule; 64 halves those rounds (the probe's trial)
-        self.epilogue_n = epilogue_n
-        # the tile's row and column scales and bias read from global memory at the tile's start, two values a
-        # consumer thread kept in registers through the main loop, and put in shared memory for the epilogue:
-        # their latency passes under the MMAs instead of after them (the probe's trial)
-        self.prefetch_scales = prefetch_scales
         self.mma_inst_shape_mn = None
         # K dimension is deferred in _setup_attributes
         self.tile_shape_mnk = (*tile_shape_mn, 1)
@@ -267,18 +257,8 @@ class RowScaledFP8Gemm:
 
         is_cooperative = self.atom_layout_mnk == (2, 1, 1)
         self.epi_tile = self._sm90_compute_tile_shape_or_override(
-            self.tile_shape_mnk, self.c_dtype, is_cooperative=is_cooperative,
-            epi_tile_override=None if self.epilogue_n is None
-            else (min(128, self.tile_shape_mnk[0]), self.epilogue_n),
+            self.tile_shape_mnk, self.c_dtype, is_cooperative=is_cooperative
         )
-        # the prefetched scales' entries: the tile's rows, then its columns twice (scale, bias)
-        self.scale_entries = self.tile_shape_mnk[0] + 2 * self.tile_shape_mnk[1] if self.prefetch_scales else 0
-        if self.scale_entries > 2 * self.num_mma_threads:
-            raise ValueError(f"prefetch_scales: {self.scale_entries} scale entries, at most two a consumer thread "
-                             f"({2 * self.num_mma_threads})")
-        if self.tile_shape_mnk[1] % self.epi_tile[1]:
-            raise ValueError(f"the epilogue's sub-tile width {self.epi_tile[1]} must divide tile N "
-                             f"{self.tile_shape_mnk[1]}")
 
         # Compute stage before compute smem layout
         self.ab_stage, self.epi_stage = self._compute_stages(
@@ -287,7 +267,7 @@ class RowScaledFP8Gemm:
             self.b_dtype,
             self.epi_tile,
             self.c_dtype,
-            self.smem_capacity - 4 * self.scale_entries,
+            self.smem_capacity,
             self.occupancy,
         )
 
@@ -394,18 +374,32 @@ class RowScaledFP8Gemm:
             max_active_clusters,
         )
 
-        fields = {
-            "mainloop_pipeline_array_ptr": cute.struct.MemRange[cutlass.Int64, self.ab_stage * 2],
-            "sA": cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.a_smem_layout_staged)],
-                                    self.buffer_align_bytes],
-            "sB": cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(self.b_smem_layout_staged)],
-                                    self.buffer_align_bytes],
-            "sC": cute.struct.Align[cute.struct.MemRange[self.c_dtype, cute.cosize(self.epi_smem_layout_staged)],
-                                    self.buffer_align_bytes],
-        }
-        if cutlass.const_expr(self.prefetch_scales):  # (only where used: the default kernel's layout is the example's)
-            fields["sScale"] = cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.scale_entries], 16]
-        self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        @cute.struct
+        class SharedStorage:
+            mainloop_pipeline_array_ptr: cute.struct.MemRange[
+                cutlass.Int64, self.ab_stage * 2
+            ]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[
+                    self.a_dtype, cute.cosize(self.a_smem_layout_staged)
+                ],
+                self.buffer_align_bytes,
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[
+                    self.b_dtype, cute.cosize(self.b_smem_layout_staged)
+                ],
+                self.buffer_align_bytes,
+            ]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[
+                    self.c_dtype,
+                    cute.cosize(self.epi_smem_layout_staged),
+                ],
+                self.buffer_align_bytes,
+            ]
+
+        self.shared_storage = SharedStorage
 
         # Launch the kernel synchronously
         self.kernel(
@@ -561,7 +555,6 @@ class RowScaledFP8Gemm:
         sC = storage.sC.get_tensor(
             epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner
         )
-        sScale = storage.sScale.get_tensor(cute.make_layout(self.scale_entries)) if self.prefetch_scales else None
 
         # Local_tile partition global tensors
         # (bM, bK, RestM, RestK, RestL)
@@ -771,31 +764,9 @@ class RowScaledFP8Gemm:
                 producer_group=tma_store_producer_group,
             )
 
-            mma_tidx = tidx - self.num_dma_warp_groups * self.num_threads_per_warp_group
-            tile_m, tile_n = self.tile_shape_mnk[0], self.tile_shape_mnk[1]
-            prefetched = cute.make_rmem_tensor((2,), cutlass.Float32) if self.prefetch_scales else None
-
             while work_tile.is_valid_tile:
                 tile_coord_mnl = work_tile.tile_idx
                 gC_mnl_slice = gC_mnl[(None, None, *tile_coord_mnl)]
-                m0 = tile_coord_mnl[0] * tile_m
-                n0 = tile_coord_mnl[1] * tile_n
-
-                if cutlass.const_expr(self.prefetch_scales):
-                    # entry e of the tile's scales: a_scale of row e, b_scale of column e - tile_m, the bias of
-                    # column e - tile_m - tile_n; this thread's two, e = mma_tidx and mma_tidx + 256 (the
-                    # boundaries fall on whole warps)
-                    for j in cutlass.range_constexpr(2):
-                        e = mma_tidx + j * self.num_mma_threads
-                        value = cutlass.Float32(0.0)
-                        if e < tile_m:
-                            value = mSA_m[m0 + e]
-                        elif e < tile_m + tile_n:
-                            value = mSB_n[n0 + (e - tile_m)]
-                        elif e < self.scale_entries:
-                            if cutlass.const_expr(has_bias):
-                                value = mBias_n[n0 + (e - tile_m - tile_n)]
-                        prefetched[j] = value
 
                 # MAINLOOP
                 mainloop_consumer_read_state.reset_count()
@@ -869,28 +840,14 @@ class RowScaledFP8Gemm:
                         for i in cutlass.range_constexpr(cute.size(accumulators)):
                             accumulators[i] = accumulators[i] + partial[i]
 
-                if cutlass.const_expr(self.prefetch_scales):
-                    # the prefetched scales into shared memory, for every consumer thread to read; the previous
-                    # tile's were all read before its epilogue's first barrier, which every thread has passed
-                    for j in cutlass.range_constexpr(2):
-                        e = mma_tidx + j * self.num_mma_threads
-                        if e < self.scale_entries:
-                            sScale[e] = prefetched[j]
-                    self.epilog_sync_barrier.arrive_and_wait()
-
                 # The scales (powers of two: exact) and the bias, in fp32 on the accumulator; the
                 # conversion below is the one rounding.
                 tCcC_tile = tCcC[(None, None, None, *tile_coord_mnl)]
                 for i in cutlass.range_constexpr(cute.size(accumulators)):
                     m, n, _ = tCcC_tile[i]
-                    if cutlass.const_expr(self.prefetch_scales):
-                        v = accumulators[i] * sScale[m - m0] * sScale[tile_m + (n - n0)]
-                        if cutlass.const_expr(has_bias):
-                            v = v + sScale[tile_m + tile_n + (n - n0)]
-                    else:
-                        v = accumulators[i] * mSA_m[m] * mSB_n[n]
-                        if cutlass.const_expr(has_bias):
-                            v = v + mBias_n[n]
+                    v = accumulators[i] * mSA_m[m] * mSB_n[n]
+                    if cutlass.const_expr(has_bias):
+                        v = v + mBias_n[n]
                     accumulators[i] = v
 
                 # Epilogue
@@ -993,9 +950,7 @@ class RowScaledFP8Gemm:
             + cute.size(b_shape) * b_dtype.width // 8
         )
         c_bytes_per_stage = cute.size(epi_tile) * c_dtype.width // 8
-        # four sub-tile buffers, or two where four would take more than 64 KiB (a wide fp32 sub-tile): the A/B
-        # stages keep the room they have with the example's sub-tiles
-        epi_stage = 4 if c_bytes_per_stage * 4 <= 65536 else 2
+        epi_stage = 4
         epi_bytes = c_bytes_per_stage * epi_stage
 
         mbar_helpers_bytes = 1024

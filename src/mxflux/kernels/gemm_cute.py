@@ -90,13 +90,6 @@ ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fp32", ("fp32", "fast"))
 CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1)), "fp32k2": ((128, 192), (2, 1))}
 CONFIG = CONFIGS[ACCUMULATION]
 SWIZZLE = positive_int("MXFLUX_CUTE_SWIZZLE", 8, "tile columns")
-# The epilogue (MXFLUX_CUTE_EPILOGUE), which in this cooperative schedule runs while the tensor cores idle: `32`,
-# the kernel's own (sub-tiles of 32 columns for its 128-row tiles, the scales read after the main loop); `64`,
-# sub-tiles of 64 columns, half the rounds of barriers and stores; `64-prefetch`, those and the tile's scales and
-# bias read before its main loop. The last two on trial (benchmarks/NOTES.md, "The MX GEMMs against FP8's, problem
-# by problem"): (sub-tile width or None for the kernel's own, prefetch)
-EPILOGUE = {"32": (None, False), "64": (64, False), "64-prefetch": (64, True)}[
-    choice("MXFLUX_CUTE_EPILOGUE", "32", ("32", "64", "64-prefetch"))]
 
 
 def swizzle_for(tiles_n: int, most: int) -> int:
@@ -190,20 +183,18 @@ def _tensor(t: torch.Tensor, dtype, leading_dim: int, tvm_ffi: bool = False):
 _COMPILED: dict = {}
 
 
-def kernel_for(n: int, config, most_swizzle: int | None = None, accumulation: str = ACCUMULATION,
-               epilogue: tuple = (None, False)):
+def kernel_for(n: int, config, most_swizzle: int | None = None, accumulation: str = ACCUMULATION):
     """The kernel for N output columns: `config`'s tile and cluster, tiles visited in bands of the widest
     power of two of tile columns, at most `most_swizzle` (SWIZZLE by default), that divides them; K summed
     as `accumulation` says: `fast`, `fp32` (promoted every k-tile of K 128) or `fp32k2` (every two: the
-    probe's trial; K a multiple of 256); `epilogue` as EPILOGUE's values: its sub-tile width (None: the kernel's
-    own) and whether the tile's scales and bias are read before its main loop."""
+    probe's trial; K a multiple of 256)."""
     import cutlass
 
     from .cute_rowwise_gemm import RowScaledFP8Gemm
 
     tile, cluster = config
     return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, _band_width(n, config, most_swizzle), True,
-                            accumulation != "fast", 2 if accumulation == "fp32k2" else 1, *epilogue)
+                            accumulation != "fast", 2 if accumulation == "fp32k2" else 1)
 
 
 def _band_width(n: int, config, most_swizzle: int | None) -> int:
@@ -212,12 +203,11 @@ def _band_width(n: int, config, most_swizzle: int | None) -> int:
 
 
 def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=None, most_swizzle=None,
-                  accumulation=ACCUMULATION, tvm_ffi=None, epilogue=None):
+                  accumulation=ACCUMULATION, tvm_ffi=None):
     """A call with no arguments that writes out [M, N] (bf16 or fp32) = (A ⊙ a_scale)(B ⊙ b_scale)ᵀ + bias:
     a_data [M, K], b_data [N, K] E4M3 (contiguous), a_scale [M, 1], b_scale [N, 1] fp32, bias [N] or None.
-    `kernel_for`'s kernel is compiled once per bias, output dtype, tile, cluster, band width, epilogue and calling
-    convention (layouts are dynamic); `config` None: the accumulation's own tile and cluster; `epilogue` None:
-    EPILOGUE's.
+    `kernel_for`'s kernel is compiled once per bias, output dtype, tile, cluster, band width and calling
+    convention (layouts are dynamic); `config` None: the accumulation's own tile and cluster.
 
     The calling convention (`tvm_ffi` None: TVM-FFI's where apache-tvm-ffi is installed): through TVM-FFI
     the call takes the torch tensors; through the DSL's own the six tensors are wrapped here first
@@ -225,7 +215,6 @@ def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=None, most
     call, with the same output bits (benchmarks/bench_host.py): the host time that made small GEMMs' steps
     idle (see the module's note on the token floor)."""
     config = CONFIGS[accumulation] if config is None else config
-    epilogue = EPILOGUE if epilogue is None else tuple(epilogue)
     if accumulation == "fp32k2" and a_data.shape[1] % 256:  # K in pairs of 128-wide k-tiles: no tile left over
         raise ValueError(f"fp32k2 accumulation needs K a multiple of 256, got {a_data.shape[1]}")
     tvm_ffi = tvm_ffi_present() if tvm_ffi is None else tvm_ffi
@@ -237,7 +226,7 @@ def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=None, most
     tensors = (a_data.unsqueeze(-1), b_data.unsqueeze(-1), out.unsqueeze(-1), a_scale, b_scale,
                bias.float().contiguous() if bias is not None else b_scale)
     key = (bias is not None, out.dtype, *config, _band_width(b_data.shape[0], config, most_swizzle), accumulation,
-           tvm_ffi, epilogue)
+           tvm_ffi)
     compiled = _COMPILED.get(key)
     if tvm_ffi and compiled is not None:  # the torch tensors are the arguments: nothing to wrap
         return lambda: compiled(*tensors)
@@ -246,7 +235,7 @@ def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=None, most
     args = tuple(_tensor(t, dtype, 1 if t.dim() == 3 else 0, tvm_ffi) for t, dtype in zip(tensors, types))
     stream = _stream(tvm_ffi)
     if compiled is None:  # the kernel object is built only to compile (host time per call: bench_host.py)
-        kernel = kernel_for(b_data.shape[0], config, most_swizzle, accumulation, epilogue)
+        kernel = kernel_for(b_data.shape[0], config, most_swizzle, accumulation)
         cluster = config[1]
         clusters = cutlass.utils.HardwareInfo().get_max_active_clusters(cluster[0] * cluster[1])
         compiled = _COMPILED[key] = cute.compile(kernel, *args, bias is not None, clusters, stream,
