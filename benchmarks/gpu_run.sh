@@ -51,7 +51,8 @@
 #              benchmarks/cutedsl_carry.sh says how the three parts come over in two calls
 # cuterow      benchmarks/probe_cute_rowwise_gemm.py: the CuTe-DSL row-scaled FP8 GEMM against cuBLAS's
 #              row-scaled and tensor-wise GEMMs at the Flux fprop, dgrad and wgrad shapes, contract checked
-#              (CUTEROW_ARGS, e.g. "--configs 128x256-2x1"); needs the `cutedsl` stage's three parts
+#              (CUTEROW_ARGS, e.g. "--configs 128x256-2x1"; "--operands packed --clock": operands packed as the
+#              step packs them, the SM clock and power recorded); needs the `cutedsl` stage's three parts
 # Stages that run a kernel not yet run on a GPU stop at a time limit (TESTS_TIMEOUT 570 s, KERNELS_TIMEOUT
 # 400, CUTEROW_TIMEOUT 300) rather than spend the call on a hang; pytest -v logs each test as it ends.
 # Two GPUs, one call (background job + `wait`, never a pgrep on a pattern the command line contains):

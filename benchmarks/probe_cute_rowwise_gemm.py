@@ -15,7 +15,15 @@ and times it beside cuBLAS row-scaled (what MXFP6 runs) and cuBLAS tensor-wise (
 tiles torchao's GEMMs get), with and without fast accumulation (torchao's forward GEMMs have it).
 
     PYTHONPATH=src python3 benchmarks/probe_cute_rowwise_gemm.py --json $OUT/cute_rowwise_gemm.json [--m 4096,32768]
+        [--operands packed] [--clock]
     python3 benchmarks/probe_cute_rowwise_gemm.py --compile-only   # no GPU: builds each configuration for sm_90a
+
+The operands are random E4M3 bytes with random power-of-two scales by default; `--operands packed` makes them as
+the step does (Gaussian activations and weights through the MX packer for the row-scaled GEMMs, the same tensors
+cast as torchao's recipe casts them for the tensor-wise ones). The two need not time alike: in the MBS-64 step
+both GEMMs ran faster than alone on random operands, cuBLAS's by more (benchmarks/NOTES.md, "The epilogue trials, and
+torchao's fast accumulation weighed"), which would fit a card held at its power limit by random bits. `--clock`
+records the SM clock and board power nvidia-smi reports while each GEMM runs back to back.
 
 Needs nvidia-cutlass-dsl (`pip install nvidia-cutlass-dsl`, with the `cu13` extra for CUDA 13).
 """
@@ -25,6 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
 import sys
 import time
 
@@ -59,6 +69,69 @@ def _problems(tokens: list[int]):
                 rows_a, rows_b, contraction, bias, out_dtype = gemm_problem(kind, m_tokens, k, n)
                 out.append((name, kind, rows_a, rows_b, contraction, bias, out_dtype == torch.float32))
     return out
+
+
+def packed_operands(m: int, k: int, n: int, gen):
+    """A [M, K] and B [N, K] as the step makes them: a Gaussian activation and a weight of std 0.02, bf16, each
+    packed by the MX packer into its row operand (E4M3, a power-of-two scale per row); and the same two tensors
+    cast as torchao's tensor-wise recipe casts them (`tensorwise_cast`). ((a, b, a_scale [M, 1], b_scale [1, N]),
+    (a, b, a_scale, b_scale) tensor-wise, bias [N] bf16)."""
+    import torch
+
+    from mxflux.kernels import mx_operands_cuda
+
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    w = (0.02 * torch.randn(n, k, device="cuda", generator=gen)).bfloat16()
+    px, pw = mx_operands_cuda(x, col=False), mx_operands_cuda(w, col=False)
+    (xt, sx), (wt, sw) = tensorwise_cast(x), tensorwise_cast(w)
+    bias = torch.randn(n, device="cuda", generator=gen).bfloat16()
+    return ((px.row_data, pw.row_data, px.row_scale, pw.row_scale.reshape(1, -1)), (xt, wt, sx, sw), bias)
+
+
+def tensorwise_cast(t):
+    """`t` in E4M3 as torchao's tensor-wise recipe casts it (its amax mapped to E4M3's largest value, 448) and the
+    0-d fp32 scale `torch._scaled_mm` multiplies back."""
+    import torch
+
+    scale = torch.finfo(torch.float8_e4m3fn).max / t.float().abs().amax().clamp_min(1e-12)
+    return (t.float() * scale).to(torch.float8_e4m3fn), scale.reciprocal()
+
+
+def clock_summary(text: str, skip: float = 1 / 3) -> dict:
+    """The median SM clock (MHz) and board power (W) of nvidia-smi's `clocks.sm,power.draw` samples (csv,
+    noheader, nounits: one "MHz, W" line each), the first `skip` of them dropped (the load and the clock
+    still settling when sampling starts)."""
+    samples = []
+    for line in text.splitlines():
+        try:
+            clock, power = (float(v) for v in line.split(","))
+        except ValueError:  # "[N/A]" or a partial line at the end
+            continue
+        samples.append((clock, power))
+    kept = samples[int(len(samples) * skip):]
+    if not kept:
+        return {"sm_clock_mhz": None, "power_w": None, "samples": 0}
+    return {"sm_clock_mhz": statistics.median(c for c, _ in kept), "power_w": statistics.median(p for _, p in kept),
+            "samples": len(kept)}
+
+
+def clock_while(fn, seconds: float = 0.5) -> dict:
+    """`clock_summary` of nvidia-smi sampling every 20 ms while `fn` runs back to back for `seconds`."""
+    import torch
+
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    smi = subprocess.Popen(["nvidia-smi", f"--id=GPU-{uuid}", "--query-gpu=clocks.sm,power.draw",
+                            "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
+    try:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            for _ in range(8):
+                fn()
+            torch.cuda.synchronize()
+    finally:
+        smi.terminate()
+        out = smi.communicate(timeout=10)[0]
+    return clock_summary(out)
 
 
 def _kernel(config: str, n: int):
@@ -104,6 +177,9 @@ def main() -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     ap.add_argument("--m", default="32768", help="tokens (the GEMMs' M), comma-separated, e.g. 4096,16384,32768")
     ap.add_argument("--compile-only", action="store_true", help="build for sm_90a from fake tensors; no GPU needed")
+    ap.add_argument("--operands", choices=("random", "packed"), default="random",
+                    help="random E4M3 bytes and scales (default), or Gaussian tensors packed as the step packs them")
+    ap.add_argument("--clock", action="store_true", help="record the SM clock and power while each GEMM runs")
     ap.add_argument("--json")
     args = ap.parse_args()
     configs = [c for c in args.configs.split(",") if c]
@@ -146,19 +222,25 @@ def main() -> int:
         gen = torch.Generator(device="cuda").manual_seed(0)
         rows = []
         for name, kind, m, n, k, has_bias, fp32_out in _problems(tokens):
-            a, b, sa, sb, bias = _operands(m, k, n, gen)
+            if args.operands == "packed":
+                (a, b, sa, sb), (ta, tb, tsa, tsb), bias = packed_operands(m, k, n, gen)
+            else:  # the tensor-wise GEMMs on the same bytes, unit scales
+                a, b, sa, sb, bias = _operands(m, k, n, gen)
+                ta, tb, tsa, tsb = a, b, torch.ones((), device="cuda"), torch.ones((), device="cuda")
             bias = bias if has_bias else None
             out_dtype = torch.float32 if fp32_out else torch.bfloat16
-            one = torch.ones((), device="cuda")
             rowwise = lambda: torch._scaled_mm(a, b.t(), sa, sb, bias=bias, out_dtype=out_dtype)  # noqa: E731
-            tensorwise = lambda: torch._scaled_mm(a, b.t(), one, one, bias=bias, out_dtype=out_dtype)  # noqa: E731
+            tensorwise = lambda: torch._scaled_mm(ta, tb.t(), tsa, tsb, bias=bias, out_dtype=out_dtype)  # noqa: E731
             # torchao's FP8 recipe runs its forward GEMMs so (fast accumulation, outside our contract): the
             # kernel the step's FP8 fprop gets, beside which the promoted kernel's fprop is measured
-            tensorwise_fast = lambda: torch._scaled_mm(a, b.t(), one, one, bias=bias, out_dtype=out_dtype,  # noqa: E731
-                                                       use_fast_accum=True)
+            tensorwise_fast = lambda: torch._scaled_mm(ta, tb.t(), tsa, tsb, bias=bias,  # noqa: E731
+                                                       out_dtype=out_dtype, use_fast_accum=True)
             want = rowwise()
             row = dict(linear=name, kind=kind, m=m, n=n, k=k, bias=has_bias, cublas_rowwise_ms=bench(rowwise),
                        cublas_tensorwise_ms=bench(tensorwise), cublas_tensorwise_fast_ms=bench(tensorwise_fast))
+            if args.clock:
+                row["clock"] = {"cublas_rowwise": clock_while(rowwise), "cublas_tensorwise": clock_while(tensorwise),
+                                "cublas_tensorwise_fast": clock_while(tensorwise_fast)}
             for config in configs:
                 tile, cluster, most, accumulation = CONFIGS[config]
                 out = torch.full_like(want, float("nan"))  # every element must be written
@@ -175,13 +257,19 @@ def main() -> int:
                 row[config] = dict(ms=ms, within_contract=ok, bit_equal=equal, worst_over_bound=worst,
                                    vs_cublas_rowwise=row["cublas_rowwise_ms"] / ms,
                                    vs_cublas_tensorwise=row["cublas_tensorwise_ms"] / ms)
+                if args.clock:
+                    row[config]["clock"] = clock_while(call)
             rows.append(row)
             best = max((c for c in configs if "ms" in row.get(c, {})), key=lambda c: row[c]["vs_cublas_rowwise"],
                        default=None)
             print(f"{name:8s} {kind:6s} M={m} N={n} K={k}: cuBLAS row {row['cublas_rowwise_ms']:.3f} ms, "
                   f"tensor-wise {row['cublas_tensorwise_ms']:.3f} ms; " +
                   (f"best {best} {row[best]['ms']:.3f} ms ({row[best]['vs_cublas_rowwise']:.2f}x row, "
-                   f"within the fp32 bound {row[best]['within_contract']})" if best else "no configuration ran"), flush=True)
+                   f"within the fp32 bound {row[best]['within_contract']})" if best else "no configuration ran") +
+                  (f"; SM MHz row {row['clock']['cublas_rowwise']['sm_clock_mhz']}, tensor-wise "
+                   f"{row['clock']['cublas_tensorwise']['sm_clock_mhz']}, fast "
+                   f"{row['clock']['cublas_tensorwise_fast']['sm_clock_mhz']}" +
+                   (f", best {row[best]['clock']['sm_clock_mhz']}" if best else "") if args.clock else ""), flush=True)
     if not args.compile_only:  # per kind, the sums over the Flux linears: what a step would see
         for m_tokens, kind in ((t, k) for t in tokens for k in ("fprop", "dgrad", "wgrad")):
             these = [r for r in rows if r["kind"] == kind and r["m" if kind != "wgrad" else "k"] == m_tokens]
@@ -200,8 +288,8 @@ def main() -> int:
         from mxflux.bench.provenance import provenance
 
         with open(args.json, "w") as f:
-            json.dump({"provenance": provenance(), "configs": {c: CONFIGS[c] for c in configs}, "rows": rows}, f,
-                      indent=1)
+            json.dump({"provenance": provenance(), "operands": args.operands, "configs": {c: CONFIGS[c] for c in configs},
+                       "rows": rows}, f, indent=1)
     return 0
 
 

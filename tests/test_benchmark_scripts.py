@@ -388,6 +388,30 @@ def _cute_dsl_installed() -> bool:
     return importlib.util.find_spec("cutlass") is not None
 
 
+def test_cute_rowwise_probe_summarizes_nvidia_smis_clock_samples():
+    """`--clock`: the median SM clock and power of nvidia-smi's samples, its first third dropped (the load still
+    starting), lines it could not read skipped; none left is None, not a crash."""
+    probe = _benchmark_module("probe_cute_rowwise_gemm")
+    text = "345, 80.1\n1410, 400.0\n1980, 690.5\n1755, 699.0\n[N/A], [N/A]\n1830, 700.2\n1755, 698.0\n17"
+    assert probe.clock_summary(text) == {"sm_clock_mhz": 1792.5, "power_w": 698.5, "samples": 4}
+    assert probe.clock_summary("") == {"sm_clock_mhz": None, "power_w": None, "samples": 0}
+
+
+def test_cute_rowwise_probe_casts_tensorwise_as_torchao_does():
+    """`--operands packed`: the tensor-wise GEMMs' operands are the bf16 tensors cast with their amax mapped to
+    E4M3's 448 (torchao's tensor-wise recipe), the returned scale multiplying them back to within E4M3's rounding."""
+    import torch
+
+    probe = _benchmark_module("probe_cute_rowwise_gemm")
+    t = (0.02 * torch.randn(64, 96, generator=torch.Generator().manual_seed(0))).bfloat16()
+    cast, scale = probe.tensorwise_cast(t)
+    assert cast.dtype == torch.float8_e4m3fn and scale.dim() == 0
+    assert cast.float().abs().max().item() == 448.0
+    back = cast.float() * scale
+    normal = t.float().abs() >= 2.0**-6 * scale  # E4M3 normals after the scaling: relative error at most 2^-4
+    assert ((back - t.float()).abs()[normal] <= 2.0**-4 * t.float().abs()[normal]).all()
+
+
 @pytest.mark.skipif(_cute_dsl_installed(), reason="CuTe DSL is installed here")
 def test_cute_rowwise_probe_says_what_it_needs_without_cute_dsl(tmp_path):
     """benchmarks/probe_cute_rowwise_gemm.py where nvidia-cutlass-dsl is not installed (CI): one line naming
