@@ -6,7 +6,7 @@
 #   make test-slow  only the slow compiled and distributed end-to-end tests
 #   make test-kernels  the Triton kernels' tests on a CPU: tests/gpu under Triton's interpreter, then
 #               their ahead-of-time sm_90 compiles (not part of `make test`: ~15 min on 2 cores)
-#   make test-cute  the CuTe-DSL GEMM's CPU tests: its epilogue's layouts and its sm_90a builds (not part of
+#   make test-cute  the CuTe-DSL GEMMs' CPU tests: its epilogue's layouts, its and quack's sm_90a builds (not part of
 #               `make test`: nvidia-cutlass-dsl is a ~100 MB download; ~1 min)
 
 PYTHON ?= python3
@@ -65,14 +65,20 @@ test-kernels: $(KERNEL_DEPS)/.installed
 
 # CuTe DSL (the row-scaled GEMM taken where installed, mxflux.kernels.gemm_cute) in a folder of its own, as Triton above;
 # its packages sit one level down (the wheel adds them by a .pth file, which --target skips).
+# quack-kernels (benchmarks/probe_quack_gemm.py's ping-pong GEMM) beside it, without its torch: the one installed.
 CUTE_DEPS := .cute-deps
 $(CUTE_DEPS)/.installed: $(TESTING)
 	$(BIN)/pip install --target $(CUTE_DEPS) "nvidia-cutlass-dsl==4.8.1"
 	touch $@
 
-test-cute: $(CUTE_DEPS)/.installed
-	PYTHONPATH=$(CUTE_DEPS):$(CUTE_DEPS)/nvidia_cutlass_dsl/dsl_packages $(BIN)/python -m pytest -q \
-	  tests/test_cute_gemm_layout.py tests/test_benchmark_scripts.py -k "cute"
+$(CUTE_DEPS)/.quack-installed: $(CUTE_DEPS)/.installed
+	$(BIN)/pip install --target $(CUTE_DEPS) --no-deps "quack-kernels==0.6.5" "apache-tvm-ffi>=0.1.6,<0.2" einops \
+	  torch-c-dlpack-ext
+	touch $@
+
+test-cute: $(CUTE_DEPS)/.quack-installed $(KERNEL_DEPS)/.installed
+	PYTHONPATH=$(CUTE_DEPS):$(CUTE_DEPS)/nvidia_cutlass_dsl/dsl_packages:$(KERNEL_DEPS) $(BIN)/python -m pytest -q \
+	  tests/test_cute_gemm_layout.py tests/test_benchmark_scripts.py -k "cute or quack"
 
 clean:
 	rm -rf $(VENV) $(KERNEL_DEPS) $(CUTE_DEPS) build src/*.egg-info .pytest_cache .hypothesis

@@ -53,6 +53,9 @@
 #              row-scaled and tensor-wise GEMMs at the Flux fprop, dgrad and wgrad shapes, contract checked
 #              (CUTEROW_ARGS, e.g. "--configs 128x256-2x1"; "--operands packed --clock": operands packed as the
 #              step packs them, the SM clock and power recorded); needs the `cutedsl` stage's three parts
+# quackgemm    benchmarks/probe_quack_gemm.py: quack's Hopper FP8 GEMM (promoted sums, ping-pong and cooperative)
+#              beside ours and cuBLAS at the Flux shapes, on operands packed as the step packs them (QUACKGEMM_ARGS,
+#              e.g. "--m 16384,32768"); needs the `cutedsl` stage's three parts (quack-kernels is in .cutedsl/a)
 # Stages that run a kernel not yet run on a GPU stop at a time limit (TESTS_TIMEOUT 570 s, KERNELS_TIMEOUT
 # 400, CUTEROW_TIMEOUT 300) rather than spend the call on a hang; pytest -v logs each test as it ends.
 # Two GPUs, one call (background job + `wait`, never a pgrep on a pattern the command line contains):
@@ -160,6 +163,9 @@ for stage in "$@"; do
       cute_on_path
       python3 -c "import cutlass.cute; print('CuTe DSL', cutlass.__version__ if hasattr(cutlass, '__version__') else '')" \
         || echo "CuTe DSL not complete yet: carry the next part (.cutedsl/a, b, c) in the next call" ;;
+    quackgemm)
+      timeout ${QUACKGEMM_TIMEOUT:-300} python3 benchmarks/probe_quack_gemm.py --json "$OUT/quack_gemm.json" \
+        ${QUACKGEMM_ARGS:-} 2>&1 | grep -vE "W11|I11" | tail -40 ;;
     cuterow)
       timeout ${CUTEROW_TIMEOUT:-300} python3 benchmarks/probe_cute_rowwise_gemm.py --json "$OUT/cute_rowwise_gemm.json" \
         ${CUTEROW_ARGS:-} 2>&1 \

@@ -440,6 +440,39 @@ def test_cute_rowwise_gemm_builds_for_sm90_without_a_gpu(tmp_path):
         (c, *v) for c in probe.CONFIGS for v in ((True, False), (False, False), (False, True))}
 
 
+def _quack_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("quack") is not None
+
+
+@pytest.mark.skipif(_quack_installed(), reason="quack-kernels is installed here")
+def test_quack_probe_says_what_it_needs_without_quack(tmp_path):
+    """benchmarks/probe_quack_gemm.py where quack-kernels is not installed (CI): one line naming it, exit 2, no
+    traceback and no JSON."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_quack_gemm.py"), "--compile-only",
+                        "--json", str(tmp_path / "x.json")], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("probe_quack_gemm: needs quack-kernels (pip install quack-kernels;")
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.skipif(not _quack_installed(), reason="needs quack-kernels")
+def test_quack_gemm_builds_for_sm90_without_a_gpu(tmp_path):
+    """quack's Hopper FP8 GEMM with promoted sums compiles for sm_90a from fake tensors in every configuration the
+    probe times, ping-pong and cooperative, bf16 out with a bias and fp32 out: what can be checked without a GPU."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_quack_gemm.py"), "--compile-only",
+                        "--json", str(tmp_path / "x.json")], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "x.json").read_text())["rows"]
+    probe = _benchmark_module("probe_quack_gemm")
+    assert {(row["config"], row["fp32_out"]) for row in rows if row["compiled"]} == {
+        (c, fp32) for c in probe.CONFIGS for fp32 in (False, True)}, rows
+
+
 def _cute_ptx(config: str, tmp_path) -> str:
     """The PTX of the probe's configuration `config` built for sm_90a without a GPU: that of the last of its three
     GEMMs built (each overwrites the file), the fp32-out one."""

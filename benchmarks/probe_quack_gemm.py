@@ -1,0 +1,198 @@
+"""Would a ping-pong schedule close the MX GEMM's gap in the step? quack's Hopper FP8 GEMM timed beside ours.
+
+In the MBS-64 step MXFP6's GEMMs run 1.036x the time of torchao's at the same accumulation, the loss gathering
+where K is short and the output wide: a cost per output tile, which our CuTe kernel's cooperative schedule (both
+consumer warp groups on one tile, its epilogue under no MMA) pays in full, and two cheaper epilogues did not remove
+(benchmarks/NOTES.md, "The epilogue trials, and torchao's fast accumulation weighed"). quack-kernels (Tri Dao's
+CuTe-DSL kernels, `pip install quack-kernels`) has a Hopper FP8 GEMM with each k-tile's sums promoted to fp32
+(our contract's accumulation) in both schedules, ping-pong among them: each consumer warp group on its own 64-row
+tile, one group's epilogue under the other's MMAs. This probe times it per Flux GEMM (fprop with its bias, dgrad,
+bf16 out; wgrad, fp32 out) beside our kernel (`gemm_cute`, the default configuration) and cuBLAS tensor-wise with
+and without fast accumulation, on the same E4M3 operands, and checks quack's output against cuBLAS's unit-scaled
+tensor-wise output (the share of bit-equal elements: 1.0 where both promote every 128 products).
+
+Its epilogue adds the bias only (quack's default epilogue adds vectors, it does not multiply by them), so it does
+one vector load less than ours, which also multiplies by the row and column scales: the schedule's worth, not
+yet a drop-in. Where it wins, an epilogue of quack's composable kind applying our scales is the next step.
+
+    PYTHONPATH=src python3 benchmarks/probe_quack_gemm.py --json $OUT/quack_gemm.json [--m 16384,32768]
+        [--operands packed] [--configs pingpong-64x192-2x1,cooperative-128x192-2x1]
+    python3 benchmarks/probe_quack_gemm.py --compile-only   # no GPU: builds each configuration for sm_90a
+
+Needs quack-kernels 0.6.5 (with nvidia-cutlass-dsl >= 4.7, apache-tvm-ffi, einops and torch-c-dlpack-ext);
+benchmarks/cutedsl_carry.sh brings them to the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+# (tile M, tile N), cluster (M, N), ping-pong or cooperative, of each configuration tried. Promoted sums need
+# twice the accumulator registers: a consumer warp group holds 64x192 of them in 168 registers, so ping-pong's
+# tile (one warp group's) is 64 rows, cooperative's (two warp groups') 128. (Ping-pong 64x256 spills 1056 bytes a
+# thread, built for sm_90a: not tried.)
+CONFIGS = {"pingpong-64x192-2x1": ((64, 192), (2, 1), True), "pingpong-64x128-2x1": ((64, 128), (2, 1), True),
+           "cooperative-128x192-2x1": ((128, 192), (2, 1), False)}
+
+
+def _config(name: str):
+    """quack's GemmConfig for configuration `name`: a static persistent schedule on Hopper, tile columns in bands
+    of up to 8 (ours)."""
+    from quack.gemm_config import GemmConfig
+
+    (tile_m, tile_n), (cluster_m, cluster_n), pingpong = CONFIGS[name]
+    return GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, is_dynamic_persistent=False,
+                      cluster_m=cluster_m, cluster_n=cluster_n, max_swizzle_size=8, device_capacity=9)
+
+
+def compile_only(configs: list[str]) -> list[dict]:
+    """Build each configuration for sm_90a from quack's fake tensors (no GPU): E4M3 operands K-major, bf16 out
+    with a bias vector (fprop) and fp32 out without (wgrad)."""
+    import cutlass
+    from quack.gemm import _compile_gemm
+    from quack.rounding import RoundingMode
+
+    rows = []
+    for name in configs:
+        tile, cluster, pingpong = CONFIGS[name]
+        for d_dtype, rowvec in ((cutlass.BFloat16, cutlass.Float32), (cutlass.Float32, None)):
+            t = time.perf_counter()
+            try:
+                # (a, b, d, c dtypes; a, b, d, c majors; tile, cluster; pingpong, persistent, dynamic; rowvec,
+                # colvec dtypes, colvec ndim; alpha, beta modes; add to output; concat layout; varlen m, k;
+                # gather A; TMA gather; batch permutation; device capacity; rounding; seed mode; warps)
+                _compile_gemm(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, d_dtype, None, "k", "k", "n", None,
+                              tile, (*cluster, 1), pingpong, True, False, rowvec, None, 0, 0, 0, False, (), False,
+                              False, False, False, False, (9, 0), RoundingMode.RN, 0, None, batched=False)
+                row = dict(config=name, fp32_out=d_dtype is cutlass.Float32, compiled=True)
+            except Exception as e:  # a configuration quack refuses: say so, go on
+                row = dict(config=name, fp32_out=d_dtype is cutlass.Float32, compiled=False,
+                           error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            row["compile_s"] = round(time.perf_counter() - t, 2)
+            rows.append(row)
+            print(f"{name:24s} fp32 out={row['fp32_out']!s:5s} " +
+                  (f"compiled in {row['compile_s']} s" if row["compiled"] else f"refused: {row['error']}"), flush=True)
+    return rows
+
+
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+ap.add_argument("--m", default="32768", help="tokens (the GEMMs' M), comma-separated, e.g. 16384,32768")
+ap.add_argument("--operands", choices=("random", "packed"), default="packed",
+                help="Gaussian tensors packed as the step packs them (default), or random E4M3 bytes")
+ap.add_argument("--compile-only", action="store_true", help="build for sm_90a from fake tensors; no GPU needed")
+ap.add_argument("--json")
+
+
+def main() -> int:
+    args = ap.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        ap.error(f"unknown configuration: {', '.join(bad)}")
+    try:
+        tokens = [int(t) for t in args.m.split(",") if t]
+    except ValueError:
+        tokens = []
+    if not tokens or min(tokens) < 1:
+        ap.error(f"--m: expected positive whole numbers of tokens, comma-separated; got {args.m!r}")
+    if args.compile_only:  # read when the DSL and quack are imported
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+        os.environ.setdefault("QUACK_CACHE_ENABLED", "0")
+    try:
+        import quack.gemm_interface  # noqa: F401
+    except ImportError as e:
+        print(f"probe_quack_gemm: needs quack-kernels (pip install quack-kernels; {e})", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, run from anywhere
+    if args.compile_only:
+        rows = compile_only(configs)
+    else:
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            print("probe_quack_gemm: needs a CUDA device of sm_90 (--compile-only builds without one)",
+                  file=sys.stderr)
+            return 2
+        rows = measure(configs, tokens, args.operands)
+    if args.json:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+        from mxflux.bench.provenance import provenance
+
+        with open(args.json, "w") as f:
+            json.dump({"provenance": provenance(), "operands": args.operands,
+                       "configs": {c: CONFIGS[c] for c in configs}, "rows": rows}, f, indent=1)
+    return 0
+
+
+def measure(configs: list[str], tokens: list[int], operands: str) -> list[dict]:
+    """Per Flux GEMM: cuBLAS tensor-wise (unit scales) with and without fast accumulation, our CuTe GEMM (row
+    scales, the default configuration) and quack's per configuration (unit scales), ms (median), and quack's
+    share of outputs bit-equal to cuBLAS's without fast accumulation."""
+    import torch
+    import triton.testing
+    from probe_cute_rowwise_gemm import _problems, packed_operands
+    from probe_scaled_mm_autotune import _operands
+    from quack.gemm_interface import gemm_tuned
+
+    from mxflux.kernels.gemm_cute import available, prepared_gemm
+
+    def bench(fn) -> float:
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    one = torch.ones((), device="cuda")
+    rows = []
+    for name, kind, m, n, k, has_bias, fp32_out in _problems(tokens):
+        if operands == "packed":
+            (a, b, sa, sb), _, bias = packed_operands(m, k, n, gen)
+        else:
+            a, b, sa, sb, bias = _operands(m, k, n, gen)
+        bias = bias if has_bias else None
+        out_dtype = torch.float32 if fp32_out else torch.bfloat16
+        tensorwise = lambda: torch._scaled_mm(a, b.t(), one, one, bias=bias, out_dtype=out_dtype)  # noqa: E731
+        tensorwise_fast = lambda: torch._scaled_mm(a, b.t(), one, one, bias=bias, out_dtype=out_dtype,  # noqa: E731
+                                                   use_fast_accum=True)
+        want = tensorwise()
+        row = dict(linear=name, kind=kind, m=m, n=n, k=k, bias=has_bias, cublas_tensorwise_ms=bench(tensorwise),
+                   cublas_tensorwise_fast_ms=bench(tensorwise_fast))
+        if available():
+            ours = prepared_gemm(a, sa, b, sb, bias, torch.empty_like(want))
+            row["ours_ms"] = bench(ours)
+        for config in configs:
+            out = torch.full_like(want, float("nan"))  # every element must be written
+            call = lambda: gemm_tuned(a, b.t(), out, bias=bias, config=_config(config))  # noqa: E731
+            try:
+                call()
+                torch.cuda.synchronize()
+            except Exception as e:  # a configuration quack or the device refuses: say so, go on
+                row[config] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+                continue
+            row[config] = dict(ms=bench(call), bit_equal=float((out == want).float().mean()),
+                               written=bool(not out.isnan().any()))
+        rows.append(row)
+        timed = "; ".join(f"{c} {row[c]['ms']:.3f} ms ({row[c]['bit_equal']:.4f} bit-equal)" if "ms" in row[c]
+                          else f"{c} {row[c]['error']}" for c in configs)
+        print(f"{name:8s} {kind:6s} M={m} N={n} K={k}: cuBLAS tensor-wise {row['cublas_tensorwise_ms']:.3f} ms, fast "
+              f"{row['cublas_tensorwise_fast_ms']:.3f}" + (f", ours {row['ours_ms']:.3f}" if "ours_ms" in row else "")
+              + f"; {timed}", flush=True)
+    for m_tokens, kind in ((t, k) for t in tokens for k in ("fprop", "dgrad", "wgrad")):
+        these = [r for r in rows if r["kind"] == kind and r["m" if kind != "wgrad" else "k"] == m_tokens]
+        line = (f"{kind} at {m_tokens} tokens, ms summed: cuBLAS tensor-wise {sum(r['cublas_tensorwise_ms'] for r in these):.2f}"
+                f", fast {sum(r['cublas_tensorwise_fast_ms'] for r in these):.2f}")
+        if all("ours_ms" in r for r in these):
+            line += f", ours {sum(r['ours_ms'] for r in these):.2f}"
+        for config in configs:
+            if all("ms" in r.get(config, {}) for r in these):
+                line += (f", {config} {sum(r[config]['ms'] for r in these):.2f} (bit-equal >= "
+                         f"{min(r[config]['bit_equal'] for r in these):.4f})")
+        print(line, flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
