@@ -471,6 +471,16 @@ def test_quack_gemm_builds_for_sm90_without_a_gpu(tmp_path):
     probe = _benchmark_module("probe_quack_gemm")
     assert {(row["config"], row["fp32_out"]) for row in rows if row["compiled"]} == {
         (c, fp32) for c in probe.CONFIGS for fp32 in (False, True)}, rows
+    # the GPU run's call, checked against quack's own signature and configuration type
+    import inspect
+
+    from quack.gemm_interface import gemm_tuned
+
+    for name, ((tile_m, tile_n), (cluster_m, cluster_n), pingpong) in probe.CONFIGS.items():
+        config = probe._config(name)
+        assert (config.tile_m, config.tile_n, config.cluster_m, config.cluster_n, config.pingpong) == (
+            tile_m, tile_n, cluster_m, cluster_n, pingpong) and not config.is_dynamic_persistent
+        inspect.signature(gemm_tuned).bind("A", "B.t()", "out", bias=None, config=config)
 
 
 def _cute_ptx(config: str, tmp_path) -> str:
