@@ -11,9 +11,10 @@ bf16 out; wgrad, fp32 out) beside our kernel (`gemm_cute`, the default configura
 and without fast accumulation, on the same E4M3 operands, and checks quack's output against cuBLAS's unit-scaled
 tensor-wise output (the share of bit-equal elements: 1.0 where both promote every 128 products).
 
-Its epilogue adds the bias only (quack's default epilogue adds vectors, it does not multiply by them), so it does
-one vector load less than ours, which also multiplies by the row and column scales: the schedule's worth, not
-yet a drop-in. Where it wins, an epilogue of quack's composable kind applying our scales is the next step.
+quack's default epilogue adds vectors, it does not multiply by them: timed, its epilogue adds the bias (or the
+column scales) along N and the row scales along M, as many vector loads as ours, which multiplies by the two scales
+and adds the bias; its bits are checked on a call adding the bias alone. So this measures the schedule's worth, not
+yet a drop-in; where it wins, an epilogue of quack's composable kind applying our scales is the next step.
 
     PYTHONPATH=src python3 benchmarks/probe_quack_gemm.py --json $OUT/quack_gemm.json [--m 16384,32768]
         [--operands packed] [--configs pingpong-64x192-2x1,cooperative-128x192-2x1]
@@ -39,19 +40,21 @@ CONFIGS = {"pingpong-64x192-2x1": ((64, 192), (2, 1), True), "pingpong-64x128-2x
            "cooperative-128x192-2x1": ((128, 192), (2, 1), False)}
 
 
-def _config(name: str):
-    """quack's GemmConfig for configuration `name`: a static persistent schedule on Hopper, tile columns in bands
-    of up to 8 (ours)."""
-    from quack.gemm_config import GemmConfig
+def quack_call(name: str, a, b, out, rowvec=None, colvec=None):
+    """A call with no arguments running quack's GEMM in configuration `name` (a static persistent schedule, tile
+    columns in bands of up to 8, as ours): out [M, N] = a [M, K] · b [N, K]ᵀ (+ rowvec [1, N]) (+ colvec [1, M]),
+    fp32 vectors added in its epilogue before the one rounding."""
+    from quack.gemm import gemm
 
     (tile_m, tile_n), (cluster_m, cluster_n), pingpong = CONFIGS[name]
-    return GemmConfig(tile_m=tile_m, tile_n=tile_n, pingpong=pingpong, is_dynamic_persistent=False,
-                      cluster_m=cluster_m, cluster_n=cluster_n, max_swizzle_size=8, device_capacity=9)
+    return lambda: gemm(a, b, out, None, None, tile_m, tile_n, cluster_m, cluster_n, pingpong=pingpong,
+                        persistent=True, is_dynamic_persistent=False, max_swizzle_size=8, rowvec_bias=rowvec,
+                        colvec_bias=colvec)
 
 
 def compile_only(configs: list[str]) -> list[dict]:
-    """Build each configuration for sm_90a from quack's fake tensors (no GPU): E4M3 operands K-major, bf16 out
-    with a bias vector (fprop) and fp32 out without (wgrad)."""
+    """Build each configuration for sm_90a from quack's fake tensors (no GPU) as the GPU run times it: E4M3
+    operands K-major, a vector added along N and one along M, bf16 out (fprop, dgrad) and fp32 out (wgrad)."""
     import cutlass
     from quack.gemm import _compile_gemm
     from quack.rounding import RoundingMode
@@ -59,15 +62,16 @@ def compile_only(configs: list[str]) -> list[dict]:
     rows = []
     for name in configs:
         tile, cluster, pingpong = CONFIGS[name]
-        for d_dtype, rowvec in ((cutlass.BFloat16, cutlass.Float32), (cutlass.Float32, None)):
+        for d_dtype in (cutlass.BFloat16, cutlass.Float32):
             t = time.perf_counter()
             try:
                 # (a, b, d, c dtypes; a, b, d, c majors; tile, cluster; pingpong, persistent, dynamic; rowvec,
                 # colvec dtypes, colvec ndim; alpha, beta modes; add to output; concat layout; varlen m, k;
                 # gather A; TMA gather; batch permutation; device capacity; rounding; seed mode; warps)
                 _compile_gemm(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, d_dtype, None, "k", "k", "n", None,
-                              tile, (*cluster, 1), pingpong, True, False, rowvec, None, 0, 0, 0, False, (), False,
-                              False, False, False, False, (9, 0), RoundingMode.RN, 0, None, batched=False)
+                              tile, (*cluster, 1), pingpong, True, False, cutlass.Float32, cutlass.Float32, 2, 0, 0,
+                              False, (), False, False, False, False, False, (9, 0), RoundingMode.RN, 0, None,
+                              batched=False)
                 row = dict(config=name, fp32_out=d_dtype is cutlass.Float32, compiled=True)
             except Exception as e:  # a configuration quack refuses: say so, go on
                 row = dict(config=name, fp32_out=d_dtype is cutlass.Float32, compiled=False,
@@ -131,14 +135,12 @@ def main() -> int:
 
 def measure(configs: list[str], tokens: list[int], operands: str) -> list[dict]:
     """Per Flux GEMM: cuBLAS tensor-wise (unit scales) with and without fast accumulation, our CuTe GEMM (row
-    scales, the default configuration) and quack's per configuration (unit scales), ms (median), and quack's
-    share of outputs bit-equal to cuBLAS's without fast accumulation."""
+    scales, the default configuration) and quack's per configuration (two vectors added), ms (median), and
+    quack's share of outputs bit-equal to cuBLAS's without fast accumulation (unit scales, the bias)."""
     import torch
     import triton.testing
     from probe_cute_rowwise_gemm import _problems, packed_operands
     from probe_scaled_mm_autotune import _operands
-    from quack.gemm_interface import gemm_tuned
-
     from mxflux.kernels.gemm_cute import available, prepared_gemm
 
     def bench(fn) -> float:
@@ -163,17 +165,19 @@ def measure(configs: list[str], tokens: list[int], operands: str) -> list[dict]:
         if available():
             ours = prepared_gemm(a, sa, b, sb, bias, torch.empty_like(want))
             row["ours_ms"] = bench(ours)
+        # the vectors quack's timed epilogue adds: the bias (or the column scales) along N, the row scales along M
+        along_n = (bias.float() if bias is not None else sb.float()).reshape(1, -1)
+        along_m = sa.float().reshape(1, -1)
         for config in configs:
             out = torch.full_like(want, float("nan"))  # every element must be written
-            call = lambda: gemm_tuned(a, b.t(), out, bias=bias, config=_config(config))  # noqa: E731
             try:
-                call()
+                quack_call(config, a, b, out, bias.float().reshape(1, -1) if bias is not None else None)()
                 torch.cuda.synchronize()
             except Exception as e:  # a configuration quack or the device refuses: say so, go on
                 row[config] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
                 continue
-            row[config] = dict(ms=bench(call), bit_equal=float((out == want).float().mean()),
-                               written=bool(not out.isnan().any()))
+            row[config] = dict(bit_equal=float((out == want).float().mean()), written=bool(not out.isnan().any()),
+                               ms=bench(quack_call(config, a, b, torch.empty_like(want), along_n, along_m)))
         rows.append(row)
         timed = "; ".join(f"{c} {row[c]['ms']:.3f} ms ({row[c]['bit_equal']:.4f} bit-equal)" if "ms" in row[c]
                           else f"{c} {row[c]['error']}" for c in configs)
