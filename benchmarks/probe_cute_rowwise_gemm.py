@@ -71,6 +71,22 @@ def _problems(tokens: list[int]):
     return out
 
 
+def configs_and_tokens(ap, args, known) -> tuple[list[str], list[int]]:
+    """The probe's `--configs` (each one of `known`) and `--m` (positive token counts), comma-separated; a bad
+    value is the parser's one-line error (exit 2)."""
+    configs = [c for c in args.configs.split(",") if c]
+    bad = [c for c in configs if c not in known]
+    if bad:
+        ap.error(f"unknown configuration: {', '.join(bad)}")
+    try:
+        tokens = [int(t) for t in args.m.split(",") if t]
+    except ValueError:
+        tokens = []
+    if not tokens or min(tokens) < 1:
+        ap.error(f"--m: expected positive whole numbers of tokens, comma-separated; got {args.m!r}")
+    return configs, tokens
+
+
 def packed_operands(m: int, k: int, n: int, gen):
     """A [M, K] and B [N, K] as the step makes them: a Gaussian activation and a weight of std 0.02, bf16, each
     packed by the MX packer into its row operand (E4M3, a power-of-two scale per row); and the same two tensors
@@ -182,16 +198,7 @@ def main() -> int:
     ap.add_argument("--clock", action="store_true", help="record the SM clock and power while each GEMM runs")
     ap.add_argument("--json")
     args = ap.parse_args()
-    configs = [c for c in args.configs.split(",") if c]
-    try:
-        tokens = [int(t) for t in args.m.split(",") if t]
-    except ValueError:
-        tokens = []
-    if not tokens or min(tokens) < 1:
-        ap.error(f"--m: expected positive whole numbers of tokens, comma-separated; got {args.m!r}")
-    bad = [c for c in configs if c not in CONFIGS]
-    if bad:
-        ap.error(f"unknown configuration: {', '.join(bad)}")
+    configs, tokens = configs_and_tokens(ap, args, CONFIGS)
     if args.compile_only:  # the DSL reads its target when it is imported
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     try:

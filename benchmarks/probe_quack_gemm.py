@@ -94,16 +94,10 @@ ap.add_argument("--json")
 
 def main() -> int:
     args = ap.parse_args()
-    configs = [c for c in args.configs.split(",") if c]
-    bad = [c for c in configs if c not in CONFIGS]
-    if bad:
-        ap.error(f"unknown configuration: {', '.join(bad)}")
-    try:
-        tokens = [int(t) for t in args.m.split(",") if t]
-    except ValueError:
-        tokens = []
-    if not tokens or min(tokens) < 1:
-        ap.error(f"--m: expected positive whole numbers of tokens, comma-separated; got {args.m!r}")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, run from anywhere
+    from probe_cute_rowwise_gemm import configs_and_tokens
+
+    configs, tokens = configs_and_tokens(ap, args, CONFIGS)
     if args.compile_only:  # read when the DSL and quack are imported
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
         os.environ.setdefault("QUACK_CACHE_ENABLED", "0")
@@ -112,7 +106,6 @@ def main() -> int:
     except ImportError as e:
         print(f"probe_quack_gemm: needs quack-kernels (pip install quack-kernels; {e})", file=sys.stderr)
         return 2
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, run from anywhere
     if args.compile_only:
         rows = compile_only(configs)
     else:

@@ -424,17 +424,22 @@ def test_cute_rowwise_probe_says_what_it_needs_without_cute_dsl(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
+def _compile_only_rows(probe: str, tmp_path) -> list[dict]:
+    """The rows of benchmarks/`probe`.py --compile-only (each configuration built for sm_90a, no GPU)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{probe}.py"), "--compile-only",
+                        "--json", str(tmp_path / "x.json")], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads((tmp_path / "x.json").read_text())["rows"]
+
+
 @pytest.mark.skipif(not _cute_dsl_installed(), reason="needs nvidia-cutlass-dsl")
 def test_cute_rowwise_gemm_builds_for_sm90_without_a_gpu(tmp_path):
     """The CuTe-DSL row-scaled GEMM compiles for sm_90a from fake tensors in every configuration, for each of
     the three GEMMs (bf16 out with and without the bias, fp32 out): what can be checked without a GPU; the
     probe's GPU run checks its numbers."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-           "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_cute_rowwise_gemm.py"), "--compile-only",
-                        "--json", str(tmp_path / "x.json")], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    rows = json.loads((tmp_path / "x.json").read_text())["rows"]
+    rows = _compile_only_rows("probe_cute_rowwise_gemm", tmp_path)
     probe = _benchmark_module("probe_cute_rowwise_gemm")
     assert {(row["config"], row["bias"], row["fp32_out"]) for row in rows if row["compiled"]} == {
         (c, *v) for c in probe.CONFIGS for v in ((True, False), (False, False), (False, True))}
@@ -461,13 +466,9 @@ def test_quack_probe_says_what_it_needs_without_quack(tmp_path):
 @pytest.mark.skipif(not _quack_installed(), reason="needs quack-kernels")
 def test_quack_gemm_builds_for_sm90_without_a_gpu(tmp_path, monkeypatch):
     """quack's Hopper FP8 GEMM with promoted sums compiles for sm_90a from fake tensors in every configuration the
-    probe times, ping-pong and cooperative, bf16 out with a bias and fp32 out: what can be checked without a GPU."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-           "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_quack_gemm.py"), "--compile-only",
-                        "--json", str(tmp_path / "x.json")], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    rows = json.loads((tmp_path / "x.json").read_text())["rows"]
+    probe times, ping-pong and cooperative, with a vector added along N and one along M, bf16 and fp32 out: what
+    can be checked without a GPU."""
+    rows = _compile_only_rows("probe_quack_gemm", tmp_path)
     probe = _benchmark_module("probe_quack_gemm")
     assert {(row["config"], row["fp32_out"]) for row in rows if row["compiled"]} == {
         (c, fp32) for c in probe.CONFIGS for fp32 in (False, True)}, rows
