@@ -295,8 +295,8 @@ def main() -> int:
         from mxflux.bench.provenance import provenance
 
         with open(args.json, "w") as f:
-            json.dump({"provenance": provenance(), "operands": args.operands, "configs": {c: CONFIGS[c] for c in configs},
-                       "rows": rows}, f, indent=1)
+            json.dump({"provenance": provenance(), "operands": args.operands,
+                       "configs": {c: CONFIGS[c] for c in configs}, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -13,8 +13,10 @@ tensor-wise output (the share of bit-equal elements: 1.0 where both promote ever
 
 quack's default epilogue adds vectors, it does not multiply by them: timed, its epilogue adds the bias (or the
 column scales) along N and the row scales along M, as many vector loads as ours, which multiplies by the two scales
-and adds the bias; its bits are checked on a call adding the bias alone. So this measures the schedule's worth, not
-yet a drop-in; where it wins, an epilogue of quack's composable kind applying our scales is the next step.
+and adds the bias; its bits are checked on a call adding the bias alone. The `-scaled` configurations are the
+drop-in candidates: the same schedules with our contract's epilogue written for quack's epilogue front end
+(`row_scaled`, `row_scaled_bias`), timed and checked bit for bit against cuBLAS's row-scaled GEMM, whose bits our
+CuTe kernel gives.
 
     PYTHONPATH=src python3 benchmarks/probe_quack_gemm.py --json $OUT/quack_gemm.json [--m 16384,32768]
         [--operands packed] [--configs pingpong-64x192-2x1,cooperative-128x192-2x1]
@@ -27,6 +29,8 @@ benchmarks/cutedsl_carry.sh brings them to the device.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -38,6 +42,68 @@ import time
 # thread, built for sm_90a: not tried.)
 CONFIGS = {"pingpong-64x192-2x1": ((64, 192), (2, 1), True), "pingpong-64x128-2x1": ((64, 128), (2, 1), True),
            "cooperative-128x192-2x1": ((128, 192), (2, 1), False)}
+# The same schedules with our GEMM contract's epilogue (`row_scaled`): the drop-in candidates, timed and checked
+# bit for bit against cuBLAS's row-scaled GEMM, which our CuTe kernel equals.
+SCALED = {f"{name}-scaled": config for name, config in CONFIGS.items() if name != "pingpong-64x128-2x1"}
+
+
+def row_scaled(acc, row_scale, col_scale):
+    """Our GEMM contract's epilogue as a quack epilogue function, per accumulator element: the row's and the
+    column's power-of-two scales (exact), then the one rounding to the output type."""
+    return {"D": acc * row_scale * col_scale}
+
+
+def row_scaled_bias(acc, row_scale, col_scale, bias):
+    """`row_scaled` and the bias, added in fp32 before the one rounding (ptxas contracts the last multiply and
+    the add into an FMA, the same bits: the product by a power of two is exact)."""
+    return {"D": acc * row_scale * col_scale + bias}
+
+
+@functools.cache
+def scaled_epilogues() -> dict:
+    """quack epilogue modules of `row_scaled` and `row_scaled_bias` by whether a bias is added, the operands'
+    kinds pinned (the scales' lengths M and N alone would not tell them apart where M = N)."""
+    from quack.epilogue.frontend import gemm_epilogue
+    from quack.epilogue.ops import ColVecLoad, RowVecLoad
+
+    pins = {"row_scale": ColVecLoad("row_scale"), "col_scale": RowVecLoad("col_scale")}
+    return {False: gemm_epilogue(ops=pins)(row_scaled),
+            True: gemm_epilogue(ops={**pins, "bias": RowVecLoad("bias")})(row_scaled_bias)}
+
+
+ALL = {**CONFIGS, **SCALED}
+
+
+def scaled_call(name: str, a, b, out, a_scale, b_scale, bias=None, launch: bool = True):
+    """A call with no arguments running quack's GEMM in `SCALED` configuration `name` with our contract's epilogue:
+    out [M, N] = (a ⊙ a_scale [M, 1]) · (b ⊙ b_scale [1, N])ᵀ (+ bias [N]); `launch` False only builds it
+    (compile-only)."""
+    (tile_m, tile_n), (cluster_m, cluster_n), pingpong = SCALED[name]
+    mod = scaled_epilogues()[bias is not None]
+    epi_args = {"row_scale": a_scale.float().reshape(1, -1), "col_scale": b_scale.float().reshape(1, -1)}
+    if bias is not None:
+        epi_args["bias"] = bias.float().reshape(1, -1)
+    return lambda: mod.gemm(a, b, out, epi_args=epi_args, tile_M=tile_m, tile_N=tile_n, cluster_M=cluster_m,
+                            cluster_N=cluster_n, pingpong=pingpong, persistent=True, is_dynamic_persistent=False,
+                            max_swizzle_size=8, _launch=launch)
+
+
+@contextlib.contextmanager
+def _as_if_on_an_h100():
+    """quack's host code asks the device for its compute capability and its most active clusters while it builds a
+    kernel; without one (compile-only), answer as an H100 SXM would (sm_90, 132 SMs)."""
+    patched = []
+    for module in [m for name, m in sys.modules.items() if name.startswith("quack")]:
+        for attr, value in (("get_device_capacity", lambda *a, **k: (9, 0)),
+                            ("get_max_active_clusters", lambda cluster_size, *a, **k: 132 // cluster_size)):
+            if hasattr(module, attr):
+                patched.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, value)
+    try:
+        yield
+    finally:
+        for module, attr, value in patched:
+            setattr(module, attr, value)
 
 
 def quack_call(name: str, a, b, out, rowvec=None, colvec=None):
@@ -61,6 +127,9 @@ def compile_only(configs: list[str]) -> list[dict]:
 
     rows = []
     for name in configs:
+        if name in SCALED:
+            rows += _compile_scaled(name)
+            continue
         tile, cluster, pingpong = CONFIGS[name]
         for d_dtype in (cutlass.BFloat16, cutlass.Float32):
             t = time.perf_counter()
@@ -83,8 +152,33 @@ def compile_only(configs: list[str]) -> list[dict]:
     return rows
 
 
+def _compile_scaled(name: str) -> list[dict]:
+    """`compile_only` for a `SCALED` configuration: built through quack's epilogue front end from CPU tensors of the
+    dtypes and layouts the GPU run passes (bf16 out with the bias, fp32 out without)."""
+    import torch
+
+    rows = []
+    m, n, k = 1024, 768, 512
+    a, b = torch.zeros(m, k, dtype=torch.float8_e4m3fn), torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    for out_dtype, bias in ((torch.bfloat16, torch.zeros(n)), (torch.float32, None)):
+        t = time.perf_counter()
+        try:
+            with _as_if_on_an_h100():
+                scaled_call(name, a, b, torch.empty(m, n, dtype=out_dtype), torch.ones(m, 1), torch.ones(1, n), bias,
+                            launch=False)()
+            row = dict(config=name, fp32_out=out_dtype == torch.float32, compiled=True)
+        except Exception as e:  # a configuration quack refuses: say so, go on
+            row = dict(config=name, fp32_out=out_dtype == torch.float32, compiled=False,
+                       error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        row["compile_s"] = round(time.perf_counter() - t, 2)
+        rows.append(row)
+        print(f"{name:31s} fp32 out={row['fp32_out']!s:5s} " +
+              (f"compiled in {row['compile_s']} s" if row["compiled"] else f"refused: {row['error']}"), flush=True)
+    return rows
+
+
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+ap.add_argument("--configs", default=",".join(ALL), help=f"comma-separated, of {', '.join(ALL)}")
 ap.add_argument("--m", default="32768", help="tokens (the GEMMs' M), comma-separated, e.g. 16384,32768")
 ap.add_argument("--operands", choices=("random", "packed"), default="packed",
                 help="Gaussian tensors packed as the step packs them (default), or random E4M3 bytes")
@@ -97,10 +191,11 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, run from anywhere
     from probe_cute_rowwise_gemm import configs_and_tokens
 
-    configs, tokens = configs_and_tokens(ap, args, CONFIGS)
+    configs, tokens = configs_and_tokens(ap, args, ALL)
+    # quack's disk cache would pickle the epilogue functions of this script, run as __main__: compile in process
+    os.environ.setdefault("QUACK_CACHE_ENABLED", "0")
     if args.compile_only:  # read when the DSL and quack are imported
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-        os.environ.setdefault("QUACK_CACHE_ENABLED", "0")
     try:
         import quack.gemm_interface  # noqa: F401
     except ImportError as e:
@@ -122,14 +217,15 @@ def main() -> int:
 
         with open(args.json, "w") as f:
             json.dump({"provenance": provenance(), "operands": args.operands,
-                       "configs": {c: CONFIGS[c] for c in configs}, "rows": rows}, f, indent=1)
+                       "configs": {c: ALL[c] for c in configs}, "rows": rows}, f, indent=1)
     return 0
 
 
 def measure(configs: list[str], tokens: list[int], operands: str) -> list[dict]:
     """Per Flux GEMM: cuBLAS tensor-wise (unit scales) with and without fast accumulation, our CuTe GEMM (row
-    scales, the default configuration) and quack's per configuration (two vectors added), ms (median), and
-    quack's share of outputs bit-equal to cuBLAS's without fast accumulation (unit scales, the bias)."""
+    scales, the default configuration) and quack's per configuration, ms (median), and quack's share of outputs
+    bit-equal to cuBLAS's: the plain configurations (timed with two vectors added) against its unit-scaled
+    tensor-wise output with the bias, the scaled ones (our epilogue) against its row-scaled output."""
     import torch
     import triton.testing
     from probe_cute_rowwise_gemm import _problems, packed_operands
@@ -153,6 +249,8 @@ def measure(configs: list[str], tokens: list[int], operands: str) -> list[dict]:
         tensorwise_fast = lambda: torch._scaled_mm(a, b.t(), one, one, bias=bias, out_dtype=out_dtype,  # noqa: E731
                                                    use_fast_accum=True)
         want = tensorwise()
+        # the contract's reference for the scaled configurations: cuBLAS's row-scaled GEMM (ours gives its bits)
+        want_scaled = torch._scaled_mm(a, b.t(), sa, sb, bias=bias, out_dtype=out_dtype)
         row = dict(linear=name, kind=kind, m=m, n=n, k=k, bias=has_bias, cublas_tensorwise_ms=bench(tensorwise),
                    cublas_tensorwise_fast_ms=bench(tensorwise_fast))
         if available():
@@ -163,14 +261,21 @@ def measure(configs: list[str], tokens: list[int], operands: str) -> list[dict]:
         along_m = sa.float().reshape(1, -1)
         for config in configs:
             out = torch.full_like(want, float("nan"))  # every element must be written
+            if config in SCALED:
+                checked = timed = scaled_call(config, a, b, out, sa, sb, bias)
+                reference = want_scaled
+            else:
+                checked = quack_call(config, a, b, out, bias.float().reshape(1, -1) if bias is not None else None)
+                timed = quack_call(config, a, b, torch.empty_like(want), along_n, along_m)
+                reference = want
             try:
-                quack_call(config, a, b, out, bias.float().reshape(1, -1) if bias is not None else None)()
+                checked()
                 torch.cuda.synchronize()
             except Exception as e:  # a configuration quack or the device refuses: say so, go on
                 row[config] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
                 continue
-            row[config] = dict(bit_equal=float((out == want).float().mean()), written=bool(not out.isnan().any()),
-                               ms=bench(quack_call(config, a, b, torch.empty_like(want), along_n, along_m)))
+            row[config] = dict(bit_equal=float((out == reference).float().mean()),
+                               written=bool(not out.isnan().any()), ms=bench(timed))
         rows.append(row)
         timed = "; ".join(f"{c} {row[c]['ms']:.3f} ms ({row[c]['bit_equal']:.4f} bit-equal)" if "ms" in row[c]
                           else f"{c} {row[c]['error']}" for c in configs)
@@ -179,8 +284,9 @@ def measure(configs: list[str], tokens: list[int], operands: str) -> list[dict]:
               + f"; {timed}", flush=True)
     for m_tokens, kind in ((t, k) for t in tokens for k in ("fprop", "dgrad", "wgrad")):
         these = [r for r in rows if r["kind"] == kind and r["m" if kind != "wgrad" else "k"] == m_tokens]
-        line = (f"{kind} at {m_tokens} tokens, ms summed: cuBLAS tensor-wise {sum(r['cublas_tensorwise_ms'] for r in these):.2f}"
-                f", fast {sum(r['cublas_tensorwise_fast_ms'] for r in these):.2f}")
+        line = (f"{kind} at {m_tokens} tokens, ms summed: cuBLAS tensor-wise "
+                f"{sum(r['cublas_tensorwise_ms'] for r in these):.2f}, fast "
+                f"{sum(r['cublas_tensorwise_fast_ms'] for r in these):.2f}")
         if all("ours_ms" in r for r in these):
             line += f", ours {sum(r['ours_ms'] for r in these):.2f}"
         for config in configs:

@@ -465,13 +465,14 @@ def test_quack_probe_says_what_it_needs_without_quack(tmp_path):
 
 @pytest.mark.skipif(not _quack_installed(), reason="needs quack-kernels")
 def test_quack_gemm_builds_for_sm90_without_a_gpu(tmp_path, monkeypatch):
-    """quack's Hopper FP8 GEMM with promoted sums compiles for sm_90a from fake tensors in every configuration the
-    probe times, ping-pong and cooperative, with a vector added along N and one along M, bf16 and fp32 out: what
-    can be checked without a GPU."""
+    """quack's Hopper FP8 GEMM with promoted sums compiles for sm_90a in every configuration the probe times,
+    ping-pong and cooperative, bf16 and fp32 out: with a vector added along N and one along M (from fake tensors),
+    and with our contract's epilogue (through quack's epilogue front end, as if on an H100): what can be checked
+    without a GPU."""
     rows = _compile_only_rows("probe_quack_gemm", tmp_path)
     probe = _benchmark_module("probe_quack_gemm")
     assert {(row["config"], row["fp32_out"]) for row in rows if row["compiled"]} == {
-        (c, fp32) for c in probe.CONFIGS for fp32 in (False, True)}, rows
+        (c, fp32) for c in probe.ALL for fp32 in (False, True)}, rows
     # the GPU run's call, bound to quack's own signature (a call that does not fit fails here, not on the device)
     import inspect
 
@@ -483,6 +484,30 @@ def test_quack_gemm_builds_for_sm90_without_a_gpu(tmp_path, monkeypatch):
         probe.quack_call(name, "A", "B", "out", "rowvec", "colvec")()
     assert [(b.arguments["tile_M"], b.arguments["tile_N"], b.arguments["pingpong"], b.arguments["colvec_bias"])
             for b in bound] == [(*probe.CONFIGS[c][0], probe.CONFIGS[c][2], "colvec") for c in probe.CONFIGS]
+
+
+@pytest.mark.skipif(not _quack_installed(), reason="needs quack-kernels")
+def test_quack_scaled_epilogue_applies_both_scales_and_the_bias_to_promoted_sums(tmp_path):
+    """The drop-in candidate (`-scaled`: quack's ping-pong GEMM with our contract's epilogue), in its sm_90a PTX:
+    per thread, 96 promotion adds (each k-tile's sums into fp32, the contract's accumulation) and, per accumulator,
+    both scales multiplied in (192 multiplies), or with the bias the second multiply and the add as one FMA (the
+    same bits: the product by a power of two is exact)."""
+    dump = tmp_path / "ptx"
+    dump.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(dump),
+           "CUTE_DSL_DISABLE_FILE_CACHING": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_quack_gemm.py"), "--compile-only",
+                        "--configs", "pingpong-64x192-2x1-scaled"], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    counts = {}
+    for ptx in dump.glob("*.ptx"):
+        text = ptx.read_text()
+        kind = "bias" if "row_scaled_bias" in ptx.name else "plain"
+        counts[kind] = tuple(len(re.findall(p, text)) for p in (r"wgmma\.mma_async", r"\badd(?:\.rn)?\.f32\b",
+                                                                r"\bmul(?:\.rn)?\.f32\b", r"\bfma\.rn\.f32\b"))
+    assert counts == {"plain": (8, 96, 192, 0), "bias": (8, 96, 96, 96)}, counts
 
 
 def _cute_ptx(config: str, tmp_path) -> str:
