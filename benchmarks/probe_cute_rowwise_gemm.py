@@ -291,13 +291,18 @@ def main() -> int:
                              f"{'kept' if ok else 'BROKEN'}, bit-equal to cuBLAS's >= {equal:.4f})")
             print(line, flush=True)
     if args.json:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-        from mxflux.bench.provenance import provenance
-
-        with open(args.json, "w") as f:
-            json.dump({"provenance": provenance(), "operands": args.operands,
-                       "configs": {c: CONFIGS[c] for c in configs}, "rows": rows}, f, indent=1)
+        write_json(args.json, args.operands, {c: CONFIGS[c] for c in configs}, rows)
     return 0
+
+
+def write_json(path: str, operands: str, configs: dict, rows: list[dict]) -> None:
+    """A probe's result file: its provenance (commit, card, versions, command), the operands' kind, the
+    configurations tried and the rows."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+    from mxflux.bench.provenance import provenance
+
+    with open(path, "w") as f:
+        json.dump({"provenance": provenance(), "operands": operands, "configs": configs, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

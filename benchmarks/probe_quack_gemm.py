@@ -19,7 +19,7 @@ drop-in candidates: the same schedules with our contract's epilogue written for 
 CuTe kernel gives.
 
     PYTHONPATH=src python3 benchmarks/probe_quack_gemm.py --json $OUT/quack_gemm.json [--m 16384,32768]
-        [--operands packed] [--configs pingpong-64x192-2x1,cooperative-128x192-2x1]
+        [--operands random] [--configs pingpong-64x192-2x1-scaled,cooperative-128x192-2x1-scaled]
     python3 benchmarks/probe_quack_gemm.py --compile-only   # no GPU: builds each configuration for sm_90a
 
 Needs quack-kernels 0.6.5 (with nvidia-cutlass-dsl >= 4.7, apache-tvm-ffi, einops and torch-c-dlpack-ext);
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import sys
 import time
@@ -132,24 +131,29 @@ def compile_only(configs: list[str]) -> list[dict]:
             continue
         tile, cluster, pingpong = CONFIGS[name]
         for d_dtype in (cutlass.BFloat16, cutlass.Float32):
-            t = time.perf_counter()
-            try:
-                # (a, b, d, c dtypes; a, b, d, c majors; tile, cluster; pingpong, persistent, dynamic; rowvec,
-                # colvec dtypes, colvec ndim; alpha, beta modes; add to output; concat layout; varlen m, k;
-                # gather A; TMA gather; batch permutation; device capacity; rounding; seed mode; warps)
-                _compile_gemm(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, d_dtype, None, "k", "k", "n", None,
-                              tile, (*cluster, 1), pingpong, True, False, cutlass.Float32, cutlass.Float32, 2, 0, 0,
-                              False, (), False, False, False, False, False, (9, 0), RoundingMode.RN, 0, None,
-                              batched=False)
-                row = dict(config=name, fp32_out=d_dtype is cutlass.Float32, compiled=True)
-            except Exception as e:  # a configuration quack refuses: say so, go on
-                row = dict(config=name, fp32_out=d_dtype is cutlass.Float32, compiled=False,
-                           error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
-            row["compile_s"] = round(time.perf_counter() - t, 2)
-            rows.append(row)
-            print(f"{name:24s} fp32 out={row['fp32_out']!s:5s} " +
-                  (f"compiled in {row['compile_s']} s" if row["compiled"] else f"refused: {row['error']}"), flush=True)
+            # (a, b, d, c dtypes; a, b, d, c majors; tile, cluster; pingpong, persistent, dynamic; rowvec, colvec
+            # dtypes, colvec ndim; alpha, beta modes; add to output; concat layout; varlen m, k; gather A; TMA
+            # gather; batch permutation; device capacity; rounding; seed mode; warps)
+            rows.append(_built(name, d_dtype is cutlass.Float32, lambda d_dtype=d_dtype: _compile_gemm(
+                cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, d_dtype, None, "k", "k", "n", None, tile, (*cluster, 1),
+                pingpong, True, False, cutlass.Float32, cutlass.Float32, 2, 0, 0, False, (), False, False, False,
+                False, False, (9, 0), RoundingMode.RN, 0, None, batched=False)))
     return rows
+
+
+def _built(name: str, fp32_out: bool, build) -> dict:
+    """Run `build` (one kernel's compile) and say how it went: a row of `compile_only`'s, printed."""
+    t = time.perf_counter()
+    try:
+        build()
+        row = dict(config=name, fp32_out=fp32_out, compiled=True)
+    except Exception as e:  # a configuration quack refuses: say so, go on
+        row = dict(config=name, fp32_out=fp32_out, compiled=False,
+                   error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    row["compile_s"] = round(time.perf_counter() - t, 2)
+    print(f"{name:31s} fp32 out={row['fp32_out']!s:5s} " +
+          (f"compiled in {row['compile_s']} s" if row["compiled"] else f"refused: {row['error']}"), flush=True)
+    return row
 
 
 def _compile_scaled(name: str) -> list[dict]:
@@ -157,24 +161,16 @@ def _compile_scaled(name: str) -> list[dict]:
     dtypes and layouts the GPU run passes (bf16 out with the bias, fp32 out without)."""
     import torch
 
-    rows = []
     m, n, k = 1024, 768, 512
     a, b = torch.zeros(m, k, dtype=torch.float8_e4m3fn), torch.zeros(n, k, dtype=torch.float8_e4m3fn)
-    for out_dtype, bias in ((torch.bfloat16, torch.zeros(n)), (torch.float32, None)):
-        t = time.perf_counter()
-        try:
-            with _as_if_on_an_h100():
-                scaled_call(name, a, b, torch.empty(m, n, dtype=out_dtype), torch.ones(m, 1), torch.ones(1, n), bias,
-                            launch=False)()
-            row = dict(config=name, fp32_out=out_dtype == torch.float32, compiled=True)
-        except Exception as e:  # a configuration quack refuses: say so, go on
-            row = dict(config=name, fp32_out=out_dtype == torch.float32, compiled=False,
-                       error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
-        row["compile_s"] = round(time.perf_counter() - t, 2)
-        rows.append(row)
-        print(f"{name:31s} fp32 out={row['fp32_out']!s:5s} " +
-              (f"compiled in {row['compile_s']} s" if row["compiled"] else f"refused: {row['error']}"), flush=True)
-    return rows
+
+    def build(out_dtype, bias):
+        with _as_if_on_an_h100():
+            scaled_call(name, a, b, torch.empty(m, n, dtype=out_dtype), torch.ones(m, 1), torch.ones(1, n), bias,
+                        launch=False)()
+
+    return [_built(name, out_dtype == torch.float32, lambda out_dtype=out_dtype, bias=bias: build(out_dtype, bias))
+            for out_dtype, bias in ((torch.bfloat16, torch.zeros(n)), (torch.float32, None))]
 
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -189,7 +185,7 @@ ap.add_argument("--json")
 def main() -> int:
     args = ap.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, run from anywhere
-    from probe_cute_rowwise_gemm import configs_and_tokens
+    from probe_cute_rowwise_gemm import configs_and_tokens, write_json
 
     configs, tokens = configs_and_tokens(ap, args, ALL)
     # quack's disk cache would pickle the epilogue functions of this script, run as __main__: compile in process
@@ -212,12 +208,7 @@ def main() -> int:
             return 2
         rows = measure(configs, tokens, args.operands)
     if args.json:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-        from mxflux.bench.provenance import provenance
-
-        with open(args.json, "w") as f:
-            json.dump({"provenance": provenance(), "operands": args.operands,
-                       "configs": {c: ALL[c] for c in configs}, "rows": rows}, f, indent=1)
+        write_json(args.json, args.operands, {c: ALL[c] for c in configs}, rows)
     return 0
 
 
