@@ -259,20 +259,19 @@ def measure(configs: list[str], tokens: list[int], operands: str) -> list[dict]:
                 checked = quack_call(config, a, b, out, bias.float().reshape(1, -1) if bias is not None else None)
                 timed = quack_call(config, a, b, torch.empty_like(want), along_n, along_m)
                 reference = want
-            try:
+            try:  # (the timed call too: its two vectors make a kernel of its own)
                 checked()
                 torch.cuda.synchronize()
+                row[config] = dict(bit_equal=float((out == reference).float().mean()),
+                                   written=bool(not out.isnan().any()), ms=bench(timed))
             except Exception as e:  # a configuration quack or the device refuses: say so, go on
                 row[config] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
-                continue
-            row[config] = dict(bit_equal=float((out == reference).float().mean()),
-                               written=bool(not out.isnan().any()), ms=bench(timed))
         rows.append(row)
-        timed = "; ".join(f"{c} {row[c]['ms']:.3f} ms ({row[c]['bit_equal']:.4f} bit-equal)" if "ms" in row[c]
-                          else f"{c} {row[c]['error']}" for c in configs)
+        summary = "; ".join(f"{c} {row[c]['ms']:.3f} ms ({row[c]['bit_equal']:.4f} bit-equal)" if "ms" in row[c]
+                            else f"{c} {row[c]['error']}" for c in configs)
         print(f"{name:8s} {kind:6s} M={m} N={n} K={k}: cuBLAS tensor-wise {row['cublas_tensorwise_ms']:.3f} ms, fast "
               f"{row['cublas_tensorwise_fast_ms']:.3f}" + (f", ours {row['ours_ms']:.3f}" if "ours_ms" in row else "")
-              + f"; {timed}", flush=True)
+              + f"; {summary}", flush=True)
     for m_tokens, kind in ((t, k) for t in tokens for k in ("fprop", "dgrad", "wgrad")):
         these = [r for r in rows if r["kind"] == kind and r["m" if kind != "wgrad" else "k"] == m_tokens]
         line = (f"{kind} at {m_tokens} tokens, ms summed: cuBLAS tensor-wise "
