@@ -135,7 +135,7 @@ def clock_while(fn, seconds: float = 0.5) -> dict:
     """`clock_summary` of nvidia-smi sampling every 20 ms while `fn` runs back to back for `seconds`."""
     import torch
 
-    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid).removeprefix("GPU-")
     smi = subprocess.Popen(["nvidia-smi", f"--id=GPU-{uuid}", "--query-gpu=clocks.sm,power.draw",
                             "--format=csv,noheader,nounits", "-lms", "20"], stdout=subprocess.PIPE, text=True)
     try:
