@@ -27,7 +27,7 @@ import re
 
 from .device_time import GEMM_OPS, kernel_category
 
-__all__ = ["gemm_shapes", "packer_shapes", "problem"]
+__all__ = ["gemm_shapes", "gemm_tflops", "packer_gb_per_s", "packer_shapes", "problem"]
 
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 # Where each GEMM op's A and B are among its inputs, and whether B is [N, K] (the MX op's weight-like
@@ -120,6 +120,16 @@ def _charged(trace: dict, device: int | None, category: str, ops: re.Pattern, pr
     return rows
 
 
+def gemm_tflops(m: int, n: int, k: int, calls: float, ms: float) -> float:
+    """TFLOP/s of `calls` GEMMs of M x N x K (2·M·N·K each) in `ms` milliseconds."""
+    return 2 * m * n * k * calls / (ms * 1e9)
+
+
+def packer_gb_per_s(rows: int, cols: int, calls: float, ms: float) -> float:
+    """GB/s of bf16 input (2 B an element) consumed by `calls` packer calls on [rows, cols] in `ms` milliseconds."""
+    return 2 * rows * cols * calls / (ms * 1e6)
+
+
 def gemm_shapes(trace: dict, steps: int, *, device: int | None = None, top: int = 40) -> list[dict]:
     """The GEMM kernels' device time per step, by (M, N, K) (see the module docstring), largest first:
     each row the problem, the ops that ran it, calls and ms per step, and TFLOP/s (2·M·N·K per call).
@@ -128,11 +138,10 @@ def gemm_shapes(trace: dict, steps: int, *, device: int | None = None, top: int 
     out = []
     for row in sorted(rows.values(), key=lambda r: -r["us"])[:top]:
         m, n, k, bias = row["problem"] if row["problem"] is not None else (None, None, None, False)
-        ms = row["us"] / 1e3 / steps
-        flops = 2 * m * n * k * row["calls"] / steps if m is not None else None
+        ms, calls = row["us"] / 1e3 / steps, row["calls"] / steps
         out.append({"m": m, "n": n, "k": k, "bias": bias, "ops": sorted(row["ops"]),
-                    "kernels": sorted(row["kernels"]), "calls_per_step": row["calls"] / steps, "ms_per_step": ms,
-                    "tflops": flops / (ms * 1e9) if flops is not None and ms > 0 else None})
+                    "kernels": sorted(row["kernels"]), "calls_per_step": calls, "ms_per_step": ms,
+                    "tflops": gemm_tflops(m, n, k, calls, ms) if m is not None and ms > 0 else None})
     return out
 
 
@@ -155,11 +164,10 @@ def packer_shapes(trace: dict, steps: int, *, device: int | None = None, top: in
     out = []
     for row in sorted(rows.values(), key=lambda r: -r["us"])[:top]:
         r, c = row["problem"] if row["problem"] is not None else (None, None)
-        ms = row["us"] / 1e3 / steps
-        read = 2 * r * c * row["calls"] / steps if r is not None else None
+        ms, calls = row["us"] / 1e3 / steps, row["calls"] / steps
         out.append({"rows": r, "cols": c, "ops": sorted(row["ops"]), "kernels": sorted(row["kernels"]),
-                    "calls_per_step": row["calls"] / steps, "ms_per_step": ms,
-                    "input_gb_per_s": read / (ms * 1e6) if read is not None and ms > 0 else None})
+                    "calls_per_step": calls, "ms_per_step": ms,
+                    "input_gb_per_s": packer_gb_per_s(r, c, calls, ms) if r is not None and ms > 0 else None})
     return out
 
 

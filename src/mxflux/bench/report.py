@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from .fairness import comparison_warnings
+from .gemm_shapes import gemm_tflops, packer_gb_per_s
 
 __all__ = ["print_table", "write_json", "skipped_line", "per_device_unit", "CATEGORY_ORDER", "is_bf16",
            "is_fp8_tensorwise"]
@@ -239,14 +240,14 @@ def _print_gemm_shapes(results: list[dict], console) -> None:
     """The trainer's GEMM device time by problem M x N x K: ms per step (TFLOP/s)."""
     _print_by_problem(results, console, "gemm_shapes", ("m", "n", "k"),
                       "trainer GEMMs by problem: device ms per step (TFLOP/s)",
-                      lambda k, ms, calls: 2 * k[0] * k[1] * k[2] * calls / (ms * 1e9), "no GEMM op found")
+                      lambda k, ms, calls: gemm_tflops(*k, calls, ms), "no GEMM op found")
 
 
 def _print_packer_shapes(results: list[dict], console) -> None:
     """The trainer's MX packer device time by the tensor packed: ms per step (GB/s of its bf16 input)."""
     _print_by_problem(results, console, "packer_shapes", ("rows", "cols"),
                       "trainer MX packers by tensor packed: device ms per step (GB/s of bf16 input)",
-                      lambda k, ms, calls: 2 * k[0] * k[1] * calls / (ms * 1e6), "outside a packer op")
+                      lambda k, ms, calls: packer_gb_per_s(*k, calls, ms), "outside a packer op")
 
 
 def write_json(path: str | os.PathLike, result) -> Path:

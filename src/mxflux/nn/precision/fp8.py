@@ -8,13 +8,14 @@ scale granularity, and with it which library recipe this is derived from:
 - tensorwise (default): one fp32 scale per tensor. Exactly torchao's default
   `Float8LinearConfig()` (its "tensorwise" recipe, which is hybrid already): fast accumulation
   in the output GEMM only.
-
-`fp8_fast_accumulation: false` turns that off too (torchao's `gemm_config_output`), so that every
-GEMM's partial sums are added into fp32 as in the backward ones and in MXFP6's GEMM contract:
-the comparison of FP8 with MXFP6 at equal accumulation (the bench setting `fp8-tensorwise-exact`).
 - rowwise: one scale per row of each GEMM operand (along the contraction axis), scales rounded
   down to powers of two. torchao's "rowwise" recipe with one change: its gradients are E4M3,
   here they are E5M2, so both scalings run the same hybrid number formats.
+
+`fp8_fast_accumulation: false` turns the output GEMM's fast accumulation off too (torchao's
+`gemm_config_output`), so that every GEMM's partial sums are added into fp32 as in the backward
+ones and in MXFP6's GEMM contract: the comparison of FP8 with MXFP6 at equal accumulation (the
+bench setting `fp8-tensorwise-exact`).
 
 Cost: each linear casts X, W and dY to FP8 (one amax reduction and one cast per operand and
 GEMM orientation) and runs three FP8 GEMMs on `torch._scaled_mm`, which needs a CUDA device
