@@ -15,7 +15,7 @@ quack's default epilogue adds vectors, it does not multiply by them: timed, its 
 column scales) along N and the row scales along M, as many vector loads as ours, which multiplies by the two scales
 and adds the bias; its bits are checked on a call adding the bias alone. The `-scaled` configurations are the
 drop-in candidates: the same schedules with our contract's epilogue written for quack's epilogue front end
-(`row_scaled`, `row_scaled_bias`), timed and checked bit for bit against cuBLAS's row-scaled GEMM, whose bits our
+(`mxflux.kernels.gemm_quack`, which MXFLUX_CUTE_KERNEL=quack-pingpong puts in the step), timed and checked bit for bit against cuBLAS's row-scaled GEMM, whose bits our
 CuTe kernel gives.
 
     PYTHONPATH=src python3 benchmarks/probe_quack_gemm.py --json $OUT/quack_gemm.json [--m 16384,32768]
@@ -35,56 +35,26 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))  # mxflux, run from anywhere
+from mxflux.kernels.gemm_quack import CONFIGS as QUACK_CONFIGS  # noqa: E402 (no quack import at module level)
+from mxflux.kernels.gemm_quack import prepared_gemm  # noqa: E402
+
 # (tile M, tile N), cluster (M, N), ping-pong or cooperative, of each configuration tried. Promoted sums need
 # twice the accumulator registers: a consumer warp group holds 64x192 of them in 168 registers, so ping-pong's
 # tile (one warp group's) is 64 rows, cooperative's (two warp groups') 128. (Ping-pong 64x256 spills 1056 bytes a
 # thread, built for sm_90a: not tried.)
 CONFIGS = {"pingpong-64x192-2x1": ((64, 192), (2, 1), True), "pingpong-64x128-2x1": ((64, 128), (2, 1), True),
            "cooperative-128x192-2x1": ((128, 192), (2, 1), False)}
-# The same schedules with our GEMM contract's epilogue (`row_scaled`): the drop-in candidates, timed and checked
-# bit for bit against cuBLAS's row-scaled GEMM, which our CuTe kernel equals.
-SCALED = {f"{name}-scaled": config for name, config in CONFIGS.items() if name != "pingpong-64x128-2x1"}
-
-
-def row_scaled(acc, row_scale, col_scale):
-    """Our GEMM contract's epilogue as a quack epilogue function, per accumulator element: the row's and the
-    column's power-of-two scales (exact), then the one rounding to the output type."""
-    return {"D": acc * row_scale * col_scale}
-
-
-def row_scaled_bias(acc, row_scale, col_scale, bias):
-    """`row_scaled` and the bias, added in fp32 before the one rounding (ptxas contracts the last multiply and
-    the add into an FMA, the same bits: the product by a power of two is exact)."""
-    return {"D": acc * row_scale * col_scale + bias}
-
-
-@functools.cache
-def scaled_epilogues() -> dict:
-    """quack epilogue modules of `row_scaled` and `row_scaled_bias` by whether a bias is added, the operands'
-    kinds pinned (the scales' lengths M and N alone would not tell them apart where M = N)."""
-    from quack.epilogue.frontend import gemm_epilogue
-    from quack.epilogue.ops import ColVecLoad, RowVecLoad
-
-    pins = {"row_scale": ColVecLoad("row_scale"), "col_scale": RowVecLoad("col_scale")}
-    return {False: gemm_epilogue(ops=pins)(row_scaled),
-            True: gemm_epilogue(ops={**pins, "bias": RowVecLoad("bias")})(row_scaled_bias)}
-
-
-ALL = {**CONFIGS, **SCALED}
+# The same schedules with our GEMM contract's epilogue (`mxflux.kernels.gemm_quack`, MXFLUX_CUTE_KERNEL's): the
+# drop-in candidates, timed and checked bit for bit against cuBLAS's row-scaled GEMM, which our CuTe kernel equals.
+SCALED = {"pingpong-64x192-2x1-scaled": "quack-pingpong", "cooperative-128x192-2x1-scaled": "quack-cooperative"}
+ALL = {**CONFIGS, **{name: QUACK_CONFIGS[kernel] for name, kernel in SCALED.items()}}
 
 
 def scaled_call(name: str, a, b, out, a_scale, b_scale, bias=None, launch: bool = True):
-    """A call with no arguments running quack's GEMM in `SCALED` configuration `name` with our contract's epilogue:
-    out [M, N] = (a ⊙ a_scale [M, 1]) · (b ⊙ b_scale [1, N])ᵀ (+ bias [N]); `launch` False only builds it
-    (compile-only)."""
-    (tile_m, tile_n), (cluster_m, cluster_n), pingpong = SCALED[name]
-    mod = scaled_epilogues()[bias is not None]
-    epi_args = {"row_scale": a_scale.float().reshape(1, -1), "col_scale": b_scale.float().reshape(1, -1)}
-    if bias is not None:
-        epi_args["bias"] = bias.float().reshape(1, -1)
-    return lambda: mod.gemm(a, b, out, epi_args=epi_args, tile_M=tile_m, tile_N=tile_n, cluster_M=cluster_m,
-                            cluster_N=cluster_n, pingpong=pingpong, persistent=True, is_dynamic_persistent=False,
-                            max_swizzle_size=8, _launch=launch)
+    """A call with no arguments running the library's quack GEMM in `SCALED` configuration `name`: out [M, N] =
+    (a ⊙ a_scale [M, 1]) · (b ⊙ b_scale [1, N])ᵀ (+ bias [N]); `launch` False only builds it (compile-only)."""
+    return prepared_gemm(SCALED[name], a, a_scale, b, b_scale, bias, out, launch=launch)
 
 
 @contextlib.contextmanager

@@ -122,6 +122,56 @@ def test_only_a_kernels_first_launch_may_fail_over_to_cublas(cute_taking_all):
     assert not isinstance(raised.value, gemm_cute.CuteGemmUnusable) and gemm_cute._UNUSABLE is None
 
 
+def test_quacks_kernel_fails_over_on_a_signatures_first_launch_only(cute_taking_all):
+    """MXFLUX_CUTE_KERNEL=quack-pingpong: quack builds inside its call, so a signature's first call failing gives the
+    GEMMs up to cuBLAS (one warning), while a signature that ran before and fails now raises."""
+    from mxflux.kernels import gemm_quack
+
+    cute_taking_all.setattr(gemm_cute, "KERNEL", "quack-pingpong")
+    cute_taking_all.setattr(gemm_cute, "_QUACK_RAN", set())
+    a, sa, b, sb = _operands(256, 192, 64)
+    launches = []
+
+    def prepared(config, *args, **kwargs):
+        def launch():
+            launches.append(config)
+            if len(launches) > 1:
+                raise RuntimeError("an illegal memory access was encountered")
+        return launch
+
+    cute_taking_all.setattr(gemm_quack, "prepared_gemm", prepared)
+    gemm_cute.cute_scaled_gemm(a, sa, b, sb, None, torch.bfloat16)  # first call of this signature: runs
+    with pytest.raises(RuntimeError, match="illegal memory access") as raised:
+        gemm_cute.cute_scaled_gemm(a, sa, b, sb, None, torch.bfloat16)  # ran before: an error
+    assert not isinstance(raised.value, gemm_cute.CuteGemmUnusable) and gemm_cute._UNUSABLE is None
+    with pytest.warns(UserWarning, match="illegal memory access"):  # another signature's first call
+        with pytest.raises(gemm_cute.CuteGemmUnusable):
+            gemm_cute.cute_scaled_gemm(a, sa, b, sb, None, torch.float32)
+    assert launches == ["quack-pingpong"] * 3
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"MXFLUX_CUTE_KERNEL": "quack"}, "MXFLUX_CUTE_KERNEL: expected one of rowwise, quack-pingpong, quack-cooperative"),
+    ({"MXFLUX_CUTE_KERNEL": "quack-pingpong", "MXFLUX_CUTE_ACCUMULATE": "fast"},
+     "MXFLUX_CUTE_KERNEL=quack-pingpong sums K in fp32 only")])
+def test_the_kernel_switch_names_what_it_takes(env, message):
+    import os
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", "import mxflux.kernels.gemm_cute"], capture_output=True, text=True,
+                       env={**os.environ, **env})
+    assert r.returncode != 0 and message in r.stderr
+
+
+def test_quacks_kernel_asked_for_where_quack_is_missing_is_one_warning_and_cublas(fresh_probe):
+    fresh_probe.setattr(gemm_cute, "KERNEL", "quack-cooperative")
+    fresh_probe.setitem(sys.modules, "quack", None)
+    fresh_probe.setitem(sys.modules, "quack.epilogue", None)
+    fresh_probe.setitem(sys.modules, "quack.epilogue.frontend", None)
+    with pytest.warns(UserWarning, match="MXFLUX_CUTE_KERNEL=quack-cooperative needs quack-kernels"):
+        assert gemm_cute.available() is False
+
+
 @pytest.mark.parametrize("tvm_ffi,floor", [(True, 2048), (False, 8192)])
 def test_autos_token_floor_follows_the_calling_convention(monkeypatch, tvm_ffi, floor):
     """Through TVM-FFI's calling convention a call costs a sixth of the host time, and the 6+12-block model's

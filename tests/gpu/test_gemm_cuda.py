@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gemm_bounds import FAST_ACCUMULATION_SNR_DB, outside_bound, snr_db, summation_bound
-from mxflux.kernels import cuda_kernel_available, gemm_cute, mx_operands_cuda, scaled_gemm_cuda
+from mxflux.kernels import cuda_kernel_available, gemm_cute, gemm_quack, mx_operands_cuda, scaled_gemm_cuda
 from mxflux.mx import FoldGranularity as G
 from mxflux.mx import dequantize_operand, mx_matmul, quantize, scaled_gemm_reference
 
@@ -262,6 +262,27 @@ def test_cute_gemm_gives_the_row_scaled_gemms_bits(shape, accumulation, gen, mon
         assert equal_ours >= equal_cublas - 1e-3
         if accumulation == "fp32":  # promoted every k-tile of K 128, as cuBLAS: its bits (the probe's 18 GEMMs too)
             assert torch.equal(ours, cublas)
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.skipif(not (gemm_cute.available() and gemm_quack.installed()),
+                    reason="needs quack-kernels, CuTe DSL and a Hopper GPU")
+@pytest.mark.parametrize("config", list(gemm_quack.CONFIGS))
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=lambda s: "x".join(map(str, s)))
+def test_quack_gemm_gives_the_row_scaled_gemms_bits(shape, config, gen):
+    """MXFLUX_CUTE_KERNEL's quack schedules (our contract's epilogue on quack's GEMM with promoted sums): every
+    element written, and cuBLAS's row-scaled output bit for bit, fp32 out and bf16 with a bias (what our CuTe
+    kernel gives; a scale left out or the bias rounded first would differ)."""
+    m, n, k = shape
+    a, b, bias = operands(m, n, k, G.ROWWISE, gen)
+    for out_dtype, bias_ in ((torch.float32, None), (torch.bfloat16, bias)):
+        out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+        gemm_quack.prepared_gemm(config, a.row_data, a.row_scale, b.row_data, b.row_scale, bias_, out)()
+        cublas = torch._scaled_mm(a.row_data, b.row_data.t(), a.row_scale, b.row_scale.t(), bias=bias_,
+                                  out_dtype=out_dtype)
+        assert not out.isnan().any() and torch.equal(out, cublas)
 
 
 @pytest.mark.skipif(not (gemm_cute.available() and gemm_cute.tvm_ffi_present()),

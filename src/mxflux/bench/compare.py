@@ -124,6 +124,10 @@ SETTINGS["mxfp6-cute-all"] = SETTINGS["mxfp6"]
 # the same with its partial sums promoted to fp32 every k-tile (the GEMM contract's accumulation, the default's)
 SETTINGS["mxfp6-cute-bias-promoted"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-cute-all-promoted"] = SETTINGS["mxfp6"]
+# quack-kernels' schedules for the GEMMs the CuTe GEMM takes (`kernels.gemm_quack`, MXFLUX_CUTE_KERNEL; the same
+# contract, fp32 sums): ping-pong 64x192 and cooperative 128x192 tiles
+SETTINGS["mxfp6-quack-pingpong"] = SETTINGS["mxfp6"]
+SETTINGS["mxfp6-quack-cooperative"] = SETTINGS["mxfp6"]
 # Environment variables a setting's process runs with (the switches read at import, not recipe fields); the
 # deferred-scales settings are cuBLAS's alone
 _CUBLAS = {"MXFLUX_CUTE_GEMM": "off"}
@@ -137,7 +141,9 @@ SETTING_ENV = {"mxfp6-inline-pack": {"MXFLUX_INLINE_PACK": "1"},
                "mxfp6-cute-bias-fp32": {"MXFLUX_CUTE_GEMM": "bias,fp32", "MXFLUX_CUTE_ACCUMULATE": "fast"},
                "mxfp6-cute-all": {"MXFLUX_CUTE_GEMM": "all", "MXFLUX_CUTE_ACCUMULATE": "fast"},
                "mxfp6-cute-bias-promoted": {"MXFLUX_CUTE_GEMM": "bias", "MXFLUX_CUTE_ACCUMULATE": "fp32"},
-               "mxfp6-cute-all-promoted": {"MXFLUX_CUTE_GEMM": "all", "MXFLUX_CUTE_ACCUMULATE": "fp32"}}
+               "mxfp6-cute-all-promoted": {"MXFLUX_CUTE_GEMM": "all", "MXFLUX_CUTE_ACCUMULATE": "fp32"},
+               "mxfp6-quack-pingpong": {"MXFLUX_CUTE_KERNEL": "quack-pingpong"},
+               "mxfp6-quack-cooperative": {"MXFLUX_CUTE_KERNEL": "quack-cooperative"}}
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 
 # The throughput proxy of flux-12b (`--proxy`): its width (3072) and attention heads, 2 double + 4

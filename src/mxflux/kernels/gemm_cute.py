@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from ..switches import SwitchError, choice, positive_int, subset
+from . import gemm_quack
 
 CUTE_GEMM_KINDS = ("bias", "bf16", "fp32")
 # `auto`'s floor in tokens, by calling convention (`prepared_gemm`): through TVM-FFI's, the smallest GEMMs
@@ -90,6 +91,13 @@ ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fp32", ("fp32", "fast"))
 CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1)), "fp32k2": ((128, 192), (2, 1))}
 CONFIG = CONFIGS[ACCUMULATION]
 SWIZZLE = positive_int("MXFLUX_CUTE_SWIZZLE", 8, "tile columns")
+# Whose kernel runs the GEMMs taken: `rowwise`, ours (`cute_rowwise_gemm`), or one of quack-kernels' schedules with
+# our contract's epilogue (`gemm_quack`: ping-pong 64x192 or cooperative 128x192 tiles, 2x1 clusters; opt-in, an A/B
+# of the schedule, fp32 accumulation only)
+KERNEL = choice("MXFLUX_CUTE_KERNEL", "rowwise", ("rowwise", *gemm_quack.CONFIGS))
+if KERNEL != "rowwise" and ACCUMULATION == "fast":
+    raise SwitchError(f"MXFLUX_CUTE_KERNEL={KERNEL} sums K in fp32 only: expected MXFLUX_CUTE_ACCUMULATE=fp32 "
+                      "with it, got fast")
 
 
 def swizzle_for(tiles_n: int, most: int) -> int:
@@ -121,6 +129,10 @@ def available() -> bool:
 
 @functools.cache
 def _cute_dsl_runs_here() -> bool:
+    if KERNEL != "rowwise" and not gemm_quack.installed():  # asked for by name: say why it does not run
+        warnings.warn(f"MXFLUX_CUTE_KERNEL={KERNEL} needs quack-kernels, which does not import here; the MX GEMMs "
+                      "run on cuBLAS", stacklevel=2)
+        return False
     try:
         import cutlass.cute  # noqa: F401
     except ImportError:
@@ -258,24 +270,41 @@ def _stream(tvm_ffi: bool):
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
+# The signatures quack's kernel has run (MXFLUX_CUTE_KERNEL=quack-*): quack compiles and caches per signature
+# inside its call, so a signature's first call is where a build or load fails
+_QUACK_RAN: set = set()
+
+
 def cute_scaled_gemm(a_data, a_scale, b_data, b_scale, bias, out_dtype, accumulation=ACCUMULATION) -> torch.Tensor:
     """(A ⊙ a_scale)(B ⊙ b_scale)ᵀ + bias: a_data [M, K], b_data [N, K] E4M3 (contiguous), a_scale [M, 1],
-    b_scale [N, 1] fp32, bias [N] or None, out bf16 or fp32; K summed as `accumulation` says, on its tiles.
+    b_scale [N, 1] fp32, bias [N] or None, out bf16 or fp32; K summed as `accumulation` says, on its tiles
+    (MXFLUX_CUTE_KERNEL's: ours, or quack's schedule with fp32 sums).
     CuteGemmUnusable where the kernel cannot be built, or a kernel built by this call fails its first launch
     (which loads it: where a driver or toolkit mismatch shows)."""
     out = torch.empty(a_data.shape[0], b_data.shape[0], dtype=out_dtype, device=a_data.device)
+    if KERNEL != "rowwise":
+        signature = (a_data.shape, b_data.shape, bias is not None, out_dtype)
+        first = signature not in _QUACK_RAN
+    else:
+        first = None  # known after prepared_gemm: whether it compiled
     built = len(_COMPILED)
     try:
-        call = prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, accumulation=accumulation)
+        if KERNEL != "rowwise":
+            call = gemm_quack.prepared_gemm(KERNEL, a_data, a_scale, b_data, b_scale, bias, out)
+        else:
+            call = prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, accumulation=accumulation)
+            first = len(_COMPILED) != built
     except ValueError:  # a call the kernel does not take: the caller's mistake, not the machine's
         raise
     except Exception as e:
         raise _give_up(e) from e
-    if len(_COMPILED) == built:  # built and run before: an error now is an error
+    if not first:  # built and run before: an error now is an error
         call()
         return out
     try:
-        call()
+        call()  # quack builds here
     except Exception as e:
         raise _give_up(e) from e
+    if KERNEL != "rowwise":
+        _QUACK_RAN.add(signature)
     return out

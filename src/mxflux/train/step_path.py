@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ..kernels.gemm import DEFER_BIAS_MAX_N
 from ..kernels.gemm_cute import ACCUMULATION as CUTE_ACCUMULATION
 from ..kernels.gemm_cute import CUTE_GEMM
+from ..kernels.gemm_cute import KERNEL as CUTE_KERNEL
 from ..kernels.gemm_cute import available as cute_available
 from ..kernels.gemm_cute import tvm_ffi_present as cute_tvm_ffi
 from ..ops.custom_ops import DEFER_MIN_DIM, DEFER_MIN_TOKENS, DEFER_SCALES, FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK, static_launch_on
@@ -92,8 +93,11 @@ def step_path(trainer) -> dict:
         where = "" if cute_available() else ", not available here"
         call = ("called through TVM-FFI" if cute_tvm_ffi() else
                 "called through the DSL's own convention (more host time per call: apache-tvm-ffi not installed)")
-        gemm += (f"; those {which} with M and N in whole tile clusters, before either, on the CuTe-DSL "
-                 f"row-scaled GEMM, {summed}, {call} (MXFLUX_CUTE_GEMM={switch}{where})")
+        kernel = ("the CuTe-DSL row-scaled GEMM" if CUTE_KERNEL == "rowwise" else
+                  f"quack-kernels' {CUTE_KERNEL.removeprefix('quack-')} GEMM with our epilogue "
+                  f"(MXFLUX_CUTE_KERNEL={CUTE_KERNEL})")
+        gemm += (f"; those {which} with M and N in whole tile clusters, before either, on {kernel}, {summed}, "
+                 f"{call} (MXFLUX_CUTE_GEMM={switch}{where})")
     state = getattr(trainer.optimizer, "weight_state", None)
     if not mx:
         weights = f"none ({cfg.precision.name})"
