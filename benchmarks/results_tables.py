@@ -254,8 +254,8 @@ def settings_table(calls: list[dict], base: Path) -> str:
     """`mxflux bench step` calls read setting by setting (trials, memory settings): each setting's step,
     its speed against the torchao FP8 tensor-wise setting of the same call, and the profiled step's GEMM,
     quantization and other device time. `calls`: [{file, settings: [labels]}]."""
-    lines = ["| call | setting | ms / step | vs FP8 | GEMM ms | quantization ms | other ms | peak allocated GiB |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| call: commit, card, MBS | setting | ms / step | vs FP8 | GEMM ms | quantization ms | other ms | "
+             "peak allocated GiB |", "|---|---|---|---|---|---|---|---|"]
     for call in calls:
         rel = call["file"]
         by_label = {r.get("label"): r for r in _load_results(rel, base, "settings table")}
@@ -270,7 +270,8 @@ def settings_table(calls: list[dict], base: Path) -> str:
             if missing:
                 raise ClaimError(f"{rel}: setting {label} lacks {', '.join(missing)}")
             prov = r["provenance"]
-            lines.append(f"| [{prov['commit'][:7]}]({rel}) | {label} | {r['step_ms']:.1f} | "
+            lines.append(f"| [{prov['commit'][:7]}]({rel}), {prov['card'].removeprefix('NVIDIA ')}, "
+                         f"{r['micro_batch_size']} | {label} | {r['step_ms']:.1f} | "
                          f"{fp8['step_ms'] / r['step_ms']:.3f}x | {_fmt(_category_ms(r, 'gemm'), '.1f')} | "
                          f"{_fmt(_category_ms(r, 'mx_quant'), '.1f')} | {_fmt(_category_ms(r, 'other'), '.1f')} | "
                          f"{r['memory']['max_allocated_gib']:.2f} |")

@@ -74,7 +74,7 @@ def test_a_trial_or_user_loop_number_edited_by_hand_fails_the_check(tmp_path):
     base = _copy(tmp_path)
     path = base / "benchmarks" / "RESULTS.md"
     text = path.read_text()
-    for prefix in ("| [e74194a]", "| 64 | mxfp6-mxflux-adamw"):
+    for prefix in ("| [4bcb084]", "| 64 | mxfp6-mxflux-adamw"):
         row = next(line for line in text.splitlines() if line.startswith(prefix))
         vs_fp8 = row.split("|")[4].strip() if prefix.startswith("| [") else row.split("|")[5].strip()
         path.write_text(text.replace(row, row.replace(vs_fp8, "1.100x")))
