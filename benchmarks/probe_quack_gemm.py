@@ -15,8 +15,8 @@ quack's default epilogue adds vectors, it does not multiply by them: timed, its 
 column scales) along N and the row scales along M, as many vector loads as ours, which multiplies by the two scales
 and adds the bias; its bits are checked on a call adding the bias alone. The `-scaled` configurations are the
 drop-in candidates: the same schedules with our contract's epilogue written for quack's epilogue front end
-(`mxflux.kernels.gemm_quack`, which MXFLUX_CUTE_KERNEL=quack-pingpong puts in the step), timed and checked bit for bit against cuBLAS's row-scaled GEMM, whose bits our
-CuTe kernel gives.
+(`mxflux.kernels.gemm_quack`, which MXFLUX_CUTE_KERNEL=quack-pingpong puts in the step), timed and checked bit
+for bit against cuBLAS's row-scaled GEMM, whose bits our CuTe kernel gives.
 
     PYTHONPATH=src python3 benchmarks/probe_quack_gemm.py --json $OUT/quack_gemm.json [--m 16384,32768]
         [--operands random] [--configs pingpong-64x192-2x1-scaled,cooperative-128x192-2x1-scaled]

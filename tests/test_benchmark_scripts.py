@@ -492,15 +492,7 @@ def test_quack_scaled_epilogue_applies_both_scales_and_the_bias_to_promoted_sums
     per thread, 96 promotion adds (each k-tile's sums into fp32, the contract's accumulation) and, per accumulator,
     both scales multiplied in (192 multiplies), or with the bias the second multiply and the add as one FMA (the
     same bits: the product by a power of two is exact)."""
-    dump = tmp_path / "ptx"
-    dump.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-           "CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(dump),
-           "CUTE_DSL_DISABLE_FILE_CACHING": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_quack_gemm.py"), "--compile-only",
-                        "--configs", "pingpong-64x192-2x1-scaled"], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    dump = _dsl_dump("probe_quack_gemm", "pingpong-64x192-2x1-scaled", tmp_path)
     counts = {}
     for ptx in dump.glob("*.ptx"):
         text = ptx.read_text()
@@ -510,18 +502,24 @@ def test_quack_scaled_epilogue_applies_both_scales_and_the_bias_to_promoted_sums
     assert counts == {"plain": (8, 96, 192, 0), "bias": (8, 96, 96, 96)}, counts
 
 
+def _dsl_dump(script: str, config: str, tmp_path, keep: str = "ptx") -> Path:
+    """The folder where CuTe DSL left the `keep` artifacts (ptx, cubin) of `benchmarks/<script>.py --compile-only
+    --configs <config>`, built for sm_90a without a GPU."""
+    dump = tmp_path / f"{config}-{keep}"
+    dump.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_KEEP": keep, "CUTE_DSL_DUMP_DIR": str(dump),
+           "CUTE_DSL_DISABLE_FILE_CACHING": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--compile-only", "--configs",
+                        config], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return dump
+
+
 def _cute_ptx(config: str, tmp_path) -> str:
     """The PTX of the probe's configuration `config` built for sm_90a without a GPU: that of the last of its three
     GEMMs built (each overwrites the file), the fp32-out one."""
-    dump = tmp_path / config
-    dump.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-           "CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_KEEP": "ptx", "CUTE_DSL_DUMP_DIR": str(dump),
-           "CUTE_DSL_DISABLE_FILE_CACHING": "1"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_cute_rowwise_gemm.py"), "--compile-only",
-                        "--configs", config], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    (ptx,) = dump.glob("*.ptx")
+    (ptx,) = _dsl_dump("probe_cute_rowwise_gemm", config, tmp_path).glob("*.ptx")
     return ptx.read_text()
 
 
@@ -539,6 +537,27 @@ def test_cute_fp32_accumulation_adds_each_k_tile_into_fp32_registers(tmp_path):
         assert wgmmas == (4 if config.endswith("fp32") else 8)  # fast: the example's prologue and main loop
     # (the compiler peels the last k-tile into the epilogue: its 96 adds appear there a second time)
     assert adds["128x192-2x1-s8"] == 0 and adds["128x192-2x1-s8-fp32"] in (96, 192), adds
+
+
+@pytest.mark.skipif(not _cute_dsl_installed(), reason="needs nvidia-cutlass-dsl")
+def test_cute_promotion_in_halves_adds_one_half_while_the_other_runs(tmp_path):
+    """`fp32h` (`promotion_halves`), in the sm_90a SASS the DSL builds on the CPU: each k-tile's WGMMAs in two
+    groups of four over half of N (QGMMA 64x96), the first half's 48 adds between the wait for all but the last
+    group and the wait for all (under the second half's WGMMAs), the second's 48 after; in the whole-tile kernel's
+    168 registers, nothing spilled. (Adds carried across the loop's back edge made ptxas serialize every WGMMA;
+    waiting for both groups before any add leaves all 96 under no MMA: either breaks this sequence.)"""
+    pytest.importorskip("triton", reason="cuobjdump comes with Triton's wheel (make test-cute installs it)")
+    cuobjdump = _benchmark_module("sass_census")._tool("cuobjdump")
+    (cubin,) = _dsl_dump("probe_cute_rowwise_gemm", "128x192-2x1-s8-fp32h", tmp_path, keep="cubin").glob("*.cubin")  # the last of the three GEMMs built (each overwrites it): fp32 out
+    usage = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"REG:168 .*LOCAL:0 ", usage), usage
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"QGMMA\.\S+|WARPGROUP\.(?:ARRIVE|DEPBAR\.LE gsb0, 0x\d)|\bFADD\b", sass)
+    first = ops.index("WARPGROUP.ARRIVE")
+    want = (["WARPGROUP.ARRIVE", *["QGMMA.64x96x32.F32.E4M3.E4M3"] * 4] * 2 + ["WARPGROUP.DEPBAR.LE gsb0, 0x1"]
+            + ["FADD"] * 48 + ["WARPGROUP.DEPBAR.LE gsb0, 0x0"] + ["FADD"] * 48)
+    assert ops[first:first + len(want)] == want, ops[first:first + len(want)]
+    assert sum(op.startswith("QGMMA") for op in ops) == 8
 
 
 def test_bench_kernels_times_the_gemms_an_mx_linear_runs(monkeypatch):

@@ -13,7 +13,7 @@ import cutlass.cute as cute  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
 from cutlass.cutlass_dsl import BaseDSL  # noqa: E402
 
-from mxflux.kernels.cute_rowwise_gemm import accumulator_coordinates  # noqa: E402
+from mxflux.kernels.cute_rowwise_gemm import accumulator_coordinates, accumulator_register  # noqa: E402
 
 FOUND: dict = {}
 
@@ -64,3 +64,39 @@ def test_each_thread_starts_where_wgmma_puts_its_accumulator():
     first = {t: FOUND[t][:4] for t in FOUND}
     at = lambda m, n: [(128 + m, 256 + n, 0), (128 + m, 257 + n, 0), (136 + m, 256 + n, 0), (136 + m, 257 + n, 0)]  # noqa: E731
     assert first == {0: at(0, 0), 1: at(0, 2), 4: at(1, 0), 32: at(16, 0), 128: at(64, 0)}
+
+
+@cute.jit
+def _coordinates_by_half(tile_n: cutlass.Constexpr, threads: cutlass.Constexpr):
+    """Each listed MMA thread's accumulator coordinates in a 128 x `tile_n` C, as the kernel's whole-tile MMA
+    holds them, and as its half-tile MMA (`promotion_halves`: tiler N / 2) holds those of each half."""
+    def tiled(n):
+        return sm90_utils.make_trivial_tiled_mma(
+            cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (2, 1, 1), tiler_mn=(64, n))
+    whole, half = tiled(tile_n), tiled(tile_n // 2)
+    for t in cutlass.range_constexpr(len(threads)):
+        mine = []
+        coords = accumulator_coordinates(whole, threads[t], (128, tile_n, 1), (128, tile_n))
+        tile = coords[(None, None, None, 0, 0, 0)]
+        for i in cutlass.range_constexpr(cute.size(tile)):
+            mine.append(tuple(int(x) for x in tile[i]))
+        halves = []
+        coords = accumulator_coordinates(half, threads[t], (128, tile_n, 1), (128, tile_n // 2))
+        for h in cutlass.range_constexpr(2):
+            tile = coords[(None, None, None, 0, h, 0)]
+            halves.append([tuple(int(x) for x in tile[i]) for i in range(cute.size(tile))])
+        FOUND[threads[t]] = (mine, halves)
+
+
+def test_the_half_tile_partials_line_up_with_the_accumulators_halves():
+    """`promotion_halves` adds register i of half h's partial tile into accumulator register h * size(half) + i:
+    for every MMA thread that must be the same element of C, as the two tiled MMAs lay their registers out."""
+    threads = tuple(range(256))
+    FOUND.clear()
+    _coordinates_by_half(192, threads)
+    for t in threads:
+        whole, halves = FOUND[t]
+        assert len(whole) == 96 and [len(h) for h in halves] == [48, 48]
+        for h, coords in enumerate(halves):
+            assert [whole[accumulator_register(h, i, 48)] for i in range(48)] == coords, (t, h)

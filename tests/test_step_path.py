@@ -115,25 +115,31 @@ def test_the_optimizer_path_says_which_kernel_took_the_step_and_what_keeps_ours_
     assert f"optimizer {path['optimizer']};" in step_path_line(path)
 
 
-@pytest.mark.parametrize("kinds, accumulation, available, tvm_ffi, want", [
-    ("off", "fp32", True, True, None),
-    ("auto", "fp32", True, True, "; those of >= 2048 tokens with M and N in whole tile clusters, before either, on "
-                                 "the CuTe-DSL row-scaled GEMM, each k-tile's sums added in fp32, called through "
-                                 "TVM-FFI (MXFLUX_CUTE_GEMM=auto)"),
-    ("auto", "fp32", True, False, "; those of >= 8192 tokens with M and N in whole tile clusters, before either, on "
-                                  "the CuTe-DSL row-scaled GEMM, each k-tile's sums added in fp32, called through the "
-                                  "DSL's own convention (more host time per call: apache-tvm-ffi not installed) "
-                                  "(MXFLUX_CUTE_GEMM=auto)"),
-    ("bias,fp32", "fast", True, True, "; those computing bias,fp32 with M and N in whole tile clusters, before "
-                                      "either, on the CuTe-DSL row-scaled GEMM, fast accumulation (all of K in the "
-                                      "tensor cores' accumulator, MXFLUX_CUTE_ACCUMULATE=fast), called through "
-                                      "TVM-FFI (MXFLUX_CUTE_GEMM=bias,fp32)"),
-    ("bias", "fp32", True, True, "row-scaled GEMM, each k-tile's sums added in fp32, called through TVM-FFI "
-                                 "(MXFLUX_CUTE_GEMM=bias)"),
-    ("all", "fp32", False, True, "(MXFLUX_CUTE_GEMM=bf16,bias,fp32, not available here)"),
+@pytest.mark.parametrize("kinds, accumulation, kernel, available, tvm_ffi, want", [
+    ("off", "fp32", "rowwise", True, True, None),
+    ("auto", "fp32", "rowwise", True, True,
+     "; those of >= 2048 tokens with M and N in whole tile clusters, before either, on the CuTe-DSL row-scaled GEMM, "
+     "each k-tile's sums added in fp32, called through TVM-FFI (MXFLUX_CUTE_GEMM=auto)"),
+    ("auto", "fp32", "rowwise", True, False,
+     "; those of >= 8192 tokens with M and N in whole tile clusters, before either, on the CuTe-DSL row-scaled GEMM, "
+     "each k-tile's sums added in fp32, called through the DSL's own convention (more host time per call: "
+     "apache-tvm-ffi not installed) (MXFLUX_CUTE_GEMM=auto)"),
+    ("bias,fp32", "fast", "rowwise", True, True,
+     "; those computing bias,fp32 with M and N in whole tile clusters, before either, on the CuTe-DSL row-scaled "
+     "GEMM, fast accumulation (all of K in the tensor cores' accumulator, MXFLUX_CUTE_ACCUMULATE=fast), called "
+     "through TVM-FFI (MXFLUX_CUTE_GEMM=bias,fp32)"),
+    ("bias", "fp32", "rowwise", True, True,
+     "row-scaled GEMM, each k-tile's sums added in fp32, called through TVM-FFI (MXFLUX_CUTE_GEMM=bias)"),
+    ("all", "fp32", "rowwise", False, True, "(MXFLUX_CUTE_GEMM=bf16,bias,fp32, not available here)"),
+    ("auto", "fp32h", "rowwise", True, True,
+     "row-scaled GEMM, each k-tile's sums added in fp32, in two halves of N, one under the other's MMAs "
+     "(MXFLUX_CUTE_ACCUMULATE=fp32h), called through TVM-FFI (MXFLUX_CUTE_GEMM=auto)"),
+    ("auto", "fp32", "quack-cooperative", True, True,
+     "on quack-kernels' cooperative GEMM with our epilogue (MXFLUX_CUTE_KERNEL=quack-cooperative), each k-tile's "
+     "sums added in fp32, called through TVM-FFI (MXFLUX_CUTE_GEMM=auto)"),
 ])
-def test_the_gemm_path_names_the_cute_gemm_where_it_is_asked_for(kinds, accumulation, available, tvm_ffi, want,
-                                                                monkeypatch):
+def test_the_gemm_path_names_the_cute_gemm_where_it_is_asked_for(kinds, accumulation, kernel, available, tvm_ffi,
+                                                                want, monkeypatch):
     """A run says which GEMMs MXFLUX_CUTE_GEMM asks the CuTe kernel for (by default those of 2048 tokens or
     more through TVM-FFI's calling convention, 8192 through the DSL's), how it sums K where that is not the
     contract's way, how it is called, and whether CuTe DSL is there to take them (without it the GEMMs stay
@@ -151,6 +157,7 @@ def test_the_gemm_path_names_the_cute_gemm_where_it_is_asked_for(kinds, accumula
     monkeypatch.setattr(sp, "cute_tvm_ffi", lambda: tvm_ffi)
     monkeypatch.setattr(sp, "CUTE_GEMM", cute_gemm_choice(kinds))
     monkeypatch.setattr(sp, "CUTE_ACCUMULATION", accumulation)
+    monkeypatch.setattr(sp, "CUTE_KERNEL", kernel)
     monkeypatch.setattr(sp, "cute_available", lambda: available)
     monkeypatch.setattr(sp, "FORCE_REFERENCE", False)
     cfg = load_recipe("tiny-mxfp6", ["model.compile=true"])

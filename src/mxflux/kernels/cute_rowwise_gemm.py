@@ -83,6 +83,13 @@ def stage_mmas(tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: int):
         cute.gemm(tiled_mma, acc, tCrA[k_block_coord], tCrB[k_block_coord], acc)
 
 
+def accumulator_register(half: int, i: int, half_size: int) -> int:
+    """The accumulator register that register i of half `half`'s partial tile is added into (`promotion_halves`):
+    a WGMMA fragment holds its columns 8 at a time in order, so the half-N MMA's registers are the whole-N
+    MMA's first and second halves (tests/test_cute_gemm_layout.py)."""
+    return half * half_size + i
+
+
 class RowScaledFP8Gemm:
     """
     C = (A ⊙ a_scale)(B ⊙ b_scale)ᵀ (+ bias) on Hopper: A [M, K], B [N, K] in E4M3 (K-major), a_scale [M] and
@@ -134,6 +141,7 @@ class RowScaledFP8Gemm:
         raster_along_m: bool,
         fp32_accumulation: bool = False,
         promotion_k_tiles: int = 1,
+        promotion_halves: bool = False,
     ):
         """
         Initializes the configuration for a Hopper dense GEMM kernel.
@@ -162,6 +170,17 @@ class RowScaledFP8Gemm:
         # k-tiles (of K 128) summed by the tensor cores between two promotions: 1 as CUTLASS; 2 halves the
         # waits for the partial tile (K must then be a multiple of 256: `gemm_cute.prepared_gemm` checks)
         self.promotion_k_tiles = promotion_k_tiles
+        # promotion_halves: each k-tile's WGMMAs issued as two groups, one per half of the tile's N, into a
+        # partial tile each (the two together the registers of one whole partial tile), so that one group is
+        # always in flight: a half's sums are added into the accumulator while the other half's WGMMAs run,
+        # where the whole-tile promotion waits for every WGMMA (`wait_group(0)`) and leaves the tensor cores
+        # idle during the adds. Each output element's sums are those of the whole-tile promotion, in the same
+        # order: the same bits.
+        if promotion_halves and (not fp32_accumulation or promotion_k_tiles != 1 or tile_shape_mn[1] % 16):
+            raise ValueError("promotion_halves: needs fp32 accumulation promoted every k-tile and tile N a "
+                             f"multiple of 16, got {tile_shape_mn}, promotion_k_tiles={promotion_k_tiles}")
+        self.promotion_halves = promotion_halves
+        self.tiled_mma_half = None
         self.mma_inst_shape_mn = None
         # K dimension is deferred in _setup_attributes
         self.tile_shape_mnk = (*tile_shape_mn, 1)
@@ -232,15 +251,20 @@ class RowScaledFP8Gemm:
         if self.tile_shape_mnk[1] not in [64, 128, 192, 256]:
             raise ValueError("CTA tile shape N must be 64/128/192/256")
 
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.a_dtype,
-            self.b_dtype,
-            self.a_layout.sm90_mma_major_mode(),
-            self.b_layout.sm90_mma_major_mode(),
-            self.acc_dtype,
-            self.atom_layout_mnk,
-            tiler_mn=(64, self.tile_shape_mnk[1]),
-        )
+        def tiled_mma(tile_n):  # the warp groups along M, each WGMMA tile_n wide
+            return sm90_utils.make_trivial_tiled_mma(
+                self.a_dtype,
+                self.b_dtype,
+                self.a_layout.sm90_mma_major_mode(),
+                self.b_layout.sm90_mma_major_mode(),
+                self.acc_dtype,
+                self.atom_layout_mnk,
+                tiler_mn=(64, tile_n),
+            )
+
+        self.tiled_mma = tiled_mma(self.tile_shape_mnk[1])
+        if self.promotion_halves:  # the same warp groups, each on half of the tile's N
+            self.tiled_mma_half = tiled_mma(self.tile_shape_mnk[1] // 2)
         mma_inst_shape_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
         mma_inst_tile_k = 4
         self.tile_shape_mnk = (
@@ -410,6 +434,7 @@ class RowScaledFP8Gemm:
             tma_atom_c,
             tma_tensor_c,
             self.tiled_mma,
+            self.tiled_mma_half if self.promotion_halves else self.tiled_mma,
             self.cta_layout_mnk,
             self.a_smem_layout_staged,
             self.b_smem_layout_staged,
@@ -439,6 +464,7 @@ class RowScaledFP8Gemm:
         tma_atom_c: cute.CopyAtom,
         mC_mnl: cute.Tensor,
         tiled_mma: cute.TiledMma,
+        tiled_mma_half: cute.TiledMma,
         cta_layout_mnk: cute.Layout,
         a_smem_layout_staged: cute.ComposedLayout,
         b_smem_layout_staged: cute.ComposedLayout,
@@ -620,7 +646,25 @@ class RowScaledFP8Gemm:
         acc_shape = tCgC.shape[:3]
         accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
         # fp32_accumulation: the k-tile's partial sums, in the tensor cores' accumulator
-        partial = cute.make_rmem_tensor(acc_shape, self.acc_dtype) if self.fp32_accumulation else None
+        partial = (cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                   if self.fp32_accumulation and not self.promotion_halves else None)
+        if cutlass.const_expr(self.promotion_halves):
+            # per half of the tile's N: B's columns in shared memory, and its partial tile (register i of half h
+            # is the accumulator's `accumulator_register(h, i, ...)`)
+            half_n = self.tile_shape_mnk[1] // 2
+            thr_mma_half = tiled_mma_half.get_slice(
+                mma_warp_group_thread_layout(warp_group_idx - self.num_dma_warp_groups)
+            )
+            tCrA_half = tiled_mma_half.make_fragment_A(thr_mma_half.partition_A(sA))
+            tCrB_halves = [
+                tiled_mma_half.make_fragment_B(thr_mma_half.partition_B(
+                    cute.local_tile(sB, (half_n, self.tile_shape_mnk[2]), (h, 0, None))))
+                for h in range(2)
+            ]
+            half_shape = thr_mma_half.partition_C(
+                cute.local_tile(mC_mnl, (self.tile_shape_mnk[0], half_n), (None, None, None))
+            ).shape[:3]
+            partial_halves = [cute.make_rmem_tensor(half_shape, self.acc_dtype) for _ in range(2)]
 
         k_tile_cnt = cute.size(gA_mkl, mode=[3])
 
@@ -805,6 +849,34 @@ class RowScaledFP8Gemm:
                     for k_tile in range(prologue_mma_cnt):
                         mainloop_pipeline.consumer_release(mainloop_consumer_release_state)
                         mainloop_consumer_release_state.advance()
+                elif cutlass.const_expr(self.promotion_halves):
+                    # Per k-tile: both halves' WGMMA groups issued, then the first half's partial added into
+                    # the accumulator while the second half's WGMMAs run (wait_group(1)), then the second's
+                    # (wait_group(0)): the tensor cores idle for half the adds. (Carrying the second half's
+                    # adds past the next k-tile's first group, which would hide them all, makes ptxas
+                    # serialize every WGMMA: it does not follow the group count across the loop.)
+                    accumulators.fill(0.0)
+                    half = cute.size(partial_halves[0])
+                    for k_tile in range(k_tile_cnt):
+                        mainloop_pipeline.consumer_wait(mainloop_consumer_read_state)
+                        for h in cutlass.range_constexpr(2):
+                            # the partial tile is written by the WGMMAs below and read by the adds after them
+                            cute.nvgpu.warpgroup.fence()
+                            for k_block_idx in cutlass.range_constexpr(num_k_blocks):
+                                k_block_coord = (None, None, k_block_idx, mainloop_consumer_read_state.index)
+                                # the group's first WGMMA overwrites the partial tile (D = A B)
+                                tiled_mma_half.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, k_block_idx != 0)
+                                cute.gemm(tiled_mma_half, partial_halves[h], tCrA_half[k_block_coord],
+                                          tCrB_halves[h][k_block_coord], partial_halves[h])
+                            cute.nvgpu.warpgroup.commit_group()
+                        for h in cutlass.range_constexpr(2):
+                            cute.nvgpu.warpgroup.wait_group(1 - h)
+                            for i in cutlass.range_constexpr(half):
+                                r = accumulator_register(h, i, half)
+                                accumulators[r] = accumulators[r] + partial_halves[h][i]
+                        mainloop_pipeline.consumer_release(mainloop_consumer_release_state)
+                        mainloop_consumer_release_state.advance()
+                        mainloop_consumer_read_state.advance()
                 else:
                     accumulators.fill(0.0)
                     for k_group in range(k_tile_cnt // self.promotion_k_tiles):

@@ -84,20 +84,23 @@ def cute_gemm_choice(value: str) -> CuteGemm:
 
 CUTE_GEMM = cute_gemm_choice(os.environ.get("MXFLUX_CUTE_GEMM", "auto"))
 # How the kernel sums K: `fp32`, each k-tile's partial sums added into fp32 registers (the GEMM contract's:
-# cuBLAS's bits on an H100), or `fast`, every WGMMA into one accumulator (the tensor cores' FP8 accumulation,
-# outside the contract). Its tile (M, N) and cluster (M, N): the tensor-wise kernels' class; N 192 where the
-# second accumulator needs the registers.
-ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fp32", ("fp32", "fast"))
-CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1)), "fp32k2": ((128, 192), (2, 1))}
+# cuBLAS's bits on an H100), `fp32h` the same sums with each k-tile's WGMMAs in two groups, one per half of the
+# tile's N, the first half's adds under the second half's WGMMAs (`promotion_halves`: an A/B, not yet run on a
+# GPU), or `fast`, every WGMMA into one accumulator (the tensor cores' FP8 accumulation, outside the contract).
+# Its tile (M, N) and cluster (M, N): the tensor-wise kernels' class; N 192 where the second accumulator needs
+# the registers.
+ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fp32", ("fp32", "fp32h", "fast"))
+CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1)), "fp32k2": ((128, 192), (2, 1)),
+           "fp32h": ((128, 192), (2, 1))}
 CONFIG = CONFIGS[ACCUMULATION]
 SWIZZLE = positive_int("MXFLUX_CUTE_SWIZZLE", 8, "tile columns")
 # Whose kernel runs the GEMMs taken: `rowwise`, ours (`cute_rowwise_gemm`), or one of quack-kernels' schedules with
 # our contract's epilogue (`gemm_quack`: ping-pong 64x192 or cooperative 128x192 tiles, 2x1 clusters; opt-in, an A/B
 # of the schedule, fp32 accumulation only)
 KERNEL = choice("MXFLUX_CUTE_KERNEL", "rowwise", ("rowwise", *gemm_quack.CONFIGS))
-if KERNEL != "rowwise" and ACCUMULATION == "fast":
+if KERNEL != "rowwise" and ACCUMULATION != "fp32":
     raise SwitchError(f"MXFLUX_CUTE_KERNEL={KERNEL} sums K in fp32 only: expected MXFLUX_CUTE_ACCUMULATE=fp32 "
-                      "with it, got fast")
+                      f"with it, got {ACCUMULATION}")
 
 
 def swizzle_for(tiles_n: int, most: int) -> int:
@@ -198,15 +201,15 @@ _COMPILED: dict = {}
 def kernel_for(n: int, config, most_swizzle: int | None = None, accumulation: str = ACCUMULATION):
     """The kernel for N output columns: `config`'s tile and cluster, tiles visited in bands of the widest
     power of two of tile columns, at most `most_swizzle` (SWIZZLE by default), that divides them; K summed
-    as `accumulation` says: `fast`, `fp32` (promoted every k-tile of K 128) or `fp32k2` (every two: the
-    probe's trial; K a multiple of 256)."""
+    as `accumulation` says: `fast`, `fp32` (promoted every k-tile of K 128), `fp32h` (the same, in two halves
+    of N) or `fp32k2` (every two: the probe's trial; K a multiple of 256)."""
     import cutlass
 
     from .cute_rowwise_gemm import RowScaledFP8Gemm
 
     tile, cluster = config
     return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, _band_width(n, config, most_swizzle), True,
-                            accumulation != "fast", 2 if accumulation == "fp32k2" else 1)
+                            accumulation != "fast", 2 if accumulation == "fp32k2" else 1, accumulation == "fp32h")
 
 
 def _band_width(n: int, config, most_swizzle: int | None) -> int:

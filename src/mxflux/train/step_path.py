@@ -87,8 +87,10 @@ def step_path(trainer) -> dict:
     if mx and kernels and CUTE_GEMM.kinds and cfg.precision.mx_gemm == "rowwise":  # eager and compiled alike
         kinds = ",".join(sorted(CUTE_GEMM.kinds))
         which = (f"of >= {CUTE_GEMM.min_tokens} tokens" if CUTE_GEMM.min_tokens else f"computing {kinds}")
-        summed = ("fast accumulation (all of K in the tensor cores' accumulator, MXFLUX_CUTE_ACCUMULATE=fast)"
-                  if CUTE_ACCUMULATION == "fast" else "each k-tile's sums added in fp32")
+        summed = {"fast": "fast accumulation (all of K in the tensor cores' accumulator, MXFLUX_CUTE_ACCUMULATE=fast)",
+                  "fp32h": ("each k-tile's sums added in fp32, in two halves of N, one under the other's MMAs "
+                            "(MXFLUX_CUTE_ACCUMULATE=fp32h)"),
+                  "fp32": "each k-tile's sums added in fp32"}[CUTE_ACCUMULATION]
         switch = "auto" if CUTE_GEMM.min_tokens else kinds
         where = "" if cute_available() else ", not available here"
         call = ("called through TVM-FFI" if cute_tvm_ffi() else
