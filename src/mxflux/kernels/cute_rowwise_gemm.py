@@ -854,7 +854,8 @@ class RowScaledFP8Gemm:
                     # the accumulator while the second half's WGMMAs run (wait_group(1)), then the second's
                     # (wait_group(0)): the tensor cores idle for half the adds. (Carrying the second half's
                     # adds past the next k-tile's first group, which would hide them all, makes ptxas
-                    # serialize every WGMMA: it does not follow the group count across the loop.)
+                    # serialize every WGMMA: it does not follow the group count across the loop; two k-tiles a
+                    # trip, their groups counted within it, spilled 100 bytes a thread.)
                     accumulators.fill(0.0)
                     half = cute.size(partial_halves[0])
                     for k_tile in range(k_tile_cnt):
