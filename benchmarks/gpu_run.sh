@@ -56,6 +56,9 @@
 # quackgemm    benchmarks/probe_quack_gemm.py: quack's Hopper FP8 GEMM (promoted sums, ping-pong and cooperative)
 #              beside ours and cuBLAS at the Flux shapes, on operands packed as the step packs them (QUACKGEMM_ARGS,
 #              e.g. "--m 16384,32768"); needs the `cutedsl` stage's three parts (quack-kernels is in .cutedsl/a)
+# ncugemm      benchmarks/probe_gemm_ncu.py under Nsight Compute: our GEMM (fp32, fp32h) and cuBLAS's (tensor-wise with
+#              and without fast accumulation, row-scaled), one profiled launch each at NCU_ARGS' problems (default
+#              "--problems linear1:fprop,linear2:dgrad,linear1:wgrad"); $OUT/ncu_gemm.json; needs the `cutedsl` stage
 # Stages that run a kernel not yet run on a GPU stop at a time limit (TESTS_TIMEOUT 570 s, KERNELS_TIMEOUT
 # 400, CUTEROW_TIMEOUT 300) rather than spend the call on a hang; pytest -v logs each test as it ends.
 # Two GPUs, one call (background job + `wait`, never a pgrep on a pattern the command line contains):
@@ -166,6 +169,14 @@ for stage in "$@"; do
     quackgemm)
       timeout ${QUACKGEMM_TIMEOUT:-300} python3 benchmarks/probe_quack_gemm.py --json "$OUT/quack_gemm.json" \
         ${QUACKGEMM_ARGS:-} 2>&1 | grep -vE "W11|I11" | tail -40 ;;
+    ncugemm)
+      timeout ${NCU_TIMEOUT:-400} ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section SchedulerStats --section Occupancy --section LaunchStats --csv --page details \
+        python3 benchmarks/probe_gemm_ncu.py ${NCU_ARGS:-} --labels "$OUT/ncu_labels.json" \
+        > "$OUT/ncu_gemm.csv" 2> "$OUT/ncu_gemm.log"; echo "ncu rc $?"; grep -v "^W11" "$OUT/ncu_gemm.log" | tail -5
+      python3 benchmarks/probe_gemm_ncu.py --summarize "$OUT/ncu_gemm.csv" --labels "$OUT/ncu_labels.json" \
+        --json "$OUT/ncu_gemm.json" 2>&1 | tail -20 ;;
     cuterow)
       timeout ${CUTEROW_TIMEOUT:-300} python3 benchmarks/probe_cute_rowwise_gemm.py --json "$OUT/cute_rowwise_gemm.json" \
         ${CUTEROW_ARGS:-} 2>&1 \

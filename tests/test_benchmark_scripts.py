@@ -583,3 +583,44 @@ def test_bench_kernels_times_the_gemms_an_mx_linear_runs(monkeypatch):
     layer(x).float().sum().backward()
     assert sorted(ran, key=str) == sorted((bench_kernels.gemm_problem(kind, m, k, n) for kind in
                                            bench_kernels.GEMM_KINDS), key=str)
+
+
+def _ncu_csv(path, kernels):
+    """ncu's `--csv --page details` layout: a log line, then one quoted row per (kernel, section, metric)."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        f.write("==PROF== Connected to process 1\n")
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
+                    "Grid Size", "Device", "CC", "Section Name", "Metric Name", "Metric Unit", "Metric Value"])
+        for i, (name, duration) in enumerate(kernels):
+            for section, metric, unit, value in (("GPU Speed Of Light Throughput", "Duration", "us", duration),
+                                                 ("GPU Speed Of Light Throughput", "Compute (SM) Throughput", "%",
+                                                  "81.5"),
+                                                 ("Warp State Statistics", "Warp Cycles Per Issued Instruction",
+                                                  "cycle", "9.1")):
+                w.writerow([str(i), "1", "python3", "h", name, "1", "7", "(384, 1, 1)", "(132, 1, 1)", "0", "9.0",
+                            section, metric, unit, value])
+
+
+def test_the_ncu_summary_pairs_each_profiled_gemm_with_its_label(tmp_path, capsys):
+    """probe_gemm_ncu.py's summary (CPU-side: ncu's CSV and the launch labels): GEMM kernels are matched to the
+    labels in launch order, a kernel that is no GEMM (a cast torch launched) skipped, and a count that does not
+    match is one line, not a wrong pairing."""
+    probe = _benchmark_module("probe_gemm_ncu")
+    labels = [dict(linear="linear1", kind="fprop", m=32768, n=21504, k=3072, bias=True, fp32_out=False, kernel=k)
+              for k in ("cublas-tensorwise", "ours-fp32")]
+    (tmp_path / "labels.json").write_text(json.dumps(labels))
+    _ncu_csv(tmp_path / "ncu.csv", [("nvjet_sm90_qqtst_192x192_128x4_2x1_v_bz_coopB_TNN", "3010"),
+                                    ("triton_poi_fused__to_copy_0", "12"),
+                                    ("kernel_cutlass_kernel_mxfluxkernelscute_rowwise_gemmRowScaledFP8Gemm", "3170")])
+    rows = probe.summarize(str(tmp_path / "ncu.csv"), str(tmp_path / "labels.json"))
+    assert [(r["kernel"], r["headline"]["Duration"]) for r in rows] == [("cublas-tensorwise", "3010 us"),
+                                                                       ("ours-fp32", "3170 us")]
+    assert rows[1]["sections"]["Warp State Statistics"]["Warp Cycles Per Issued Instruction"]["value"] == "9.1"
+    _ncu_csv(tmp_path / "ncu.csv", [("nvjet_sm90_qqtst_192x192_128x4_2x1_v_bz_coopB_TNN", "3010")])
+    with pytest.raises(SystemExit, match="1 GEMM kernels profiled, 2 launches labelled"):
+        probe.summarize(str(tmp_path / "ncu.csv"), str(tmp_path / "labels.json"))
+    with pytest.raises(SystemExit, match="--problems: expected linear:kind pairs"):
+        probe.parse_problems("linear1:backward", 32768)
