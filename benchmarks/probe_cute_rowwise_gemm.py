@@ -49,8 +49,10 @@ CONFIGS = {"128x256-2x1": ((128, 256), (2, 1), 1, "fast"), "128x256-2x1-s4": ((1
            "128x192-2x1-s8-fp32": ((128, 192), (2, 1), 8, "fp32"),
            "128x192-2x1-s4-fp32": ((128, 192), (2, 1), 4, "fp32"),
            "128x192-2x1-s8-fp32k2": ((128, 192), (2, 1), 8, "fp32k2"),
-           # promoted in two halves of N, one WGMMA group always in flight (`promotion_halves`)
+           # promoted in 2, 3 or 4 parts of N, a part's adds under the later parts' WGMMAs (`promotion_parts`)
            "128x192-2x1-s8-fp32h": ((128, 192), (2, 1), 8, "fp32h"),
+           "128x192-2x1-s8-fp32p3": ((128, 192), (2, 1), 8, "fp32p3"),
+           "128x192-2x1-s8-fp32p4": ((128, 192), (2, 1), 8, "fp32p4"),
            "128x192-2x1-s8": ((128, 192), (2, 1), 8, "fast"),
            # the promoted kernel with A multicast across a 1x2 cluster instead of B. (Promoted 128x128 tiles, one
            # consumer warp group, need 2 x 128 accumulator registers a thread: ptxas spills 348 bytes; not tried.)

@@ -540,24 +540,33 @@ def test_cute_fp32_accumulation_adds_each_k_tile_into_fp32_registers(tmp_path):
 
 
 @pytest.mark.skipif(not _cute_dsl_installed(), reason="needs nvidia-cutlass-dsl")
-def test_cute_promotion_in_halves_adds_one_half_while_the_other_runs(tmp_path):
-    """`fp32h` (`promotion_halves`), in the sm_90a SASS the DSL builds on the CPU: each k-tile's WGMMAs in two
-    groups of four over half of N (QGMMA 64x96), the first half's 48 adds between the wait for all but the last
-    group and the wait for all (under the second half's WGMMAs), the second's 48 after; in the whole-tile kernel's
-    168 registers, nothing spilled. (Adds carried across the loop's back edge made ptxas serialize every WGMMA;
-    waiting for both groups before any add leaves all 96 under no MMA: either breaks this sequence.)"""
+@pytest.mark.parametrize("accumulation,parts", [("fp32h", 2), ("fp32p3", 3), ("fp32p4", 4)])
+def test_cute_promotion_in_parts_adds_under_the_later_parts_wgmmas(accumulation, parts, tmp_path):
+    """`fp32h`, `fp32p3`, `fp32p4` (`promotion_parts`), in the sm_90a SASS the DSL builds on the CPU: each k-tile's
+    WGMMAs in `parts` groups of four over a part of N (QGMMA 64 x 192 / parts), then the waits and the 96 adds a
+    thread, at least half of them before the wait for the last group (under its WGMMAs; with halves exactly the
+    first half's 48), in the whole-tile kernel's 168 registers, nothing spilled. (Adds carried across the loop's
+    back edge made ptxas serialize every WGMMA; waiting for every group before any add leaves all 96 under no
+    MMA: either breaks this.)"""
     pytest.importorskip("triton", reason="cuobjdump comes with Triton's wheel (make test-cute installs it)")
     cuobjdump = _benchmark_module("sass_census")._tool("cuobjdump")
-    (cubin,) = _dsl_dump("probe_cute_rowwise_gemm", "128x192-2x1-s8-fp32h", tmp_path, keep="cubin").glob("*.cubin")  # the last of the three GEMMs built (each overwrites it): fp32 out
+    (cubin,) = _dsl_dump("probe_cute_rowwise_gemm", f"128x192-2x1-s8-{accumulation}", tmp_path,
+                         keep="cubin").glob("*.cubin")  # the last of the three GEMMs built: fp32 out
     usage = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     assert re.search(r"REG:168 .*LOCAL:0 ", usage), usage
     sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     ops = re.findall(r"QGMMA\.\S+|WARPGROUP\.(?:ARRIVE|DEPBAR\.LE gsb0, 0x\d)|\bFADD\b", sass)
     first = ops.index("WARPGROUP.ARRIVE")
-    want = (["WARPGROUP.ARRIVE", *["QGMMA.64x96x32.F32.E4M3.E4M3"] * 4] * 2 + ["WARPGROUP.DEPBAR.LE gsb0, 0x1"]
-            + ["FADD"] * 48 + ["WARPGROUP.DEPBAR.LE gsb0, 0x0"] + ["FADD"] * 48)
-    assert ops[first:first + len(want)] == want, ops[first:first + len(want)]
-    assert sum(op.startswith("QGMMA") for op in ops) == 8
+    issue = ["WARPGROUP.ARRIVE", *[f"QGMMA.64x{192 // parts}x32.F32.E4M3.E4M3"] * 4] * parts
+    assert ops[first:first + len(issue)] == issue, ops[first:first + len(issue)]
+    rest = ops[first + len(issue):]
+    drain = rest.index("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    hidden, exposed = rest[:drain].count("FADD"), rest[drain:drain + 1 + 96].count("FADD")
+    assert hidden + exposed == 96 and hidden >= 48 and all(op.startswith(("FADD", "WARPGROUP.DEPBAR"))
+                                                           for op in rest[:drain]), rest[:drain + 1 + 96]
+    if parts == 2:
+        assert hidden == 48 and rest[0] == "WARPGROUP.DEPBAR.LE gsb0, 0x1"
+    assert sum(op.startswith("QGMMA") for op in ops) == 4 * parts
 
 
 def test_bench_kernels_times_the_gemms_an_mx_linear_runs(monkeypatch):

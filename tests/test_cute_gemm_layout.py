@@ -67,36 +67,37 @@ def test_each_thread_starts_where_wgmma_puts_its_accumulator():
 
 
 @cute.jit
-def _coordinates_by_half(tile_n: cutlass.Constexpr, threads: cutlass.Constexpr):
+def _coordinates_by_part(tile_n: cutlass.Constexpr, parts: cutlass.Constexpr, threads: cutlass.Constexpr):
     """Each listed MMA thread's accumulator coordinates in a 128 x `tile_n` C, as the kernel's whole-tile MMA
-    holds them, and as its half-tile MMA (`promotion_halves`: tiler N / 2) holds those of each half."""
+    holds them, and as its MMA over a part of N (`promotion_parts`: tiler N / parts) holds those of each part."""
     def tiled(n):
         return sm90_utils.make_trivial_tiled_mma(
             cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, cute.nvgpu.OperandMajorMode.K,
             cute.nvgpu.OperandMajorMode.K, cutlass.Float32, (2, 1, 1), tiler_mn=(64, n))
-    whole, half = tiled(tile_n), tiled(tile_n // 2)
+    whole, part = tiled(tile_n), tiled(tile_n // parts)
     for t in cutlass.range_constexpr(len(threads)):
-        mine = []
         coords = accumulator_coordinates(whole, threads[t], (128, tile_n, 1), (128, tile_n))
         tile = coords[(None, None, None, 0, 0, 0)]
-        for i in cutlass.range_constexpr(cute.size(tile)):
-            mine.append(tuple(int(x) for x in tile[i]))
-        halves = []
-        coords = accumulator_coordinates(half, threads[t], (128, tile_n, 1), (128, tile_n // 2))
-        for h in cutlass.range_constexpr(2):
-            tile = coords[(None, None, None, 0, h, 0)]
-            halves.append([tuple(int(x) for x in tile[i]) for i in range(cute.size(tile))])
-        FOUND[threads[t]] = (mine, halves)
+        mine = [tuple(int(x) for x in tile[i]) for i in range(cute.size(tile))]
+        by_part = []
+        coords = accumulator_coordinates(part, threads[t], (128, tile_n, 1), (128, tile_n // parts))
+        for p in cutlass.range_constexpr(parts):
+            tile = coords[(None, None, None, 0, p, 0)]
+            by_part.append([tuple(int(x) for x in tile[i]) for i in range(cute.size(tile))])
+        FOUND[threads[t]] = (mine, by_part)
 
 
-def test_the_half_tile_partials_line_up_with_the_accumulators_halves():
-    """`promotion_halves` adds register i of half h's partial tile into accumulator register h * size(half) + i:
-    for every MMA thread that must be the same element of C, as the two tiled MMAs lay their registers out."""
+@pytest.mark.parametrize("parts", [2, 3, 4])
+def test_the_partial_tiles_of_each_part_line_up_with_the_accumulators(parts):
+    """`promotion_parts` adds register i of part p's partial tile into accumulator register
+    `accumulator_register(p, i, 96 / parts)`: for every MMA thread that must be the same element of C, as the two
+    tiled MMAs lay their registers out."""
     threads = tuple(range(256))
     FOUND.clear()
-    _coordinates_by_half(192, threads)
+    _coordinates_by_part(192, parts, threads)
+    size = 96 // parts
     for t in threads:
-        whole, halves = FOUND[t]
-        assert len(whole) == 96 and [len(h) for h in halves] == [48, 48]
-        for h, coords in enumerate(halves):
-            assert [whole[accumulator_register(h, i, 48)] for i in range(48)] == coords, (t, h)
+        whole, by_part = FOUND[t]
+        assert len(whole) == 96 and [len(c) for c in by_part] == [size] * parts
+        for p, coords in enumerate(by_part):
+            assert [whole[accumulator_register(p, i, size)] for i in range(size)] == coords, (t, p)

@@ -83,11 +83,11 @@ def stage_mmas(tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: int):
         cute.gemm(tiled_mma, acc, tCrA[k_block_coord], tCrB[k_block_coord], acc)
 
 
-def accumulator_register(half: int, i: int, half_size: int) -> int:
-    """The accumulator register that register i of half `half`'s partial tile is added into (`promotion_halves`):
-    a WGMMA fragment holds its columns 8 at a time in order, so the half-N MMA's registers are the whole-N
-    MMA's first and second halves (tests/test_cute_gemm_layout.py)."""
-    return half * half_size + i
+def accumulator_register(part: int, i: int, part_size: int) -> int:
+    """The accumulator register that register i of part `part`'s partial tile is added into (`promotion_parts`):
+    a WGMMA fragment holds its columns 8 at a time in order, so the registers of the MMA over a part of N are the
+    whole-N MMA's, part after part (tests/test_cute_gemm_layout.py)."""
+    return part * part_size + i
 
 
 class RowScaledFP8Gemm:
@@ -141,7 +141,7 @@ class RowScaledFP8Gemm:
         raster_along_m: bool,
         fp32_accumulation: bool = False,
         promotion_k_tiles: int = 1,
-        promotion_halves: bool = False,
+        promotion_parts: int = 1,
     ):
         """
         Initializes the configuration for a Hopper dense GEMM kernel.
@@ -170,17 +170,18 @@ class RowScaledFP8Gemm:
         # k-tiles (of K 128) summed by the tensor cores between two promotions: 1 as CUTLASS; 2 halves the
         # waits for the partial tile (K must then be a multiple of 256: `gemm_cute.prepared_gemm` checks)
         self.promotion_k_tiles = promotion_k_tiles
-        # promotion_halves: each k-tile's WGMMAs issued as two groups, one per half of the tile's N, into a
-        # partial tile each (the two together the registers of one whole partial tile), so that one group is
-        # always in flight: a half's sums are added into the accumulator while the other half's WGMMAs run,
-        # where the whole-tile promotion waits for every WGMMA (`wait_group(0)`) and leaves the tensor cores
-        # idle during the adds. Each output element's sums are those of the whole-tile promotion, in the same
-        # order: the same bits.
-        if promotion_halves and (not fp32_accumulation or promotion_k_tiles != 1 or tile_shape_mn[1] % 16):
-            raise ValueError("promotion_halves: needs fp32 accumulation promoted every k-tile and tile N a "
-                             f"multiple of 16, got {tile_shape_mn}, promotion_k_tiles={promotion_k_tiles}")
-        self.promotion_halves = promotion_halves
-        self.tiled_mma_half = None
+        # promotion_parts > 1: each k-tile's WGMMAs issued as that many groups, one per part of the tile's N,
+        # into a partial tile each (together the registers of one whole partial tile), so that a part's sums are
+        # added into the accumulator while the later parts' WGMMAs run, where the whole-tile promotion waits for
+        # every WGMMA (`wait_group(0)`) and leaves the tensor cores idle during all the adds: only the last
+        # part's are. Each output element's sums are those of the whole-tile promotion, in the same order: the
+        # same bits. (A is read from shared memory once per part.)
+        parts = promotion_parts
+        if parts > 1 and (not fp32_accumulation or promotion_k_tiles != 1 or tile_shape_mn[1] % (8 * parts)):
+            raise ValueError(f"promotion_parts: needs fp32 accumulation promoted every k-tile and tile N a multiple "
+                             f"of 8 x {parts}, got {tile_shape_mn}, promotion_k_tiles={promotion_k_tiles}")
+        self.promotion_parts = promotion_parts
+        self.tiled_mma_part = None
         self.mma_inst_shape_mn = None
         # K dimension is deferred in _setup_attributes
         self.tile_shape_mnk = (*tile_shape_mn, 1)
@@ -263,8 +264,8 @@ class RowScaledFP8Gemm:
             )
 
         self.tiled_mma = tiled_mma(self.tile_shape_mnk[1])
-        if self.promotion_halves:  # the same warp groups, each on half of the tile's N
-            self.tiled_mma_half = tiled_mma(self.tile_shape_mnk[1] // 2)
+        if self.promotion_parts > 1:  # the same warp groups, each on a part of the tile's N
+            self.tiled_mma_part = tiled_mma(self.tile_shape_mnk[1] // self.promotion_parts)
         mma_inst_shape_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
         mma_inst_tile_k = 4
         self.tile_shape_mnk = (
@@ -434,7 +435,7 @@ class RowScaledFP8Gemm:
             tma_atom_c,
             tma_tensor_c,
             self.tiled_mma,
-            self.tiled_mma_half if self.promotion_halves else self.tiled_mma,
+            self.tiled_mma_part if self.promotion_parts > 1 else self.tiled_mma,
             self.cta_layout_mnk,
             self.a_smem_layout_staged,
             self.b_smem_layout_staged,
@@ -464,7 +465,7 @@ class RowScaledFP8Gemm:
         tma_atom_c: cute.CopyAtom,
         mC_mnl: cute.Tensor,
         tiled_mma: cute.TiledMma,
-        tiled_mma_half: cute.TiledMma,
+        tiled_mma_part: cute.TiledMma,
         cta_layout_mnk: cute.Layout,
         a_smem_layout_staged: cute.ComposedLayout,
         b_smem_layout_staged: cute.ComposedLayout,
@@ -647,24 +648,25 @@ class RowScaledFP8Gemm:
         accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
         # fp32_accumulation: the k-tile's partial sums, in the tensor cores' accumulator
         partial = (cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-                   if self.fp32_accumulation and not self.promotion_halves else None)
-        if cutlass.const_expr(self.promotion_halves):
-            # per half of the tile's N: B's columns in shared memory, and its partial tile (register i of half h
-            # is the accumulator's `accumulator_register(h, i, ...)`)
-            half_n = self.tile_shape_mnk[1] // 2
-            thr_mma_half = tiled_mma_half.get_slice(
+                   if self.fp32_accumulation and self.promotion_parts == 1 else None)
+        if cutlass.const_expr(self.promotion_parts > 1):
+            # per part of the tile's N: B's columns in shared memory, and its partial tile (register i of part p
+            # is the accumulator's `accumulator_register(p, i, ...)`)
+            parts = self.promotion_parts
+            part_n = self.tile_shape_mnk[1] // parts
+            thr_mma_part = tiled_mma_part.get_slice(
                 mma_warp_group_thread_layout(warp_group_idx - self.num_dma_warp_groups)
             )
-            tCrA_half = tiled_mma_half.make_fragment_A(thr_mma_half.partition_A(sA))
-            tCrB_halves = [
-                tiled_mma_half.make_fragment_B(thr_mma_half.partition_B(
-                    cute.local_tile(sB, (half_n, self.tile_shape_mnk[2]), (h, 0, None))))
-                for h in range(2)
+            tCrA_part = tiled_mma_part.make_fragment_A(thr_mma_part.partition_A(sA))
+            tCrB_parts = [
+                tiled_mma_part.make_fragment_B(thr_mma_part.partition_B(
+                    cute.local_tile(sB, (part_n, self.tile_shape_mnk[2]), (p, 0, None))))
+                for p in range(parts)
             ]
-            half_shape = thr_mma_half.partition_C(
-                cute.local_tile(mC_mnl, (self.tile_shape_mnk[0], half_n), (None, None, None))
+            part_shape = thr_mma_part.partition_C(
+                cute.local_tile(mC_mnl, (self.tile_shape_mnk[0], part_n), (None, None, None))
             ).shape[:3]
-            partial_halves = [cute.make_rmem_tensor(half_shape, self.acc_dtype) for _ in range(2)]
+            partial_parts = [cute.make_rmem_tensor(part_shape, self.acc_dtype) for _ in range(parts)]
 
         k_tile_cnt = cute.size(gA_mkl, mode=[3])
 
@@ -849,32 +851,32 @@ class RowScaledFP8Gemm:
                     for k_tile in range(prologue_mma_cnt):
                         mainloop_pipeline.consumer_release(mainloop_consumer_release_state)
                         mainloop_consumer_release_state.advance()
-                elif cutlass.const_expr(self.promotion_halves):
-                    # Per k-tile: both halves' WGMMA groups issued, then the first half's partial added into
-                    # the accumulator while the second half's WGMMAs run (wait_group(1)), then the second's
-                    # (wait_group(0)): the tensor cores idle for half the adds. (Carrying the second half's
-                    # adds past the next k-tile's first group, which would hide them all, makes ptxas
-                    # serialize every WGMMA: it does not follow the group count across the loop; two k-tiles a
-                    # trip, their groups counted within it, spilled 100 bytes a thread.)
+                elif cutlass.const_expr(self.promotion_parts > 1):
+                    # Per k-tile: every part's WGMMA group issued, then part p's partial added into the
+                    # accumulator once all but the last parts - 1 - p groups are done (wait_group), while those
+                    # run: the tensor cores idle for the last part's adds only. (Carrying the last part's adds
+                    # past the next k-tile's first group, which would hide them all, makes ptxas serialize every
+                    # WGMMA: it does not follow the group count across the loop; two k-tiles a trip, their groups
+                    # counted within it, spilled 100 bytes a thread in halves.)
                     accumulators.fill(0.0)
-                    half = cute.size(partial_halves[0])
+                    part = cute.size(partial_parts[0])
                     for k_tile in range(k_tile_cnt):
                         mainloop_pipeline.consumer_wait(mainloop_consumer_read_state)
-                        for h in cutlass.range_constexpr(2):
+                        for p in cutlass.range_constexpr(parts):
                             # the partial tile is written by the WGMMAs below and read by the adds after them
                             cute.nvgpu.warpgroup.fence()
                             for k_block_idx in cutlass.range_constexpr(num_k_blocks):
                                 k_block_coord = (None, None, k_block_idx, mainloop_consumer_read_state.index)
                                 # the group's first WGMMA overwrites the partial tile (D = A B)
-                                tiled_mma_half.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, k_block_idx != 0)
-                                cute.gemm(tiled_mma_half, partial_halves[h], tCrA_half[k_block_coord],
-                                          tCrB_halves[h][k_block_coord], partial_halves[h])
+                                tiled_mma_part.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, k_block_idx != 0)
+                                cute.gemm(tiled_mma_part, partial_parts[p], tCrA_part[k_block_coord],
+                                          tCrB_parts[p][k_block_coord], partial_parts[p])
                             cute.nvgpu.warpgroup.commit_group()
-                        for h in cutlass.range_constexpr(2):
-                            cute.nvgpu.warpgroup.wait_group(1 - h)
-                            for i in cutlass.range_constexpr(half):
-                                r = accumulator_register(h, i, half)
-                                accumulators[r] = accumulators[r] + partial_halves[h][i]
+                        for p in cutlass.range_constexpr(parts):
+                            cute.nvgpu.warpgroup.wait_group(parts - 1 - p)
+                            for i in cutlass.range_constexpr(part):
+                                r = accumulator_register(p, i, part)
+                                accumulators[r] = accumulators[r] + partial_parts[p][i]
                         mainloop_pipeline.consumer_release(mainloop_consumer_release_state)
                         mainloop_consumer_release_state.advance()
                         mainloop_consumer_read_state.advance()

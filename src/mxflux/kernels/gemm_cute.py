@@ -85,13 +85,16 @@ def cute_gemm_choice(value: str) -> CuteGemm:
 CUTE_GEMM = cute_gemm_choice(os.environ.get("MXFLUX_CUTE_GEMM", "auto"))
 # How the kernel sums K: `fp32`, each k-tile's partial sums added into fp32 registers (the GEMM contract's:
 # cuBLAS's bits on an H100), `fp32h` the same sums with each k-tile's WGMMAs in two groups, one per half of the
-# tile's N, the first half's adds under the second half's WGMMAs (`promotion_halves`: an A/B, not yet run on a
+# tile's N, the first half's adds under the second half's WGMMAs (`promotion_parts`: an A/B, not yet run on a
 # GPU), or `fast`, every WGMMA into one accumulator (the tensor cores' FP8 accumulation, outside the contract).
 # Its tile (M, N) and cluster (M, N): the tensor-wise kernels' class; N 192 where the second accumulator needs
 # the registers.
 ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fp32", ("fp32", "fp32h", "fast"))
 CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1)), "fp32k2": ((128, 192), (2, 1)),
-           "fp32h": ((128, 192), (2, 1))}
+           "fp32h": ((128, 192), (2, 1)), "fp32p3": ((128, 192), (2, 1)), "fp32p4": ((128, 192), (2, 1))}
+# the parts of N each k-tile's promotion is split into (`RowScaledFP8Gemm`'s promotion_parts); fp32p3 and fp32p4 are
+# the probe's trials only
+PROMOTION_PARTS = {"fp32h": 2, "fp32p3": 3, "fp32p4": 4}
 CONFIG = CONFIGS[ACCUMULATION]
 SWIZZLE = positive_int("MXFLUX_CUTE_SWIZZLE", 8, "tile columns")
 # Whose kernel runs the GEMMs taken: `rowwise`, ours (`cute_rowwise_gemm`), or one of quack-kernels' schedules with
@@ -201,15 +204,16 @@ _COMPILED: dict = {}
 def kernel_for(n: int, config, most_swizzle: int | None = None, accumulation: str = ACCUMULATION):
     """The kernel for N output columns: `config`'s tile and cluster, tiles visited in bands of the widest
     power of two of tile columns, at most `most_swizzle` (SWIZZLE by default), that divides them; K summed
-    as `accumulation` says: `fast`, `fp32` (promoted every k-tile of K 128), `fp32h` (the same, in two halves
-    of N) or `fp32k2` (every two: the probe's trial; K a multiple of 256)."""
+    as `accumulation` says: `fast`, `fp32` (promoted every k-tile of K 128), `fp32h`, `fp32p3`, `fp32p4` (the
+    same, in 2, 3 or 4 parts of N) or `fp32k2` (every two: the probe's trial; K a multiple of 256)."""
     import cutlass
 
     from .cute_rowwise_gemm import RowScaledFP8Gemm
 
     tile, cluster = config
     return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, _band_width(n, config, most_swizzle), True,
-                            accumulation != "fast", 2 if accumulation == "fp32k2" else 1, accumulation == "fp32h")
+                            accumulation != "fast", 2 if accumulation == "fp32k2" else 1,
+                            PROMOTION_PARTS.get(accumulation, 1))
 
 
 def _band_width(n: int, config, most_swizzle: int | None) -> int:
