@@ -43,8 +43,8 @@ def parse_problems(text: str, tokens: int) -> list[tuple]:
     wanted = [tuple(item.split(":", 1)) for item in text.split(",") if item]
     bad = [":".join(w) for w in wanted if w not in known]
     if bad or not wanted:
-        raise SystemExit(f"probe_gemm_ncu: --problems: expected linear:kind pairs of {sorted(':'.join(k) for k in known)}"
-                         f", got {text!r}")
+        pairs = sorted(":".join(k) for k in known)
+        raise SystemExit(f"probe_gemm_ncu: --problems: expected linear:kind pairs of {pairs}, got {text!r}")
     return [known[w] for w in wanted]
 
 

@@ -4,7 +4,7 @@
 rowwise, MXFP6). Some of them need hardware that a machine may lack: torchao float8 training runs
 its GEMMs on `torch._scaled_mm`, which needs a CUDA GPU of compute capability 8.9 or newer, and a
 captured trainer step (`train.cuda_graph`) needs a CUDA device, and quack-kernels' GEMM (MXFLUX_CUTE_KERNEL)
-quack-kernels and a Hopper GPU. On a machine without them such a
+needs quack-kernels, CuTe DSL and a Hopper GPU. On a machine without them such a
 setting is not a failure of the benchmark but a setting that does not apply there: the comparison
 skips it, names it in one line with the reason, and runs the others.
 """

@@ -99,7 +99,7 @@ CONFIG = CONFIGS[ACCUMULATION]
 SWIZZLE = positive_int("MXFLUX_CUTE_SWIZZLE", 8, "tile columns")
 # Whose kernel runs the GEMMs taken: `rowwise`, ours (`cute_rowwise_gemm`), or one of quack-kernels' schedules with
 # our contract's epilogue (`gemm_quack`: ping-pong 64x192 or cooperative 128x192 tiles, 2x1 clusters; opt-in, an A/B
-# of the schedule, fp32 accumulation only)
+# of the schedule, fp32 accumulation only; measured no faster in the step)
 KERNEL = choice("MXFLUX_CUTE_KERNEL", "rowwise", ("rowwise", *gemm_quack.CONFIGS))
 if KERNEL != "rowwise" and ACCUMULATION != "fp32":
     raise SwitchError(f"MXFLUX_CUTE_KERNEL={KERNEL} sums K in fp32 only: expected MXFLUX_CUTE_ACCUMULATE=fp32 "

@@ -2,12 +2,15 @@
 opt-in alternative to `cute_rowwise_gemm` (MXFLUX_CUTE_KERNEL=quack-pingpong or quack-cooperative; `gemm_cute`
 says which GEMMs take it).
 
-Why: our kernel is cooperative (two consumer warp groups share one 128x192 tile, so the epilogue of a tile stalls
-the tensor cores). quack's ping-pong schedule gives each consumer warp group a tile of its own (64x192), one warp
-group's epilogue overlapping the other's main loop, which is how CUTLASS's fastest Hopper GEMMs hide it. Its main
-loop promotes each k-tile's FP8 partial sums into fp32 registers, as ours and cuBLAS's without fast accumulation
-do; promoted sums need twice the accumulator registers, so 64x192 is the widest ping-pong tile that builds for
-sm_90a without spills (64x256 spills 1056 bytes a thread).
+Why it was built: our kernel is cooperative (two consumer warp groups share one 128x192 tile, so the epilogue of a
+tile stalls the tensor cores). quack's ping-pong schedule gives each consumer warp group a tile of its own (64x192),
+one warp group's epilogue overlapping the other's main loop, which is how CUTLASS's fastest Hopper GEMMs hide it.
+Its main loop promotes each k-tile's FP8 partial sums into fp32 registers, as ours and cuBLAS's without fast
+accumulation do; promoted sums need twice the accumulator registers, so 64x192 is the widest ping-pong tile that
+builds for sm_90a without spills (64x256 spills 1056 bytes a thread). Measured on an H200 (benchmarks/NOTES.md,
+"quack-kernels' ping-pong and cooperative GEMMs in the step"): both give cuBLAS's row-scaled bits; ping-pong's GEMMs
+are 1.36x slower in the step (a 64-row tile reads B twice as often), the cooperative one's 0.5 % faster, with more
+host time a call. So it stays an A/B, not the default.
 
 The epilogue is written for quack's epilogue front end (`quack.epilogue.frontend.gemm_epilogue`): per accumulator
 element `acc * row_scale * col_scale (+ bias)` in fp32, then one rounding to the output type; the scales are
