@@ -82,7 +82,7 @@ def test_an_output_path_through_a_file_is_one_line_naming_it(argv, message, tmp_
                                   "bf16, fp32; got 'bogus'"),
     ("MXFLUX_CUTE_MIN_TOKENS", "0", "MXFLUX_CUTE_MIN_TOKENS: expected a positive whole number of tokens, got '0'"),
     ("MXFLUX_CUTE_SWIZZLE", "0", "MXFLUX_CUTE_SWIZZLE: expected a positive whole number of tile columns, got '0'"),
-    ("MXFLUX_CUTE_ACCUMULATE", "fp16", "MXFLUX_CUTE_ACCUMULATE: expected one of fp32, fp32h, fast, got 'fp16'"),
+    ("MXFLUX_CUTE_ACCUMULATE", "fp16", "MXFLUX_CUTE_ACCUMULATE: expected one of fp32, fp32h, fp32p3, fp32p4, fast, got 'fp16'"),
     ("MXFLUX_DEFER_SCALES", "x", "MXFLUX_DEFER_SCALES: expected one of auto, all, bias, bias-rounded, none, got 'x'"),
 ])
 def test_a_kernel_switch_set_wrong_is_one_line_naming_it(var, value, message, tmp_path):

@@ -132,7 +132,7 @@ def test_the_optimizer_path_says_which_kernel_took_the_step_and_what_keeps_ours_
      "row-scaled GEMM, each k-tile's sums added in fp32, called through TVM-FFI (MXFLUX_CUTE_GEMM=bias)"),
     ("all", "fp32", "rowwise", False, True, "(MXFLUX_CUTE_GEMM=bf16,bias,fp32, not available here)"),
     ("auto", "fp32h", "rowwise", True, True,
-     "row-scaled GEMM, each k-tile's sums added in fp32, in two halves of N, one under the other's MMAs "
+     "row-scaled GEMM, each k-tile's sums added in fp32, in 2 parts of N, each added under the later parts' MMAs "
      "(MXFLUX_CUTE_ACCUMULATE=fp32h), called through TVM-FFI (MXFLUX_CUTE_GEMM=auto)"),
     ("auto", "fp32", "quack-cooperative", True, True,
      "on quack-kernels' cooperative GEMM with our epilogue (MXFLUX_CUTE_KERNEL=quack-cooperative), each k-tile's "

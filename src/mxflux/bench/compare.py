@@ -124,9 +124,11 @@ SETTINGS["mxfp6-cute-all"] = SETTINGS["mxfp6"]
 # the same with its partial sums promoted to fp32 every k-tile (the GEMM contract's accumulation, the default's)
 SETTINGS["mxfp6-cute-bias-promoted"] = SETTINGS["mxfp6"]
 SETTINGS["mxfp6-cute-all-promoted"] = SETTINGS["mxfp6"]
-# the CuTe GEMM's promotion in two halves of N (MXFLUX_CUTE_ACCUMULATE=fp32h: the same sums, the first half's
-# adds under the second half's WGMMAs)
+# the CuTe GEMM's promotion in 2, 3 or 4 parts of N (MXFLUX_CUTE_ACCUMULATE=fp32h, fp32p3, fp32p4: the same sums,
+# a part's adds under the later parts' WGMMAs)
 SETTINGS["mxfp6-cute-halves"] = SETTINGS["mxfp6"]
+SETTINGS["mxfp6-cute-parts3"] = SETTINGS["mxfp6"]
+SETTINGS["mxfp6-cute-parts4"] = SETTINGS["mxfp6"]
 # quack-kernels' schedules for the GEMMs the CuTe GEMM takes (`kernels.gemm_quack`, MXFLUX_CUTE_KERNEL; the same
 # contract, fp32 sums): ping-pong 64x192 and cooperative 128x192 tiles
 SETTINGS["mxfp6-quack-pingpong"] = SETTINGS["mxfp6"]
@@ -146,6 +148,8 @@ SETTING_ENV = {"mxfp6-inline-pack": {"MXFLUX_INLINE_PACK": "1"},
                "mxfp6-cute-bias-promoted": {"MXFLUX_CUTE_GEMM": "bias", "MXFLUX_CUTE_ACCUMULATE": "fp32"},
                "mxfp6-cute-all-promoted": {"MXFLUX_CUTE_GEMM": "all", "MXFLUX_CUTE_ACCUMULATE": "fp32"},
                "mxfp6-cute-halves": {"MXFLUX_CUTE_ACCUMULATE": "fp32h"},
+               "mxfp6-cute-parts3": {"MXFLUX_CUTE_ACCUMULATE": "fp32p3"},
+               "mxfp6-cute-parts4": {"MXFLUX_CUTE_ACCUMULATE": "fp32p4"},
                "mxfp6-quack-pingpong": {"MXFLUX_CUTE_KERNEL": "quack-pingpong"},
                "mxfp6-quack-cooperative": {"MXFLUX_CUTE_KERNEL": "quack-cooperative"}}
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")

@@ -84,17 +84,16 @@ def cute_gemm_choice(value: str) -> CuteGemm:
 
 CUTE_GEMM = cute_gemm_choice(os.environ.get("MXFLUX_CUTE_GEMM", "auto"))
 # How the kernel sums K: `fp32`, each k-tile's partial sums added into fp32 registers (the GEMM contract's:
-# cuBLAS's bits on an H100), `fp32h` the same sums with each k-tile's WGMMAs in two groups, one per half of the
-# tile's N, the first half's adds under the second half's WGMMAs (`promotion_parts`: an A/B, not yet run on a
-# GPU), or `fast`, every WGMMA into one accumulator (the tensor cores' FP8 accumulation, outside the contract).
-# Its tile (M, N) and cluster (M, N): the tensor-wise kernels' class; N 192 where the second accumulator needs
-# the registers.
-ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fp32", ("fp32", "fp32h", "fast"))
-CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1)), "fp32k2": ((128, 192), (2, 1)),
-           "fp32h": ((128, 192), (2, 1)), "fp32p3": ((128, 192), (2, 1)), "fp32p4": ((128, 192), (2, 1))}
-# the parts of N each k-tile's promotion is split into (`RowScaledFP8Gemm`'s promotion_parts); fp32p3 and fp32p4 are
-# the probe's trials only
+# cuBLAS's bits on an H100), `fp32h`, `fp32p3`, `fp32p4` the same sums with each k-tile's WGMMAs in 2, 3 or 4
+# groups, one per part of the tile's N, a part's adds under the later parts' WGMMAs (`promotion_parts`: A/Bs, not
+# yet run on a GPU), or `fast`, every WGMMA into one accumulator (the tensor cores' FP8 accumulation, outside the
+# contract). Its tile (M, N) and cluster (M, N): the tensor-wise kernels' class; N 192 where the second accumulator
+# needs the registers.
+# the parts of N each k-tile's promotion is split into (`RowScaledFP8Gemm`'s promotion_parts)
 PROMOTION_PARTS = {"fp32h": 2, "fp32p3": 3, "fp32p4": 4}
+ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fp32", ("fp32", *PROMOTION_PARTS, "fast"))
+CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1)), "fp32k2": ((128, 192), (2, 1)),
+           **{name: ((128, 192), (2, 1)) for name in PROMOTION_PARTS}}
 CONFIG = CONFIGS[ACCUMULATION]
 SWIZZLE = positive_int("MXFLUX_CUTE_SWIZZLE", 8, "tile columns")
 # Whose kernel runs the GEMMs taken: `rowwise`, ours (`cute_rowwise_gemm`), or one of quack-kernels' schedules with

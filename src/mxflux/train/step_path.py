@@ -17,6 +17,7 @@ from ..kernels.gemm import DEFER_BIAS_MAX_N
 from ..kernels.gemm_cute import ACCUMULATION as CUTE_ACCUMULATION
 from ..kernels.gemm_cute import CUTE_GEMM
 from ..kernels.gemm_cute import KERNEL as CUTE_KERNEL
+from ..kernels.gemm_cute import PROMOTION_PARTS as CUTE_PROMOTION_PARTS
 from ..kernels.gemm_cute import available as cute_available
 from ..kernels.gemm_cute import tvm_ffi_present as cute_tvm_ffi
 from ..ops.custom_ops import DEFER_MIN_DIM, DEFER_MIN_TOKENS, DEFER_SCALES, FORCE_REFERENCE, INLINE_GEMM, INLINE_PACK, static_launch_on
@@ -87,10 +88,11 @@ def step_path(trainer) -> dict:
     if mx and kernels and CUTE_GEMM.kinds and cfg.precision.mx_gemm == "rowwise":  # eager and compiled alike
         kinds = ",".join(sorted(CUTE_GEMM.kinds))
         which = (f"of >= {CUTE_GEMM.min_tokens} tokens" if CUTE_GEMM.min_tokens else f"computing {kinds}")
-        summed = {"fast": "fast accumulation (all of K in the tensor cores' accumulator, MXFLUX_CUTE_ACCUMULATE=fast)",
-                  "fp32h": ("each k-tile's sums added in fp32, in two halves of N, one under the other's MMAs "
-                            "(MXFLUX_CUTE_ACCUMULATE=fp32h)"),
-                  "fp32": "each k-tile's sums added in fp32"}[CUTE_ACCUMULATION]
+        parts = CUTE_PROMOTION_PARTS.get(CUTE_ACCUMULATION)
+        summed = ("fast accumulation (all of K in the tensor cores' accumulator, MXFLUX_CUTE_ACCUMULATE=fast)"
+                  if CUTE_ACCUMULATION == "fast" else "each k-tile's sums added in fp32" + (
+                      f", in {parts} parts of N, each added under the later parts' MMAs "
+                      f"(MXFLUX_CUTE_ACCUMULATE={CUTE_ACCUMULATION})" if parts else ""))
         switch = "auto" if CUTE_GEMM.min_tokens else kinds
         where = "" if cute_available() else ", not available here"
         call = ("called through TVM-FFI" if cute_tvm_ffi() else
