@@ -2,8 +2,8 @@
 trial, `fp32h`) beside cuBLAS's tensor-wise GEMM with and without fast accumulation and its row-scaled GEMM, one
 profiled launch each at the named Flux problems, on operands packed as the step packs them.
 
-Why: in the step our kernel trails cuBLAS's most where K is 3072 and N wide (a cost per output tile), by 1-4 % where
-K is long (a cost per k-tile), and timing alone has not told the two apart (benchmarks/NOTES.md, "quack-kernels'
+Why: in the step our kernel trails cuBLAS's most where K is 3072 and N wide (a cost per output tile), by up to 4.5 %
+where K is long (a cost per k-tile), and timing alone has not told the two apart (benchmarks/NOTES.md, "quack-kernels'
 ping-pong and cooperative GEMMs in the step"). The sections kept (speed of light, compute and memory workload,
 warp states, scheduler, occupancy, launch) say whether the tensor pipe idles, and on what the warps wait.
 
