@@ -9,8 +9,8 @@ Its main loop promotes each k-tile's FP8 partial sums into fp32 registers, as ou
 accumulation do; promoted sums need twice the accumulator registers, so 64x192 is the widest ping-pong tile that
 builds for sm_90a without spills (64x256 spills 1056 bytes a thread). Measured on an H200 (benchmarks/NOTES.md,
 "quack-kernels' ping-pong and cooperative GEMMs in the step"): both give cuBLAS's row-scaled bits; ping-pong's GEMMs
-are 1.36x slower in the step (a 64-row tile reads B twice as often), the cooperative one's 0.5 % faster, with more
-host time a call. So it stays an A/B, not the default.
+are 1.36x slower in the step (likely its 64-row tile, reading B twice as often), the cooperative one's 0.5 %
+faster, with more host time a call. So it stays an A/B, not the default.
 
 The epilogue is written for quack's epilogue front end (`quack.epilogue.frontend.gemm_epilogue`): per accumulator
 element `acc * row_scale * col_scale (+ bias)` in fp32, then one rounding to the output type; the scales are
