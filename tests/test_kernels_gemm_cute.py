@@ -205,3 +205,22 @@ def test_a_broken_tvm_ffi_is_one_warning_and_the_dsls_convention(monkeypatch):
         assert gemm_cute.cute_gemm_choice("auto").min_tokens == gemm_cute.MIN_TOKENS_DSL
     finally:
         gemm_cute.tvm_ffi_present.cache_clear()
+
+
+@pytest.mark.parametrize("kernel,quack", [("quack-pingpong", False), ("quack-cooperative", True), ("rowwise", False)])
+def test_a_quack_setting_is_skipped_where_its_gemm_would_not_run(kernel, quack, monkeypatch):
+    """`bench step`'s `mxfp6-quack-*` settings (MXFLUX_CUTE_KERNEL) where quack-kernels or CuTe DSL and a Hopper GPU
+    are missing: skipped with the reason, not timed on cuBLAS under the quack setting's name; the default kernel is
+    not affected."""
+    from mxflux.bench.availability import setting_unavailability
+    from mxflux.kernels import gemm_quack
+    from mxflux.train.config import load_recipe
+
+    monkeypatch.setattr(gemm_cute, "KERNEL", kernel)
+    monkeypatch.setattr(gemm_quack, "installed", lambda: quack)  # CuTe DSL or the GPU missing here either way
+    why = setting_unavailability(load_recipe("tiny-mxfp6", []), torch.device("cpu"))
+    if kernel == "rowwise":
+        assert why is None
+    else:
+        assert why == (f"MXFLUX_CUTE_KERNEL={kernel} needs quack-kernels, CuTe DSL and a Hopper GPU (without them its "
+                       "GEMMs would run on cuBLAS)")

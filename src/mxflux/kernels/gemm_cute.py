@@ -288,29 +288,25 @@ def cute_scaled_gemm(a_data, a_scale, b_data, b_scale, bias, out_dtype, accumula
     CuteGemmUnusable where the kernel cannot be built, or a kernel built by this call fails its first launch
     (which loads it: where a driver or toolkit mismatch shows)."""
     out = torch.empty(a_data.shape[0], b_data.shape[0], dtype=out_dtype, device=a_data.device)
-    if KERNEL != "rowwise":
-        signature = (a_data.shape, b_data.shape, bias is not None, out_dtype)
-        first = signature not in _QUACK_RAN
-    else:
-        first = None  # known after prepared_gemm: whether it compiled
+    quack = KERNEL != "rowwise"
+    signature = (a_data.shape, b_data.shape, bias is not None, out_dtype)
     built = len(_COMPILED)
     try:
-        if KERNEL != "rowwise":
-            call = gemm_quack.prepared_gemm(KERNEL, a_data, a_scale, b_data, b_scale, bias, out)
-        else:
-            call = prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, accumulation=accumulation)
-            first = len(_COMPILED) != built
+        call = (gemm_quack.prepared_gemm(KERNEL, a_data, a_scale, b_data, b_scale, bias, out) if quack else
+                prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, accumulation=accumulation))
     except ValueError:  # a call the kernel does not take: the caller's mistake, not the machine's
         raise
     except Exception as e:
         raise _give_up(e) from e
+    # this call's kernel not run before: ours compiled it just now, quack compiles in its call
+    first = signature not in _QUACK_RAN if quack else len(_COMPILED) != built
     if not first:  # built and run before: an error now is an error
         call()
         return out
     try:
-        call()  # quack builds here
+        call()
     except Exception as e:
         raise _give_up(e) from e
-    if KERNEL != "rowwise":
+    if quack:
         _QUACK_RAN.add(signature)
     return out
