@@ -52,6 +52,37 @@ def test_a_stale_layer_packs_its_weight_itself_with_the_same_output():
     assert torch.equal(m(x), want)  # the kept (garbage) tensors were not used
 
 
+def _run(m, x):
+    """(y, dx, dW, db) of one forward and backward of `m` on `x`."""
+    x = x.detach().requires_grad_(True)
+    m.zero_grad(set_to_none=True)
+    y = m(x)
+    y.float().square().sum().backward()
+    return y.detach(), x.grad, m.weight.grad, m.bias.grad
+
+
+def test_a_layer_given_its_row_operand_alone_packs_wt_in_backward_with_the_same_bits():
+    """What a layer does with a state that keeps the row operands alone (`precision.kept_weight_cols:
+    false`), on the CPU packers: forward multiplies by the row operand it is given and saves the
+    parameter, backward packs Wᵀ from it: output and gradients bit for bit those of the layer packing
+    its weight itself. The given row operand is what forward reads (a wrong one shows in y)."""
+    from mxflux.ops import mx_operands
+
+    torch.manual_seed(0)
+    m = MXFP6Linear(96, 64)
+    x = torch.randn(40, 96).bfloat16()
+    want = _run(m, x)
+    rd, rs = mx_operands(m.weight.detach(), None, torch.zeros(1, dtype=torch.int64), True, False, "rowwise", True,
+                         "none", False)[:2]
+    erefs = torch.zeros(weight_erefs.buffer_words(64, 96), dtype=torch.int32)  # (the CPU packers find their own)
+    m.weight_erefs, m.weight_operands, m.weight_state_version = erefs, (rd, rs, None, None), m.weight._version
+    assert m.kept_weight_state()[1][2] is None
+    for name, got, ref in zip(("y", "dx", "dW", "db"), _run(m, x), want):
+        assert torch.equal(got, ref), name
+    m.weight_operands = (rd, rs * 2, None, None)
+    assert not torch.equal(m(x), want[0])
+
+
 def test_the_state_takes_row_granularity_layers_only_and_none_without_kernels():
     with pytest.raises(ValueError, match="layers: the e_ref and operands kept are the row granularity's.*'blockwise'"):
         MXWeightState([MXFP6Linear(128, 128, mx_gemm="blockwise")])

@@ -23,7 +23,8 @@ also clips (`max_grad_norm`) and writes the weights' state.
 Where the Triton step does not run (the CPU, non-fp32 or non-contiguous parameters) the step is
 torch's fused AdamW, clipping by its `grad_scale`, and the layers pack their weights themselves:
 the same training, without the saving. Kept operands cost 2 bytes per MX weight element
-(`keep_operands=False`: the e_ref alone, a few words per row and column).
+(`keep_operands=False`: the e_ref alone, a few words per row and column; `keep_cols=False`: the row
+operands alone, 1 byte, and each backward packs Wᵀ from the weight).
 
 `release_weight_rows()`, called between a forward and its backward, frees the kept operands' row halves
 (1 byte per weight element) until the step writes them again: backward does not read them. Call it after
@@ -51,13 +52,13 @@ __all__ = ["AdamW"]
 
 class AdamW(ClippingAdamW):
     """torch's AdamW over `model`'s trained parameters (`requires_grad`) whose step writes the MXFP6
-    weights' e_ref (and, with `keep_operands`, their operands) for the next forward, and clips the
-    gradients to total 2-norm `max_grad_norm` (None: no clipping) in the same pass; the norm before
-    clipping is `last_grad_norm` (a device scalar; None without clipping)."""
+    weights' e_ref (and, with `keep_operands`, their operands: Wᵀ too with `keep_cols`) for the next
+    forward, and clips the gradients to total 2-norm `max_grad_norm` (None: no clipping) in the same
+    pass; the norm before clipping is `last_grad_norm` (a device scalar; None without clipping)."""
 
     def __init__(self, model: nn.Module, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, max_grad_norm: float | None = None,
-                 keep_operands: bool = True):
+                 keep_operands: bool = True, keep_cols: bool = True):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm: expected a positive number or None, got {max_grad_norm!r}")
         trained = [p for p in model.parameters() if p.requires_grad]
@@ -67,7 +68,8 @@ class AdamW(ClippingAdamW):
                          fused=True)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: torch.Tensor | None = None
-        state = MXWeightState.of_model(model, keep_operands=keep_operands, min_elements=adamw_cuda.LARGE)
+        state = MXWeightState.of_model(model, keep_operands=keep_operands, keep_cols=keep_cols,
+                                       min_elements=adamw_cuda.LARGE)
         if state.of:  # MXFP6 weights the Triton step can update (on CUDA, fp32, contiguous)
             self.weight_state = state
             state.install(model)

@@ -167,7 +167,8 @@ def test_the_adamw_step_that_writes_the_operands_compiles_small_enough_for_sever
     """The step that also writes the MX weights' operands (`adamw_operands_kernel`) and its fix-up
     pass, at the shipped tile: vector loads of the four fp32 streams, 16-byte stores of the operand
     words, IEEE division, hardware E4M3 conversions, and at most 128 registers (several programs per
-    SM, as the step without the operands)."""
+    SM, as the step without the operands). Without the col operand (`COL=False`,
+    `precision.kept_weight_cols: false`) half the E4M3 conversions remain, fewer stores, no more registers."""
     from mxflux.kernels import adamw_cuda
 
     W = adamw_cuda.OperandTile
@@ -177,21 +178,28 @@ def test_the_adamw_step_that_writes_the_operands_compiles_small_enough_for_sever
            "row_data_ptr": "*i32", "row_scale_ptr": "*fp32", "col_data_ptr": "*i32", "col_scale_ptr": "*fp32",
            "unheld_ptr": "*i32", "weight_decay": "fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32"}
     consts = {"HEADROOM": W.HEADROOM, "HADAMARD": True, "HW": True, "BR": W.BR, "NB": W.NB, "SLICES": W.SLICES}
-    asm = _compile(adamw_cuda.adamw_operands_kernel, sig, consts, num_warps=W.NUM_WARPS, aligned=True,
-                   divisible=("C", "Rp"))
-    ptx = asm["ptx"]
-    assert len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.(?:b32|f32)", ptx)) >= 4
-    assert len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx)) >= 4  # the operand words, 16 B per store
-    assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f16x2" in ptx
-    assert _registers(asm) <= 128
+    stores, conversions = {}, {}
+    for col in (True, False):
+        asm = _compile(adamw_cuda.adamw_operands_kernel, sig, {**consts, "COL": col}, num_warps=W.NUM_WARPS,
+                       aligned=True, divisible=("C", "Rp"))
+        ptx = asm["ptx"]
+        assert len(re.findall(r"ld\.global(?:\.\w+)*\.v4\.(?:b32|f32)", ptx)) >= 4
+        stores[col] = len(re.findall(r"st\.global(?:\.\w+)*\.v4\.b32", ptx))  # the operand words, 16 B each
+        assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx and "div.full" not in ptx
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f16x2" in ptx
+        conversions[col] = len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2", ptx))
+        assert _registers(asm) <= 128
+    assert stores[True] >= 4 and stores[False] < stores[True], stores
+    assert conversions[False] * 2 == conversions[True], conversions
     fix_sig = {"p_ptr": "*fp32", "R": "i32", "C": "i32", "Rp": "i32", "unheld_ptr": "*i32", "row_eref_ptr": "*i32",
                "col_eref_ptr": "*i32", "row_data_ptr": "*i32", "row_scale_ptr": "*fp32", "col_data_ptr": "*i32",
                "col_scale_ptr": "*fp32", "outside_ptr": "*i64", "fixups_ptr": "*i64", "n_col_tiles": "i32",
                "n_tiles": "i32"}
-    fix = _compile(adamw_cuda.operands_fixup_kernel, fix_sig, {"HADAMARD": True, "HW": True, "BR": W.BR, "NB": W.NB},
-                   num_warps=W.NUM_WARPS, aligned=True, divisible=("C", "Rp"))
-    assert "cvt.rn.satfinite.e4m3x2.f16x2" in fix["ptx"]
+    for col in (True, False):
+        fix = _compile(adamw_cuda.operands_fixup_kernel, fix_sig,
+                       {"HADAMARD": True, "HW": True, "BR": W.BR, "NB": W.NB, "COL": col},
+                       num_warps=W.NUM_WARPS, aligned=True, divisible=("C", "Rp"))
+        assert "cvt.rn.satfinite.e4m3x2.f16x2" in fix["ptx"]
 
 
 def _registers(asm) -> int:

@@ -206,9 +206,9 @@ def _assert_same_mx_values(got, want, where):
         assert bool(same.all()), (where, name, int((~same).sum()))
 
 
-def _kept_layers(gen, shapes, lr=3e-3, hadamards=(True, False, True), prepare=None):
+def _kept_layers(gen, shapes, lr=3e-3, hadamards=(True, False, True), prepare=None, keep_cols=True):
     """MXFP6Linear layers on the kernels' device whose operands an optimizer keeps (`prepare` edits
-    the weights before the optimizer first packs them)."""
+    the weights before the optimizer first packs them; `keep_cols=False`: their row operands alone)."""
     from mxflux.nn import MXFP6Linear
 
     layers = []
@@ -221,7 +221,7 @@ def _kept_layers(gen, shapes, lr=3e-3, hadamards=(True, False, True), prepare=No
         with torch.no_grad():
             prepare([m.weight for m in layers])
     opt = ClippingAdamW([m.weight for m in layers], kernel="triton", fused=True, **{**HP, "lr": lr})
-    opt.weight_state = MXWeightState(layers, layers, min_elements=adamw_cuda.LARGE)
+    opt.weight_state = MXWeightState(layers, layers, keep_cols=keep_cols, min_elements=adamw_cuda.LARGE)
     assert set(opt.weight_state.kept) == {m.weight for m in layers}
     return layers, opt
 
@@ -261,6 +261,45 @@ def test_the_step_keeps_the_operands_of_what_it_writes(gen, monkeypatch, tile):
     y_kept = m(x)
     m.weight_state_version = None  # the same layer packing its own weight
     assert torch.equal(y_kept, m(x))
+
+
+def _grads(m, x):
+    """(y, dx, dW) of one forward and backward of layer `m` on `x`."""
+    x = x.detach().requires_grad_(True)
+    m.weight.grad = None
+    y = m(x)
+    y.float().square().sum().backward()
+    return y.detach(), x.grad, m.weight.grad
+
+
+def test_a_state_keeping_the_rows_alone_writes_no_col_operand_and_backward_packs_it(gen, monkeypatch):
+    """`keep_cols=False` (`precision.kept_weight_cols: false`): the step writes the row operands (the
+    packer's values, as with both kept) and no col operand, which is not even allocated, yet the e_ref
+    of both orientations; a layer's backward then packs Wᵀ from the weight with that e_ref, and its
+    output and both gradients are those of the layer packing its weight itself, bit for bit."""
+    monkeypatch.setattr(adamw_cuda, "LARGE", 1024)
+    layers, opt = _kept_layers(gen, [(224, 96), (128, 64)], keep_cols=False)
+    g = dev_gen(gen, DEVICE)
+    for step in range(2):
+        _step(opt, layers, g)
+        for m in layers:
+            kept = opt.weight_state.kept[m.weight].operands
+            assert kept[2] is None and kept[3] is None and m.kept_weight_state()[1] is kept
+            want = mx_operands_reference(m.weight.detach().bfloat16(), granularity=G.ROWWISE, hadamard=m.cfg.hadamard)
+            w = _dequantized(want.row_data, want.row_scale)
+            assert torch.equal(_dequantized(*kept[:2]), w), (step, tuple(m.weight.shape))
+            erefs = weight_exponents_cuda(m.weight.detach(), m.cfg.hadamard, _buffer(m.weight))
+            assert_bits_equal("erefs", m.weight_erefs, erefs)  # the columns' too: backward packs with them
+        assert int(opt.weight_state.fixups) == 0
+    for m in layers:
+        x = torch.randn(48, m.in_features, generator=g, device=DEVICE).bfloat16()
+        kept_run = _grads(m, x)
+        m.weight_state_version = None  # the same layer packing its own weight
+        assert m.kept_weight_state() == (None, None)
+        for name, a, b in zip(("y", "dx", "dW"), kept_run, _grads(m, x)):
+            assert_bits_equal(name, a, b)
+    state = opt.weight_state
+    assert state.free() == sum(r * c + 4 * r for r, c in [(224, 96), (128, 64)])  # rows and their scales only
 
 
 def test_released_rows_are_written_again_by_the_step_or_by_refresh(gen, monkeypatch):
@@ -330,11 +369,13 @@ def test_a_finished_runs_kept_operands_are_released_while_its_layers_are_still_h
     assert [t.untyped_storage().nbytes() for k in kept for t in k] == [0] * 8
 
 
-def test_blocks_the_previous_e_ref_cannot_hold_are_fixed_up_to_the_packers_operands(gen, monkeypatch):
+@pytest.mark.parametrize("keep_cols", [True, False], ids=["both", "rows-alone"])
+def test_blocks_the_previous_e_ref_cannot_hold_are_fixed_up_to_the_packers_operands(gen, monkeypatch, keep_cols):
     """Weight a: a row's largest block grows by more than two binades between the e_ref the step
     holds and the step. Weight b: a block eleven binades below its row's largest, inside the weight's
     own window but not below the raised e_ref, and one twelve below (outside both). Each gets its
-    fix-up pass, which writes the packer's operands bit for bit and counts the window as it does."""
+    fix-up pass, which writes the packer's operands bit for bit and counts the window as it does
+    (the row orientation's alone where the state keeps the rows alone: backward's packer counts Wᵀ's)."""
     monkeypatch.setattr(adamw_cuda, "LARGE", 1024)
 
     def prepare(ws):
@@ -343,18 +384,21 @@ def test_blocks_the_previous_e_ref_cannot_hold_are_fixed_up_to_the_packers_opera
         b[7, 32:64] = torch.where(b[7, 32:64] < 0, -1.0, 1.0) * 2.0 ** -14  # d = -11
         b[9, 32:64] = torch.where(b[9, 32:64] < 0, -1.0, 1.0) * 2.0 ** -15  # d = -12: outside
 
-    layers, opt = _kept_layers(gen, [(128, 64), (64, 96)], lr=0.0, hadamards=(False, False), prepare=prepare)
+    layers, opt = _kept_layers(gen, [(128, 64), (64, 96)], lr=0.0, hadamards=(False, False), prepare=prepare,
+                               keep_cols=keep_cols)
     a = layers[0].weight
     with torch.no_grad():
-        a[5, :32] *= 4.5  # written after the optimizer took the e_ref it encodes against
+        # written after the optimizer took the e_ref it encodes against: the block 4.5x the row's largest
+        a[5, :32] *= 4.5 * a[5].abs().max() / a[5, :32].abs().max()
     for m in layers:
         m.blocks_outside_window.zero_()
     _step(opt, layers, dev_gen(gen, DEVICE), scale=0.0)  # lr 0: the weights stay as they are
     assert int(opt.weight_state.fixups) == 2
     for m in layers:
         kept = opt.weight_state.kept[m.weight].operands
-        want = mx_operands_reference(m.weight.detach().bfloat16(), granularity=G.ROWWISE, hadamard=False)
-        for name, got in zip(FIELDS, kept):
+        want = mx_operands_reference(m.weight.detach().bfloat16(), col=keep_cols, granularity=G.ROWWISE,
+                                     hadamard=False)
+        for name, got in zip(FIELDS[:4 if keep_cols else 2], kept):
             assert_bits_equal(name, got, getattr(want, name))
         assert int(m.blocks_outside_window) == int(want.blocks_outside_window)
     assert int(layers[1].blocks_outside_window) >= 1
@@ -380,8 +424,9 @@ def test_a_write_through_torch_is_not_used_stale_and_is_repacked_by_refresh(gen,
     assert torch.equal(y, m(x))
 
 
-@pytest.mark.parametrize("repack, operands, kept", [(False, True, 2), (True, True, 0), (False, False, 0)])
-def test_repack_weights_keeps_the_e_ref_but_no_operands_between_steps(repack, operands, kept):
+@pytest.mark.parametrize("repack, operands, kept, cols", [(False, True, 2, True), (True, True, 0, True),
+                                                         (False, False, 0, True), (False, True, 2, False)])
+def test_repack_weights_keeps_the_e_ref_but_no_operands_between_steps(repack, operands, kept, cols):
     """`precision.repack_weights` asks for no weight operand kept through the step, so the precision's
     optimizer state then keeps the weights' e_ref only (as weight_operands_in_optimizer: false does),
     and the run's step path says so, naming the field."""
@@ -392,14 +437,17 @@ def test_repack_weights_keeps_the_e_ref_but_no_operands_between_steps(repack, op
 
     cfg = load_recipe("tiny-mxfp6", [f"precision.repack_weights={str(repack).lower()}",
                                      f"precision.weight_operands_in_optimizer={str(operands).lower()}",
-                                     'precision.fused_mlp="off"', "precision.release_weight_rows=false"])
+                                     'precision.fused_mlp="off"', "precision.release_weight_rows=false",
+                                     f"precision.kept_weight_cols={str(cols).lower()}"])
     model = torch.nn.Sequential(MXFP6Linear(512, 1024, repack_weights=repack),
                                 MXFP6Linear(1024, 512, repack_weights=repack)).to(DEVICE)
     converter = cfg.precision.converter()
     assert converter.keeps_operands() == (operands and not repack)
     # (what `optimizer_state` builds on a GPU; on the CPU it says the Triton step runs on CUDA only)
-    state = MXWeightState.of_model(model, keep_operands=converter.keeps_operands(), min_elements=adamw_cuda.LARGE)
+    state = MXWeightState.of_model(model, keep_operands=converter.keeps_operands(), keep_cols=cols,
+                                   min_elements=adamw_cuda.LARGE)
     assert len(state.of) == 2 and len(state.kept) == kept
+    assert all((k.operands[2] is not None) == cols for k in state.kept.values())
     trainer = SimpleNamespace(cfg=cfg, device=torch.device(DEVICE), model=model,
                               optimizer=SimpleNamespace(weight_state=state, last_step=None),
                               block_graphs=SimpleNamespace(on=False), accum=1, world=1)
@@ -414,6 +462,8 @@ def test_repack_weights_keeps_the_e_ref_but_no_operands_between_steps(repack, op
             in weights
         trainer.optimizer.releases_rows = True
         assert "row operands, 0.00 GiB, freed from the last micro-batch's forward" in step_path(trainer)["mx_weights"]
+        packed = "Wᵀ packed in each backward from the weight (precision.kept_weight_cols: false)"
+        assert (packed in step_path(trainer)["mx_weights"]) == (not cols)
 
 
 def test_only_row_granularity_layers_keep_state():
@@ -424,11 +474,12 @@ def test_only_row_granularity_layers_keep_state():
 
 # ---------------------------------------------------------------------- end to end, on a GPU
 def _mlp_run(seed: int, track: bool, captured: bool, steps: int = 4, keep: bool = False, compiled: bool = False,
-             release: bool = False):
+             release: bool = False, keep_cols: bool = True):
     """A two-layer MXFP6 MLP (weights through the kernels) trained with clipping, eager or captured;
     `keep`: the step also keeps the weights' operands for the layers; `compiled`: the model under
     torch.compile (which reads kept operands unchecked: refreshed before each step, as the
-    trainer's forward hook does); `release`: their row operands freed between forward and backward."""
+    trainer's forward hook does); `release`: their row operands freed between forward and backward;
+    `keep_cols=False`: the step keeps the row operands alone, backward packs Wᵀ from the weights."""
     from mxflux.train.clipping import clip_and_step
 
     torch.manual_seed(seed)
@@ -436,7 +487,8 @@ def _mlp_run(seed: int, track: bool, captured: bool, steps: int = 4, keep: bool 
                                 MXFP6Linear(1024, 512)).cuda()
     opt = ClippingAdamW(model.parameters(), kernel="triton", fused=True, capturable=captured, **HP)
     if track:
-        opt.weight_state = MXWeightState.of_model(model, keep_operands=keep, min_elements=adamw_cuda.LARGE)
+        opt.weight_state = MXWeightState.of_model(model, keep_operands=keep, keep_cols=keep_cols,
+                                                  min_elements=adamw_cuda.LARGE)
         assert len(opt.weight_state.of) == 2 and len(opt.weight_state.kept) == (2 if keep else 0)
     opt.releases_rows = release
     forward = torch.compile(model) if compiled else model
@@ -483,21 +535,24 @@ def test_training_with_the_erefs_from_the_step_is_bit_identical(captured, keep):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="end-to-end training on a GPU")
-def test_eager_training_with_the_row_operands_released_is_bit_identical():
+@pytest.mark.parametrize("keep_cols", [True, False], ids=["cols-kept", "cols-packed"])
+def test_eager_training_with_the_row_operands_released_is_bit_identical(keep_cols):
     seed = int(torch.randint(0, 2**31, (1,)))
     l0, w0 = _mlp_run(seed, track=False, captured=False)
-    l1, w1 = _mlp_run(seed, track=True, captured=False, keep=True, release=True)
+    l1, w1 = _mlp_run(seed, track=True, captured=False, keep=True, release=True, keep_cols=keep_cols)
     assert l0 == l1, (seed, l0, l1)
     for a, b in zip(w0, w1):
         assert torch.equal(a, b), seed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="end-to-end training on a GPU")
+@pytest.mark.parametrize("keep_cols", [True, False], ids=["cols-kept", "cols-packed"])
 @pytest.mark.parametrize("release", [False, True], ids=["rows-kept", "rows-released"])
-def test_compiled_training_with_the_kept_operands_is_bit_identical(release):
+def test_compiled_training_with_the_kept_operands_is_bit_identical(release, keep_cols):
     seed = int(torch.randint(0, 2**31, (1,)))
     l0, w0 = _mlp_run(seed, track=False, captured=False, compiled=True)
-    l1, w1 = _mlp_run(seed, track=True, captured=False, keep=True, compiled=True, release=release)
+    l1, w1 = _mlp_run(seed, track=True, captured=False, keep=True, compiled=True, release=release,
+                      keep_cols=keep_cols)
     assert l0 == l1, (seed, l0, l1)
     for a, b in zip(w0, w1):
         assert torch.equal(a, b), seed

@@ -213,7 +213,7 @@ def _known_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
         for kept in getattr(weight_state, "kept", {}).values():  # alive before the step unless released then
             rows, _, cols, _ = kept.operands
             for t, half in ((rows, "row"), (cols, "col")):
-                if t.untyped_storage().nbytes():
+                if t is not None and t.untyped_storage().nbytes():
                     known[t.untyped_storage().data_ptr()] = f"weights' {half} operands (kept by the optimizer step)"
     return known
 

@@ -155,13 +155,15 @@ if HAS_TRITON:
                                bc2_sqrt_ptr, held_row_ptr, held_col_ptr, row_eref_ptr, col_eref_ptr,
                                row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, unheld_ptr,
                                weight_decay, beta1, beta2, eps, HEADROOM: tl.constexpr, HADAMARD: tl.constexpr,
-                               HW: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, SLICES: tl.constexpr):
+                               HW: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr, SLICES: tl.constexpr,
+                               COL: tl.constexpr = True):
         """`_adamw_tile` on one [BR, NB·32] tile, then the packer's pass 2 on the updated tile
         (`tile_operands`): the weight's MX operands in both orientations, encoded against the e_ref
         of the weight before this step (held_row_ptr / held_col_ptr) raised by HEADROOM binades, and
         the e_ref of the updated weight by atomic max (row_eref_ptr / col_eref_ptr: pass 1). Blocks
         that e_ref does not hold are added to unheld_ptr; `operands_fixup_kernel` then encodes the
-        weight again against its own e_ref."""
+        weight again against its own e_ref. Without COL the row operand alone (the column e_ref still
+        found): backward packs Wᵀ from the weight (`precision.kept_weight_cols: false`)."""
         BC: tl.constexpr = NB * 32
         row0 = tl.program_id(1) * BR
         col0 = tl.program_id(0) * BC
@@ -169,14 +171,15 @@ if HAS_TRITON:
                         weight_decay, beta1, beta2, eps, BR, BC, SLICES)
         unheld, _ = tile_operands(f32_rounded_to_bf16(p, HW), row0, col0, R, C, Rp, held_row_ptr, held_col_ptr,
                                   row_eref_ptr, col_eref_ptr, row_data_ptr, row_scale_ptr, col_data_ptr,
-                                  col_scale_ptr, True, HEADROOM, HADAMARD, BR, NB, HW)
+                                  col_scale_ptr, True, HEADROOM, HADAMARD, BR, NB, HW, COL)
         if unheld > 0:
             tl.atomic_add(unheld_ptr, unheld, sem="relaxed")
 
     @triton.jit
     def operands_fixup_kernel(p_ptr, R, C, Rp, unheld_ptr, row_eref_ptr, col_eref_ptr, row_data_ptr, row_scale_ptr,
                                col_data_ptr, col_scale_ptr, outside_ptr, fixups_ptr, n_col_tiles, n_tiles,
-                               HADAMARD: tl.constexpr, HW: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
+                               HADAMARD: tl.constexpr, HW: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+                               COL: tl.constexpr = True):
         """Where `adamw_operands_kernel` found blocks its e_ref did not hold (unheld_ptr > 0): the
         weight's operands again, against its own e_ref (the packer's pass 2 on the stored weight),
         the blocks outside the window added to outside_ptr, and one fix-up to fixups_ptr. Otherwise
@@ -193,7 +196,7 @@ if HAS_TRITON:
                 p = tl.load(p_ptr + (row0 + r2).to(tl.int64) * C + col0 + c2, mask=mask, other=0.0)
                 _, n = tile_operands(f32_rounded_to_bf16(p, HW), row0, col0, R, C, Rp, row_eref_ptr, col_eref_ptr,
                                      row_eref_ptr, col_eref_ptr, row_data_ptr, row_scale_ptr, col_data_ptr,
-                                     col_scale_ptr, False, 0, HADAMARD, BR, NB, HW)
+                                     col_scale_ptr, False, 0, HADAMARD, BR, NB, HW, COL)
                 outside += n
             tl.atomic_add(outside_ptr, outside.to(tl.int64), sem="relaxed")
             if tl.program_id(0) == 0:

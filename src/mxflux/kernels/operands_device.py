@@ -344,7 +344,7 @@ def _against_held(e, live, idx, n, held_ptr, new_ptr, NEW: tl.constexpr, HEADROO
 def tile_operands(t, row0, col0, R, C, Rp, row_eref_ptr, col_eref_ptr, row_new_ptr, col_new_ptr,
                   row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr,
                   NEW: tl.constexpr, HEADROOM: tl.constexpr, HADAMARD: tl.constexpr, BR: tl.constexpr,
-                  NB: tl.constexpr, HW: tl.constexpr):
+                  NB: tl.constexpr, HW: tl.constexpr, COL: tl.constexpr = True):
     """Pass 2 of the row granularity on one [BR, NB·MX_BLOCK] bf16 tile in the coalesced layout
     (row 0 = row `row0` of x [R, C], column 0 = column `col0`; rows from R all zero), for kernels
     that produce the tile themselves: both orientations encoded and stored as `_pack_kernel`'s
@@ -357,7 +357,9 @@ def tile_operands(t, row0, col0, R, C, Rp, row_eref_ptr, col_eref_ptr, row_new_p
     Returns (blocks the e_ref does not hold: above it, more than the window below it, or live in a
     group stored as empty; blocks outside the window), summed over both orientations. With NEW the
     tile's own per-row and per-column maxima are also atomically maxed into row_new_ptr / col_new_ptr
-    (pass 1 of the same values, from the same block exponents)."""
+    (pass 1 of the same values, from the same block exponents). Without COL the column orientation is
+    not encoded (nothing is written at col_data_ptr / col_scale_ptr, nor counted): only its maxima
+    go into col_new_ptr, with NEW, for whoever packs that orientation later from the e_ref."""
     RB: tl.constexpr = BR // _BLOCK
     BC: tl.constexpr = NB * _BLOCK
     rows = row0 + tl.arange(0, BR)
@@ -379,16 +381,23 @@ def tile_operands(t, row0, col0, R, C, Rp, row_eref_ptr, col_eref_ptr, row_new_p
     xc = ()
     for j in tl.static_range(_BLOCK):
         xc = xc + (bf16_to_f32(tc[j], HW),)
-    ys, ab = _rotate_amax(xc, HADAMARD)
-    e, bad, live = _block_info(ab)
-    e_ref, col_unheld, col_outside = _against_held(e, live, cols, C, col_eref_ptr, col_new_ptr, NEW, HEADROOM)
-    zl, zh = _word_halves(_encode_words(ys, e, e_ref, bad, HW))
-    ct = col0 + tl.arange(0, BC)[:, None, None]
-    rt3 = row0 + tl.arange(0, RB)[None, :, None] * _BLOCK
-    _store_blocks(col_data_ptr, ct, tl.multiple_of(Rp // 4, 8), C, rt3 // 4 + tl.arange(0, 4)[None, None, :],
-                  tl.permute(zl, (1, 0, 2)), tl.permute(zh, (1, 0, 2)), rt3 < Rp, False, HW)
-    if row0 == 0:
-        tl.store(col_scale_ptr + cols[None, :], pow2_f32(e_ref - _SHIFT), mask=cols[None, :] < C)
-    return unheld + col_unheld, outside + col_outside
+    if COL:
+        ys, ab = _rotate_amax(xc, HADAMARD)
+        e, bad, live = _block_info(ab)
+        e_ref, col_unheld, col_outside = _against_held(e, live, cols, C, col_eref_ptr, col_new_ptr, NEW, HEADROOM)
+        zl, zh = _word_halves(_encode_words(ys, e, e_ref, bad, HW))
+        ct = col0 + tl.arange(0, BC)[:, None, None]
+        rt3 = row0 + tl.arange(0, RB)[None, :, None] * _BLOCK
+        _store_blocks(col_data_ptr, ct, tl.multiple_of(Rp // 4, 8), C, rt3 // 4 + tl.arange(0, 4)[None, None, :],
+                      tl.permute(zl, (1, 0, 2)), tl.permute(zh, (1, 0, 2)), rt3 < Rp, False, HW)
+        if row0 == 0:
+            tl.store(col_scale_ptr + cols[None, :], pow2_f32(e_ref - _SHIFT), mask=cols[None, :] < C)
+        unheld += col_unheld
+        outside += col_outside
+    elif NEW:  # the column maxima alone (pass 1 of that orientation)
+        e, bad, live = _block_info(_amax_only(xc, HADAMARD))
+        m = tl.max(tl.where(live, e + 128, 0), axis=0)
+        tl.atomic_max(col_new_ptr + cols, m, mask=(cols < C) & (m > 0), sem="relaxed")
+    return unheld, outside
 
 # R and the loop bounds vary per call: no value specialisation, one compiled kernel per variant

@@ -14,8 +14,10 @@ that backward expands back to the same FP8 bytes. With `repack_weights` forward 
 it packs W's row operand only, and backward packs Wᵀ again from the parameter, which is alive
 anyway (the same bytes: the packer is deterministic). With the weight's operands kept by the
 optimizer step (`mx_linear(..., weight_operands)`, docs/design.md, "The weights' operands from the
-optimizer step"), forward packs no weight and saves the kept Wᵀ, which lives anyway; with only their
-e_ref kept (`weight_erefs`), the packer runs its second pass alone. The bias is
+optimizer step"), forward packs no weight and saves the kept Wᵀ, which lives anyway, or, where the
+step keeps the row operand alone (`precision.kept_weight_cols: false`), the parameter, from which
+backward packs Wᵀ with the kept e_ref; with only their e_ref kept (`weight_erefs`), the packer runs
+its second pass alone. The bias is
 added in the GEMM's fp32 epilogue and its gradient is the column sum the dY packer produces while
 it quantizes dY.
 
@@ -195,11 +197,11 @@ def _pack_weight(weight, cfg: MXConfig, blocks_outside_window, col: bool, erefs=
     return w_row, _stash(w_col, cfg)
 
 
-def _weight_col(saved, cfg: MXConfig, blocks_outside_window, erefs=None) -> Operand:
-    """Wᵀ for dgrad from what `_pack_weight` saved: unstashed, or packed again from the parameter
-    (col only; the row operand is not needed in backward), with forward's e_ref (no optimizer step
-    runs between forward and backward)."""
-    if cfg.repack_weights:
+def _weight_col(saved, cfg: MXConfig, blocks_outside_window, repacked: bool, erefs=None) -> Operand:
+    """Wᵀ for dgrad from what forward saved: unstashed, or (`repacked`: forward saved the parameter)
+    packed again from the parameter (col only; the row operand is not needed in backward), with
+    forward's e_ref (no optimizer step runs between forward and backward)."""
+    if repacked:
         return _pack(_packable(saved[0]), cfg, blocks_outside_window, row=False, erefs=erefs)[1]
     return _unstash(*saved)
 
@@ -216,11 +218,14 @@ class _MXLinear(torch.autograd.Function):
             x_row, x_col = (_pack_apart(x, cfg, counter) if _packs_apart(x, cfg, weight.requires_grad)
                             else _pack(x, cfg, counter, col=weight.requires_grad)[:2])
             x_saved = _stash(x_col, cfg)
-        ctx.w_kept = w_row_data is not None
-        if ctx.w_kept:  # the weight's operands as the optimizer step left them: nothing to pack
-            w_row, w_saved = Operand(w_row_data, w_row_scale), (w_col_data, None, w_col_scale)
+        if w_row_data is not None:  # the weight's operands as the optimizer step left them: nothing to pack
+            w_row = Operand(w_row_data, w_row_scale)
+            # Wᵀ kept by the step too, or (the rows kept alone) packed in backward from the parameter
+            ctx.w_repacked = w_col_data is None
+            w_saved = (weight, None, None) if ctx.w_repacked else (w_col_data, None, w_col_scale)
         else:
             w_row, w_saved = _pack_weight(weight, cfg, counter, col=x.requires_grad, erefs=w_erefs)
+            ctx.w_repacked = x.requires_grad and cfg.repack_weights
         _add_forward_count(blocks_outside_window, counter)
         y = _gemm(x_row, w_row, cfg, _compute(bias, x.dtype), x.dtype)
         ctx.save_for_backward(*x_saved, *w_saved)
@@ -237,9 +242,11 @@ class _MXLinear(torch.autograd.Function):
         dy_row, dy_col, dbias = _pack(dy, cfg, ctx.blocks_outside_window, row=need_x, col=need_w,
                                       colsum=need_b and ctx.b_dtype is not None)
         # each saved operand is expanded right before the GEMM that reads it (one at a time alive)
-        w_col = _unstash(*saved[3:6]) if ctx.w_kept else _weight_col(saved[3:6], cfg, ctx.blocks_outside_window,
-                                                                      ctx.w_erefs)
-        dx = _gemm(dy_row, w_col, cfg, None, dy.dtype) if need_x else None
+        if need_x:
+            w_col = _weight_col(saved[3:6], cfg, ctx.blocks_outside_window, ctx.w_repacked, ctx.w_erefs)
+            dx = _gemm(dy_row, w_col, cfg, None, dy.dtype)
+        else:
+            dx = None
         if need_w:
             x_col = (_pack(saved[0], cfg, ctx.blocks_outside_window, row=False)[1] if ctx.x_repacked
                      else _unstash(*saved[0:3]))
@@ -254,9 +261,10 @@ def mx_linear(x, weight, bias, blocks_outside_window, cfg: MXConfig, weight_oper
     """Y = X·Wᵀ + b in MXFP6 for bf16 2-D `x`; `blocks_outside_window` (int64 [1]) collects the
     count of blocks outside the fold window, in place. From the optimizer step, for the weight's
     current values (`mxflux.nn.weight_state`): `weight_operands`, its row-granularity operands (row
-    data, row scale, col data, col scale), used as they are instead of packing `weight`; or
-    `weight_erefs`, its e_ref, with which the packer skips its first pass. The gradients are
-    computed as without them."""
+    data, row scale, col data, col scale; the col pair None where the step keeps the rows alone, and
+    backward then packs Wᵀ from `weight` with `weight_erefs`), used as they are instead of packing
+    `weight`; or `weight_erefs`, its e_ref, with which the packer skips its first pass. The gradients
+    are computed as without them."""
     w = (None,) * 4 if weight_operands is None else weight_operands
     return _MXLinear.apply(x, weight, bias, blocks_outside_window, cfg, weight_erefs, *w)
 

@@ -56,7 +56,9 @@ def row_shard_start(p: DTensor) -> int:
 
 class Kept(NamedTuple):
     """What the step keeps for a weight whose operands it writes."""
-    operands: tuple  # row data [R, C] E4M3, row scale [R, 1], col data [C, Rp] E4M3, col scale [C, 1]
+    # row data [R, C] E4M3, row scale [R, 1], col data [C, Rp] E4M3, col scale [C, 1]; the col pair None
+    # where the state keeps the rows alone (backward packs Wᵀ from the weight)
+    operands: tuple
     held: torch.Tensor  # the e_ref the operands were encoded against (before the headroom): a view of `held`
     unheld: torch.Tensor  # int32 [1]: blocks the step's e_ref did not hold (then the fix-up pass runs)
     counter: torch.Tensor  # the layer's blocks_outside_window
@@ -65,16 +67,20 @@ class Kept(NamedTuple):
 class MXWeightState:
     """The e_ref of the weights of `layers` (row-granularity MXFP6Linear modules), and the packed
     operands of those of `keep` (layers running their own forward: not the fc1 / fc2 of a fused
-    MLP, whose Function packs their weights). One int32 buffer for all e_ref, a view per weight.
-    Only contiguous 2-D fp32 weights of at least `min_elements` elements on a device where the
-    kernels run qualify (`qualifies`); the others are packed by their layers as always."""
+    MLP, whose Function packs their weights): both orientations, or with `keep_cols=False` the
+    row operands alone, forward's (1 byte per weight element less between steps; each backward
+    then packs Wᵀ from the weight with the kept e_ref, `precision.kept_weight_cols`). One int32
+    buffer for all e_ref, a view per weight. Only contiguous 2-D fp32 weights of at least
+    `min_elements` elements on a device where the kernels run qualify (`qualifies`); the others are
+    packed by their layers as always."""
 
-    def __init__(self, layers: Sequence[MXFP6Linear], keep: Sequence[MXFP6Linear] = (), *, min_elements: int = 1):
+    def __init__(self, layers: Sequence[MXFP6Linear], keep: Sequence[MXFP6Linear] = (), *, keep_cols: bool = True,
+                 min_elements: int = 1):
         for m in (*layers, *keep):
             if not isinstance(m, MXFP6Linear) or m.cfg.granularity is not FoldGranularity.ROWWISE:
                 raise ValueError(f"layers: the e_ref and operands kept are the row granularity's; got "
                                  f"{type(m).__name__} with mx_gemm={getattr(getattr(m, 'cfg', None), 'mx_gemm', None)!r}")
-        self.min_elements = min_elements
+        self.min_elements, self.keep_cols = min_elements, keep_cols
         self.layers: dict[torch.Tensor, list[MXFP6Linear]] = {}
         for m in layers:
             if self.qualifies(m.weight):
@@ -107,8 +113,9 @@ class MXWeightState:
             (R, C), (a, n) = p.shape, spans[p]
             f8 = torch.float8_e4m3fn
             operands = (torch.empty(R, C, dtype=f8, device=device), torch.empty(R, 1, device=device),
-                        torch.empty(C, padded_rows(R), dtype=f8, device=device), torch.empty(C, 1, device=device))
-            for t in operands:
+                        *((torch.empty(C, padded_rows(R), dtype=f8, device=device), torch.empty(C, 1, device=device))
+                          if keep_cols else (None, None)))
+            for t in operands[:4 if keep_cols else 2]:
                 # Rewritten in place by every step, so their addresses never change: compiled with
                 # CUDA graphs (`model.compile_mode: reduce-overhead`) the replays read them where they
                 # are instead of copying them into the graph's own input buffers each time.
@@ -118,11 +125,12 @@ class MXWeightState:
         self.refresh()
 
     @classmethod
-    def of_model(cls, model: torch.nn.Module, *, keep_operands: bool, min_elements: int = 1) -> "MXWeightState":
+    def of_model(cls, model: torch.nn.Module, *, keep_operands: bool, keep_cols: bool = True,
+                 min_elements: int = 1) -> "MXWeightState":
         """The state of every row-granularity MX weight of `model`, with the operands of the layers
-        that run their own forward when `keep_operands`."""
+        that run their own forward when `keep_operands` (their col operands too when `keep_cols`)."""
         return cls(rowwise_mx_linears(model), linears_with_own_forward(model) if keep_operands else (),
-                   min_elements=min_elements)
+                   keep_cols=keep_cols, min_elements=min_elements)
 
     def qualifies(self, p: torch.Tensor) -> bool:
         """A 2-D fp32 weight, contiguous, whose rows hold whole blocks, on a device where the kernels run, of
@@ -181,6 +189,8 @@ class MXWeightState:
         freed = 0
         for kept in self.kept.values():
             for t in kept.operands:
+                if t is None:
+                    continue
                 freed += t.untyped_storage().nbytes()
                 t.untyped_storage().resize_(0)
         return freed
@@ -212,10 +222,11 @@ class MXWeightState:
         kept = self.kept.get(p)
         if kept is not None:
             self.restore_rows(p)
-            got = mx_operands(x, None, kept.counter, True, True, FoldGranularity.ROWWISE.value, hadamard, "none", False,
-                              view)
+            got = mx_operands(x, None, kept.counter, True, self.keep_cols, FoldGranularity.ROWWISE.value, hadamard,
+                              "none", False, view)
             for dst, src in zip(kept.operands, got[:4]):
-                dst.copy_(src)
+                if dst is not None:
+                    dst.copy_(src)
             kept.held.copy_(view)
         self.mark_current(p)
 

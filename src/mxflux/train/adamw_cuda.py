@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from ..kernels import adamw_cuda as kernels
 from ..kernels.triton_common import HAS_TRITON, interpreting
 from ..kernels.weight_erefs import rows_and_columns
+from ..mx.operands import padded_rows
 from ..nn.weight_state import MXWeightState, row_shard_start
 
 if HAS_TRITON:
@@ -146,13 +147,13 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
                             NB=W.NB, SLICES=W.SLICES, num_warps=W.NUM_WARPS)
                     else:
                         state.restore_rows(orig)  # after `release_rows`: written whole below
-                        rd, rs, cd, cs = kept.operands
+                        rp, operands, col = _kernel_operands(kept, R)
                         kernels.adamw_operands_kernel[grid](
-                            p, g, s["exp_avg"], s["exp_avg_sq"], R, C, cd.shape[1], factor, lr, step_size[j:],
+                            p, g, s["exp_avg"], s["exp_avg_sq"], R, C, rp, factor, lr, step_size[j:],
                             bc2_sqrt[j:], *rows_and_columns(kept.held, *p.shape), *rows_and_columns(view, *p.shape),
-                            rd.view(torch.int32), rs, cd.view(torch.int32), cs, kept.unheld, *hyper,
+                            *operands, kept.unheld, *hyper,
                             HEADROOM=W.HEADROOM, HADAMARD=hadamard, HW=not interpreting(), BR=W.BR, NB=W.NB,
-                            SLICES=W.SLICES, num_warps=W.NUM_WARPS)
+                            SLICES=W.SLICES, COL=col, num_warps=W.NUM_WARPS)
                         fixups.append(orig)
                     state.mark_current(orig)
                     continue
@@ -172,6 +173,17 @@ def adamw_clipped_step(optimizer: torch.optim.AdamW, factor: torch.Tensor, lr_sc
         _fix_up_operands(state, fixups)
 
 
+def _kernel_operands(kept, rows: int) -> tuple[int, tuple, bool]:
+    """A weight's kept operands as the kernels take them: (the col operand's padded rows, the four
+    operand pointers, whether the col operand is kept). A state keeping the rows alone
+    (`precision.kept_weight_cols: false`) passes its row tensors where the col ones would go: the
+    kernels, told COL=False, write nothing there."""
+    rd, rs, cd, cs = kept.operands
+    if cd is None:
+        return padded_rows(rows), (rd.view(torch.int32), rs, rd.view(torch.int32), rs), False
+    return cd.shape[1], (rd.view(torch.int32), rs, cd.view(torch.int32), cs), True
+
+
 def _fix_up_operands(state: MXWeightState, updated: list) -> None:
     """After the step wrote the operands of `updated`: the fix-up pass of each (it writes only where
     the step's e_ref did not hold a block), then the new e_ref become what the next step encodes
@@ -181,11 +193,11 @@ def _fix_up_operands(state: MXWeightState, updated: list) -> None:
         hadamard, view = state.of[p]
         kept = state.kept[p]
         R, C = p.shape
-        rd, rs, cd, cs = kept.operands
+        rp, operands, col = _kernel_operands(kept, R)
         n_col_tiles = triton.cdiv(C, W.NB * 32)
         n_tiles = n_col_tiles * triton.cdiv(R, W.BR)
         kernels.operands_fixup_kernel[(min(n_tiles, W.FIXUP_PROGRAMS),)](
-            p, R, C, cd.shape[1], kept.unheld, *rows_and_columns(view, *p.shape), rd.view(torch.int32), rs,
-            cd.view(torch.int32), cs, kept.counter, state.fixups, n_col_tiles, n_tiles, HADAMARD=hadamard,
-            HW=not interpreting(), BR=W.BR, NB=W.NB, num_warps=W.NUM_WARPS)
+            p, R, C, rp, kept.unheld, *rows_and_columns(view, *p.shape), *operands, kept.counter, state.fixups,
+            n_col_tiles, n_tiles, HADAMARD=hadamard, HW=not interpreting(), BR=W.BR, NB=W.NB, COL=col,
+            num_warps=W.NUM_WARPS)
     state.held.copy_(state.buffer)

@@ -124,6 +124,8 @@ def step_path(trainer) -> dict:
                         if getattr(trainer.optimizer, "releases_rows", False) else
                         f"; their row operands, {rows:.2f} GiB, kept from forward to the step: "
                         f"{rows_release_off(cfg) or 'the optimizer was not built by the trainer'}")
+            if not state.keep_cols:
+                weights += "; Wᵀ packed in each backward from the weight (precision.kept_weight_cols: false)"
         weights += ")"
     else:
         why = weight_state_off(cfg, trainer.model) or "no weight qualifies (Triton missing or the reference forced)"

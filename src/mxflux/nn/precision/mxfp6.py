@@ -40,6 +40,11 @@ class MXFP6Options(BaseModel):
     # uses instead of packing the weight (the same values; 2 bytes per weight element kept between
     # steps; none with repack_weights, which asks for no weight operand kept through the step).
     weight_operands_in_optimizer: bool = True
+    # ... of which Wᵀ (the col operand, 1 byte per weight element, dgrad's) too, or (false) the row
+    # operand alone, forward's: backward then packs Wᵀ from the parameter with the kept e_ref (pass 2
+    # alone, a read of every MX weight per step). With release_weight_rows nothing of the weights' kept
+    # operands is then alive at the step's peak, in backward. The same bits either way.
+    kept_weight_cols: bool = True
     # Those operands' row halves (1 byte per weight element) freed from the last micro-batch's
     # forward, which has read them, to the optimizer step, which writes them anew: backward reads Wᵀ
     # alone, and the step's peak lies in between. Where the step allows it (not captured, no per-block
@@ -67,7 +72,8 @@ class MXFP6Converter(PrecisionConverter):
     saved_operands (e4m3 | e2m3: the col operands kept for backward as FP8 bytes or as 6-bit codes),
     repack_weights (backward packs Wᵀ again from the parameter instead of keeping it from forward),
     weight_exponents_in_optimizer / weight_operands_in_optimizer (the optimizer step writes the
-    weights' e_ref / packed operands for the next forward).
+    weights' e_ref / packed operands for the next forward), kept_weight_cols (those operands include
+    Wᵀ, or backward packs it from the parameter).
     """
 
     name = "mxfp6"
@@ -75,7 +81,7 @@ class MXFP6Converter(PrecisionConverter):
     selector_value = "e2m3"
     options = tuple(f for f in MXFP6Options.model_fields if f != "fp6")
     same_values = ("saved_operands", "repack_weights", "weight_exponents_in_optimizer", "weight_operands_in_optimizer",
-                   "release_weight_rows")
+                   "kept_weight_cols", "release_weight_rows")
 
     def ineligibility(self, linear: nn.Linear) -> str | None:
         return mx_ineligibility(linear.in_features, linear.out_features, self.cfg.mx_gemm)
@@ -126,5 +132,6 @@ class MXFP6Converter(PrecisionConverter):
         MXFP6Linear weights' operands), written by the Triton AdamW step (`nn.weight_state`)."""
         if self.optimizer_state_off(model) is not None:
             return None
-        state = MXWeightState.of_model(model, keep_operands=self.keeps_operands(), min_elements=min_elements)
+        state = MXWeightState.of_model(model, keep_operands=self.keeps_operands(), keep_cols=self.cfg.kept_weight_cols,
+                                       min_elements=min_elements)
         return state if state.of else None
