@@ -52,20 +52,21 @@ def test_a_stale_layer_packs_its_weight_itself_with_the_same_output():
     assert torch.equal(m(x), want)  # the kept (garbage) tensors were not used
 
 
-def _run(m, x):
-    """(y, dx, dW, db) of one forward and backward of `m` on `x`."""
+def _run(m, x, forward=None):
+    """(y, dx, dW, db) of one forward and backward of `m` (through `forward`, m's own by default) on `x`."""
     x = x.detach().requires_grad_(True)
     m.zero_grad(set_to_none=True)
-    y = m(x)
+    y = (m if forward is None else forward)(x)
     y.float().square().sum().backward()
     return y.detach(), x.grad, m.weight.grad, m.bias.grad
 
 
-def test_a_layer_given_its_row_operand_alone_packs_wt_in_backward_with_the_same_bits():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_layer_given_its_row_operand_alone_packs_wt_in_backward_with_the_same_bits(compiled):
     """What a layer does with a state that keeps the row operands alone (`precision.kept_weight_cols:
-    false`), on the CPU packers: forward multiplies by the row operand it is given and saves the
-    parameter, backward packs Wᵀ from it: output and gradients bit for bit those of the layer packing
-    its weight itself. The given row operand is what forward reads (a wrong one shows in y)."""
+    false`), on the CPU packers, eager and compiled: forward multiplies by the row operand it is given
+    and saves the parameter, backward packs Wᵀ from it: output and gradients bit for bit those of the
+    layer packing its weight itself. The given row operand is what forward reads (a wrong one shows in y)."""
     from mxflux.ops import mx_operands
 
     torch.manual_seed(0)
@@ -77,10 +78,11 @@ def test_a_layer_given_its_row_operand_alone_packs_wt_in_backward_with_the_same_
     erefs = torch.zeros(weight_erefs.buffer_words(64, 96), dtype=torch.int32)  # (the CPU packers find their own)
     m.weight_erefs, m.weight_operands, m.weight_state_version = erefs, (rd, rs, None, None), m.weight._version
     assert m.kept_weight_state()[1][2] is None
-    for name, got, ref in zip(("y", "dx", "dW", "db"), _run(m, x), want):
+    forward = torch.compile(m) if compiled else m
+    for name, got, ref in zip(("y", "dx", "dW", "db"), _run(m, x, forward), want):
         assert torch.equal(got, ref), name
     m.weight_operands = (rd, rs * 2, None, None)
-    assert not torch.equal(m(x), want[0])
+    assert not torch.equal(forward(x), want[0])
 
 
 def test_the_state_takes_row_granularity_layers_only_and_none_without_kernels():
