@@ -75,7 +75,7 @@ SETTINGS: dict[str, tuple[str, ...]] = {
                                   'weight_operands_in_optimizer: false}', "model.activation_checkpointing=mx_inputs"),
     # mx_inputs with the step keeping the weights' row operands alone (freed after forward by default) and
     # backward packing Wᵀ: nothing of the weights' operands alive in backward (precision.kept_weight_cols)
-    "mxfp6-inputs-cols-packed": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
+    "mxfp6-cols-packed-inputs": ('precision={fp6: e2m3, mx_gemm: rowwise, hadamard: true, fused_mlp: "off", '
                                  'kept_weight_cols: false}', "model.activation_checkpointing=mx_inputs"),
     "bf16-elementwise": ("precision={}", "model.activation_checkpointing=elementwise"),
     "fp8-tensorwise-elementwise": ("precision={fp8: hybrid}", "precision.fp8_scaling=tensorwise",

@@ -197,7 +197,7 @@ def _pack_weight(weight, cfg: MXConfig, blocks_outside_window, col: bool, erefs=
     return w_row, _stash(w_col, cfg)
 
 
-def _weight_col(saved, cfg: MXConfig, blocks_outside_window, repacked: bool, erefs=None) -> Operand:
+def _weight_col(saved, cfg: MXConfig, blocks_outside_window, *, repacked: bool, erefs=None) -> Operand:
     """Wᵀ for dgrad from what forward saved: unstashed, or (`repacked`: forward saved the parameter)
     packed again from the parameter (col only; the row operand is not needed in backward), with
     forward's e_ref (no optimizer step runs between forward and backward)."""
@@ -243,7 +243,8 @@ class _MXLinear(torch.autograd.Function):
                                       colsum=need_b and ctx.b_dtype is not None)
         # each saved operand is expanded right before the GEMM that reads it (one at a time alive)
         if need_x:
-            w_col = _weight_col(saved[3:6], cfg, ctx.blocks_outside_window, ctx.w_repacked, ctx.w_erefs)
+            w_col = _weight_col(saved[3:6], cfg, ctx.blocks_outside_window, repacked=ctx.w_repacked,
+                                erefs=ctx.w_erefs)
             dx = _gemm(dy_row, w_col, cfg, None, dy.dtype)
         else:
             dx = None
@@ -343,14 +344,16 @@ class _FusedMXMLP(torch.autograd.Function):
         dy = dy.contiguous()
         dy_row, dy_col, db2 = _pack(dy, cfg, outside, colsum=b2_dtype is not None)
         erefs1, erefs2 = ctx.erefs
-        dact = _gemm(dy_row, _weight_col(w2_saved, cfg, outside, erefs2), cfg, None, dy.dtype)
+        w2_col = _weight_col(w2_saved, cfg, outside, repacked=cfg.repack_weights, erefs=erefs2)
+        dact = _gemm(dy_row, w2_col, cfg, None, dy.dtype)
         # the activation's Xᵀ: kept, or packed from h as forward packed its row operand
         act_t = (_pack(h, cfg, outside, row=False, prologue="gelu_tanh")[1] if cfg.repack_input
                  else _unstash(*act_col))
         dw2 = _gemm(dy_col, act_t, cfg, None, w2_dtype)
         dh_row, dh_col, db1 = _pack(dact, cfg, outside, prologue="gelu_tanh_grad", aux=h,
                                     colsum=b1_dtype is not None)
-        dx = _gemm(dh_row, _weight_col(w1_saved, cfg, outside, erefs1), cfg, None, dy.dtype)
+        w1_col = _weight_col(w1_saved, cfg, outside, repacked=cfg.repack_weights, erefs=erefs1)
+        dx = _gemm(dh_row, w1_col, cfg, None, dy.dtype)
         dw1 = _gemm(dh_col, _unstash(*x_col), cfg, None, w1_dtype)
         db1 = db1.to(b1_dtype) if b1_dtype is not None else None
         db2 = db2.to(b2_dtype) if b2_dtype is not None else None
