@@ -186,13 +186,18 @@ def test_elementwise_recompute_keeps_only_gemm_and_attention_outputs(gen, kind):
     assert saved.by_dtype["bfloat16"] <= tokens * d * 2 * (11 if kind == "double" else 10), dict(saved.by_dtype)
 
 
-@pytest.mark.parametrize("kind,fused", [pytest.param("double", "on", marks=pytest.mark.slow),
-                                        pytest.param("double", "off", marks=pytest.mark.slow), ("single", "auto")])
-def test_mx_inputs_keeps_no_xt_of_inputs_backward_rebuilds(gen, kind, fused):
+@pytest.mark.parametrize("kind,fused,two_pass", [pytest.param("double", "on", False, marks=pytest.mark.slow),
+                                                 pytest.param("double", "off", False, marks=pytest.mark.slow),
+                                                 ("single", "auto", False), ("single", "auto", True)])
+def test_mx_inputs_keeps_no_xt_of_inputs_backward_rebuilds(gen, kind, fused, two_pass, monkeypatch):
     """`activation_checkpointing: mx_inputs`: outputs, gradients and counts bit-identical to the plain
     compiled block; the Xᵀ of attention's proj, the MLP's fc2 (fused: the activation's, packed from
     h) and linear2 are not kept, and nothing in their place: the E4M3 bytes drop by exactly theirs,
-    the bf16 bytes do not grow (their inputs are rebuilt from what backward keeps anyway)."""
+    the bf16 bytes do not grow (their inputs are rebuilt from what backward keeps anyway). Where the
+    packer has two passes (`two_pass`, as on a GPU) each such input's e_ref is kept instead, a few words
+    per row and column (`functional._repack_erefs`): the partitioner does not find it again in backward."""
+    if two_pass:
+        monkeypatch.setattr(functional, "_two_pass_packer", lambda x: True)
     plain, wrapped, xs, vec, pe = _blocks(kind, gen, "mx_inputs", fused_mlp=fused)
     ref_saved, saved = _both_steps(plain, wrapped, xs, vec, pe, gen)
     tokens = [x.shape[0] * (x.shape[1] if kind == "double" else sum(y.shape[1] for y in xs)) for x in xs]
@@ -203,9 +208,11 @@ def test_mx_inputs_keeps_no_xt_of_inputs_backward_rebuilds(gen, kind, fused):
     else:
         repacked = [(plain.linear2, tokens[0])]
     inputs_xt = sum(_col_operand_bytes(m, n) for m, n in repacked)
+    erefs = sum(4 * eref_buffer_words(n, m.in_features) for m, n in repacked) if two_pass else 0
     assert saved.by_dtype["float8_e4m3fn"] == ref_saved.by_dtype["float8_e4m3fn"] - inputs_xt
     assert saved.by_dtype["bfloat16"] <= ref_saved.by_dtype["bfloat16"], (dict(saved.by_dtype), dict(ref_saved.by_dtype))
-    assert sum(saved.by_dtype.values()) <= sum(ref_saved.by_dtype.values()) - inputs_xt
+    assert saved.by_dtype.get("int32", 0) == erefs, dict(saved.by_dtype)
+    assert sum(saved.by_dtype.values()) <= sum(ref_saved.by_dtype.values()) - inputs_xt + erefs
 
 
 def _keep_weight_operands(block) -> list[torch.Tensor]:
@@ -462,6 +469,41 @@ def test_a_linear_that_packs_apart_gives_the_same_bits_and_counts(gen, monkeypat
             assert forward[0] == ("pack", True, True, False)
     for a, b_ in zip(*results):
         assert torch.equal(a, b_)
+    assert int(results[0][-1]) > 0
+
+
+def test_a_repacked_input_is_packed_from_the_e_ref_forward_found(gen, monkeypatch):
+    """`MXConfig.repack_input` (`mx_inputs`) where the packer has two passes (as on a GPU): forward finds
+    the input's e_ref once and packs its row operand from it; backward packs Xᵀ col-only from the same
+    e_ref (its second pass alone: no first pass over the input again); output, gradients and count those
+    of the linear keeping Xᵀ (eager on the CPU; the GPU's bits: tests/test_nn_repack_weights.py)."""
+    from mxflux.nn import functional
+    from mxflux.nn.functional import MXConfig, mx_linear
+
+    monkeypatch.setattr(functional, "_two_pass_packer", lambda x: True)  # as on a GPU
+    x = torch.randn(70, 96, generator=gen).bfloat16()
+    x[:35] *= 2.0**14  # blocks outside the col operand's window: the count must match
+    w = torch.randn(64, 96, generator=gen, requires_grad=True)
+    dy = torch.randn(70, 64, generator=gen).bfloat16()
+    results = []
+    for repack in (False, True):
+        xg = x.clone().requires_grad_()
+        w.grad = None
+        counter = torch.zeros(1, dtype=torch.int64)
+        with _MXCalls() as seen:
+            y = mx_linear(xg, w, None, counter, MXConfig(repack_input=repack))
+        forward = list(seen.calls)
+        with _MXCalls() as seen:
+            y.backward(dy)
+        backward = seen.calls
+        results.append((y, xg.grad, w.grad.clone(), counter.clone()))
+        if repack:  # x's e_ref, then its row operand alone from them; in backward Xᵀ alone from them
+            assert forward[:2] == [("erefs", None, None, None), ("pack", True, False, True)], forward
+            assert ("pack", False, True, True) in backward and ("erefs", None, None, None) not in backward, backward
+        else:
+            assert forward[0] == ("pack", True, True, False), forward
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
     assert int(results[0][-1]) > 0
 
 

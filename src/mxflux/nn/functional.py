@@ -124,6 +124,16 @@ def _packs_apart(x, cfg: MXConfig, col: bool) -> bool:
     return cfg.pack_apart and col and cfg.granularity is FoldGranularity.ROWWISE and _two_pass_packer(x)
 
 
+def _repack_erefs(x, cfg: MXConfig):
+    """For an input whose Xᵀ backward packs again (`cfg.repack_input`): its e_ref (the row granularity's
+    first pass alone, a few words per row and column), found once in forward where the packer has two
+    passes, so that forward's row call and backward's col call are each the second pass alone: backward
+    reads the input once instead of twice. None elsewhere (the CPU packers: one pass per call)."""
+    if cfg.granularity is FoldGranularity.ROWWISE and _two_pass_packer(x):
+        return mx_erefs(x, cfg.hadamard)
+    return None
+
+
 def _two_pass_packer(x) -> bool:
     """x's packer runs the row granularity in two passes (the CUDA kernels). Tests of what the split
     does to the compiled graph replace this, to run it on the CPU."""
@@ -212,8 +222,9 @@ class _MXLinear(torch.autograd.Function):
                 w_col_data, w_col_scale):
         counter = _forward_counter(blocks_outside_window, cfg)
         ctx.x_repacked = cfg.repack_input and weight.requires_grad
-        if ctx.x_repacked:  # Xᵀ packed in backward from x itself
-            x_row, x_saved = _pack(x, cfg, counter, col=False)[0], (x, None, None)
+        if ctx.x_repacked:  # Xᵀ packed in backward from x itself, with x's e_ref from here (`_repack_erefs`)
+            erefs = _repack_erefs(x, cfg)
+            x_row, x_saved = _pack(x, cfg, counter, col=False, erefs=erefs)[0], (x, erefs, None)
         else:
             x_row, x_col = (_pack_apart(x, cfg, counter) if _packs_apart(x, cfg, weight.requires_grad)
                             else _pack(x, cfg, counter, col=weight.requires_grad)[:2])
@@ -249,8 +260,8 @@ class _MXLinear(torch.autograd.Function):
         else:
             dx = None
         if need_w:
-            x_col = (_pack(saved[0], cfg, ctx.blocks_outside_window, row=False)[1] if ctx.x_repacked
-                     else _unstash(*saved[0:3]))
+            x_col = (_pack(saved[0], cfg, ctx.blocks_outside_window, row=False, erefs=saved[1])[1]
+                     if ctx.x_repacked else _unstash(*saved[0:3]))
             dw = _gemm(dy_col, x_col, cfg, None, ctx.w_dtype)
         else:
             dw = None
