@@ -68,6 +68,10 @@ def test_refusals_name_the_argument():
         AdamW(frozen)
     with pytest.raises(ValueError, match="step: no closure"):
         AdamW(model).step(lambda: 0.0)
+    with pytest.raises(ValueError, match="keep_cols: expected True or False, got 'no'"):
+        AdamW(model, keep_cols="no")
+    with pytest.raises(ValueError, match="keep_operands: expected True or False, got 1"):
+        AdamW(model, keep_operands=1)
 
 
 def test_the_readme_loop_runs_and_learns():

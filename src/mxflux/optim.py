@@ -61,6 +61,9 @@ class AdamW(ClippingAdamW):
                  keep_operands: bool = True, keep_cols: bool = True):
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm: expected a positive number or None, got {max_grad_norm!r}")
+        for name, value in (("keep_operands", keep_operands), ("keep_cols", keep_cols)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: expected True or False, got {value!r}")
         trained = [p for p in model.parameters() if p.requires_grad]
         if not trained:
             raise ValueError("model: no parameter requires a gradient, nothing to optimize")
