@@ -41,12 +41,14 @@ import time
 # tile (M, N), cluster (M, N), the most tile-column clusters to a band of the tile order (1: no bands, each
 # tile column walked down M in turn) and how K is summed (`gemm_cute.ACCUMULATION`: fast, or fp32 with each
 # k-tile's partial sums promoted) of each configuration tried (the kernel takes tile M 64 or 128, tile N 64,
-# 128, 192 or 256, at most 4 CTAs to a cluster)
+# 128, 160, 192 or 256, at most 4 CTAs to a cluster; the probe runs it on whole tile clusters only)
 CONFIGS = {"128x256-2x1": ((128, 256), (2, 1), 1, "fast"), "128x256-2x1-s4": ((128, 256), (2, 1), 4, "fast"),
            "128x256-2x1-s8": ((128, 256), (2, 1), 8, "fast"), "128x256-1x2-s4": ((128, 256), (1, 2), 4, "fast"),
            "128x256-1x1": ((128, 256), (1, 1), 1, "fast"), "128x128-2x1": ((128, 128), (2, 1), 1, "fast"),
            "128x128-1x2": ((128, 128), (1, 2), 1, "fast"),
            "128x192-2x1-s8-fp32": ((128, 192), (2, 1), 8, "fp32"),
+           # cuBLAS's tile for the promoted K = 3072 dgrad GEMMs with a wide N (2026-12-07 ncu: 128x160, 2x1)
+           "128x160-2x1-s8-fp32": ((128, 160), (2, 1), 8, "fp32"),
            "128x192-2x1-s4-fp32": ((128, 192), (2, 1), 4, "fp32"),
            "128x192-2x1-s8-fp32k2": ((128, 192), (2, 1), 8, "fp32k2"),
            # promoted in 2, 3 or 4 parts of N, a part's adds under the later parts' WGMMAs (`promotion_parts`)
@@ -58,6 +60,13 @@ CONFIGS = {"128x256-2x1": ((128, 256), (2, 1), 1, "fast"), "128x256-2x1-s4": ((1
            # consumer warp group, need 2 x 128 accumulator registers a thread: ptxas spills 348 bytes; not tried.)
            "128x192-1x2-s8-fp32": ((128, 192), (1, 2), 8, "fp32")}
 SM90_SMS = 132  # an H100 SXM's SMs: the persistent grid's size where no device is there to ask
+
+
+def whole_clusters(m: int, n: int, config: str) -> bool:
+    """Whether `config`'s tile clusters cover C [m, n] whole: what the step asks of a GEMM before it gives it
+    to the kernel (`gemm_cute`); the kernel's epilogue reads the scales at every coordinate of its tiles."""
+    (tile_m, tile_n), (cluster_m, cluster_n) = CONFIGS[config][:2]
+    return m % (tile_m * cluster_m) == 0 and n % (tile_n * cluster_n) == 0
 
 
 def _problems(tokens: list[int]):
@@ -254,6 +263,9 @@ def main() -> int:
                                 "cublas_tensorwise_fast": clock_while(tensorwise_fast)}
             for config in configs:
                 tile, cluster, most, accumulation = CONFIGS[config]
+                if not whole_clusters(m, n, config):
+                    row[config] = dict(skipped="M or N not in whole tile clusters (the step gives it to cuBLAS)")
+                    continue
                 out = torch.full_like(want, float("nan"))  # every element must be written
                 try:
                     call = prepared_gemm(a, sa, b, sb, bias, out, (tile, cluster), most,  # sb [1, N]: read flat

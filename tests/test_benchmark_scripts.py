@@ -413,6 +413,16 @@ def test_cute_rowwise_probe_casts_tensorwise_as_torchao_does():
 
 
 @pytest.mark.skipif(_cute_dsl_installed(), reason="CuTe DSL is installed here")
+def test_cute_rowwise_probe_runs_a_configuration_only_on_whole_tile_clusters():
+    """The probe gives the kernel only the problems the step would (its epilogue reads the scales at every
+    coordinate of its tiles): 160-wide tiles cover linear2's dgrad (N 15360), not N 3072."""
+    probe = _benchmark_module("probe_cute_rowwise_gemm")
+    assert probe.whole_clusters(32768, 15360, "128x160-2x1-s8-fp32")
+    assert not probe.whole_clusters(32768, 3072, "128x160-2x1-s8-fp32")
+    assert probe.whole_clusters(32768, 3072, "128x192-2x1-s8-fp32")
+    assert not probe.whole_clusters(32768 - 128, 3072, "128x192-2x1-s8-fp32")  # 2x1 clusters: M in 256s
+
+
 def test_cute_rowwise_probe_says_what_it_needs_without_cute_dsl(tmp_path):
     """benchmarks/probe_cute_rowwise_gemm.py where nvidia-cutlass-dsl is not installed (CI): one line naming
     it, exit 2, no traceback and no JSON."""

@@ -119,7 +119,7 @@ class RowScaledFP8Gemm:
 
     :note: Constraints:
         - CTA tile M must be 64/128
-        - CTA tile N must be 64/128/256
+        - CTA tile N must be 64/128/160/192/256
         - CTA tile K must be 64
         - Cluster shape M/N must be positive and power of 2, total cluster size <= 4
 
@@ -249,8 +249,8 @@ class RowScaledFP8Gemm:
         # check the cta tile shape
         if self.tile_shape_mnk[0] not in [64, 128]:
             raise ValueError("CTA tile shape M must be 64/128")
-        if self.tile_shape_mnk[1] not in [64, 128, 192, 256]:
-            raise ValueError("CTA tile shape N must be 64/128/192/256")
+        if self.tile_shape_mnk[1] not in [64, 128, 160, 192, 256]:
+            raise ValueError("CTA tile shape N must be 64/128/160/192/256")
 
         def tiled_mma(tile_n):  # the warp groups along M, each WGMMA tile_n wide
             return sm90_utils.make_trivial_tiled_mma(
