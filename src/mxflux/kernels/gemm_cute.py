@@ -85,8 +85,8 @@ def cute_gemm_choice(value: str) -> CuteGemm:
 CUTE_GEMM = cute_gemm_choice(os.environ.get("MXFLUX_CUTE_GEMM", "auto"))
 # How the kernel sums K: `fp32`, each k-tile's partial sums added into fp32 registers (the GEMM contract's:
 # cuBLAS's bits on an H100), `fp32h`, `fp32p3`, `fp32p4` the same sums with each k-tile's WGMMAs in 2, 3 or 4
-# groups, one per part of the tile's N, a part's adds under the later parts' WGMMAs (`promotion_parts`: A/Bs, not
-# yet run on a GPU), or `fast`, every WGMMA into one accumulator (the tensor cores' FP8 accumulation, outside the
+# groups, one per part of the tile's N, a part's adds under the later parts' WGMMAs (`promotion_parts`: A/Bs; on an
+# H100 the same bits, no faster in the step), or `fast`, every WGMMA into one accumulator (the tensor cores' FP8 accumulation, outside the
 # contract). Its tile (M, N) and cluster (M, N): the tensor-wise kernels' class; N 192 where the second accumulator
 # needs the registers.
 # the parts of N each k-tile's promotion is split into (`RowScaledFP8Gemm`'s promotion_parts)

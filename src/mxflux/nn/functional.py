@@ -121,7 +121,13 @@ def _packs_apart(x, cfg: MXConfig, col: bool) -> bool:
     needed, the row granularity, and a packer that finds the e_ref in a pass of its own, which the
     split then runs once (the CUDA kernels; the CPU packers do everything in one pass per call, so
     there the split would only add work)."""
-    return cfg.pack_apart and col and cfg.granularity is FoldGranularity.ROWWISE and _two_pass_packer(x)
+    return cfg.pack_apart and col and _erefs_pass_of_its_own(x, cfg)
+
+
+def _erefs_pass_of_its_own(x, cfg: MXConfig) -> bool:
+    """Whether x's packer finds the e_ref in a first pass that can run alone (`mx_erefs`) and be skipped
+    by later calls given its result: the row granularity on the two-pass packers."""
+    return cfg.granularity is FoldGranularity.ROWWISE and _two_pass_packer(x)
 
 
 def _repack_erefs(x, cfg: MXConfig):
@@ -129,9 +135,7 @@ def _repack_erefs(x, cfg: MXConfig):
     first pass alone, a few words per row and column), found once in forward where the packer has two
     passes, so that forward's row call and backward's col call are each the second pass alone: backward
     reads the input once instead of twice. None elsewhere (the CPU packers: one pass per call)."""
-    if cfg.granularity is FoldGranularity.ROWWISE and _two_pass_packer(x):
-        return mx_erefs(x, cfg.hadamard)
-    return None
+    return mx_erefs(x, cfg.hadamard) if _erefs_pass_of_its_own(x, cfg) else None
 
 
 def _two_pass_packer(x) -> bool:

@@ -115,7 +115,7 @@ class MXWeightState:
             operands = (torch.empty(R, C, dtype=f8, device=device), torch.empty(R, 1, device=device),
                         *((torch.empty(C, padded_rows(R), dtype=f8, device=device), torch.empty(C, 1, device=device))
                           if keep_cols else (None, None)))
-            for t in operands[:4 if keep_cols else 2]:
+            for t in (t for t in operands if t is not None):
                 # Rewritten in place by every step, so their addresses never change: compiled with
                 # CUDA graphs (`model.compile_mode: reduce-overhead`) the replays read them where they
                 # are instead of copying them into the graph's own input buffers each time.
