@@ -25,6 +25,9 @@ both GEMMs ran faster than alone on random operands, cuBLAS's by more (benchmark
 torchao's fast accumulation weighed"), which would fit a card held at its power limit by random bits. `--clock`
 records the SM clock and board power nvidia-smi reports while each GEMM runs back to back.
 
+The `-bs64` and `-bscol` configurations are the kernel with block scales at the promotion (a one-pass fold's GEMM,
+`block_scaled`): checked against the row-scaled kernel's bits and a float64 product, timed beside cuBLAS's 1x128 GEMM.
+
 Needs nvidia-cutlass-dsl (`pip install nvidia-cutlass-dsl`, with the `cu13` extra for CUDA 13).
 """
 
@@ -56,6 +59,11 @@ CONFIGS = {"128x256-2x1": ((128, 256), (2, 1), 1, "fast"), "128x256-2x1-s4": ((1
            "128x192-2x1-s8-fp32p3": ((128, 192), (2, 1), 8, "fp32p3"),
            "128x192-2x1-s8-fp32p4": ((128, 192), (2, 1), 8, "fp32p4"),
            "128x192-2x1-s8": ((128, 192), (2, 1), 8, "fast"),
+           # block scales per k-tile at the promotion (`gemm_cute.BLOCK_SCALES`: a one-pass fold's GEMM): B's per 64
+           # output columns, or per column (as wgrad's Xᵀ would need); checked against the row-scaled kernel's bits
+           # with k-tile-constant scales and against float64 with random ones (`block_scaled`)
+           "128x192-2x1-s8-fp32-bs64": ((128, 192), (2, 1), 8, "fp32-bs64"),
+           "128x192-2x1-s8-fp32-bscol": ((128, 192), (2, 1), 8, "fp32-bscol"),
            # the promoted kernel with A multicast across a 1x2 cluster instead of B. (Promoted 128x128 tiles, one
            # consumer warp group, need 2 x 128 accumulator registers a thread: ptxas spills 348 bytes; not tried.)
            "128x192-1x2-s8-fp32": ((128, 192), (1, 2), 8, "fp32")}
@@ -163,6 +171,61 @@ def clock_while(fn, seconds: float = 0.5) -> dict:
     return clock_summary(out)
 
 
+def _block_columns(config: str) -> int | None:
+    """The output columns one B scale covers in a block-scaled configuration; None for a row-scaled one."""
+    from mxflux.kernels.gemm_cute import BLOCK_SCALES
+
+    return BLOCK_SCALES.get(CONFIGS[config][3])
+
+
+def block_scaled(config: str, a, b, bias, out_dtype, gen, checked_rows: int = 4096) -> tuple[dict, object]:
+    """A block-scaled configuration on A [M, K] and B [N, K]: (its checks, a call to time). Two checks: with each
+    row's and group's scale the same in every k-tile, the output must equal the row-scaled kernel's (fp32, same
+    tile) bit for bit (a power of two commutes with fp32 rounding: applied at each promotion or once in the
+    epilogue, the same bits); with random power-of-two scales per k-tile, the first `checked_rows` rows must lie
+    within the fp32 summation bound of the float64 product. cuBLAS's 1x128 block-scaled GEMM (what `mx_gemm:
+    blockwise` runs, B's scales per column) is timed on the same bytes and scales where the column groups are 1."""
+    import torch
+
+    from mxflux.kernels.gemm_cute import prepared_gemm
+
+    tile, cluster, most, accumulation = CONFIGS[config]
+    (m, k), n, group = a.shape, b.shape[0], _block_columns(config)
+    k_tiles = k // 128
+
+    def powers(*shape):
+        return torch.exp2(torch.randint(-6, 6, shape, device=a.device, generator=gen).float())
+
+    sa, sb = powers(m, 1), powers(n // group, 1)
+    out = torch.full((m, n), float("nan"), device=a.device, dtype=out_dtype)
+    prepared_gemm(a, sa.expand(m, k_tiles), b, sb.expand(n // group, k_tiles), bias, out, (tile, cluster), most,
+                  accumulation)()
+    rowwise = torch.full_like(out, float("nan"))
+    prepared_gemm(a, sa, b, sb.repeat_interleave(group, 0), bias, rowwise, (tile, cluster), most, "fp32")()
+    same = torch.isnan(out) == torch.isnan(rowwise)
+    bit_equal = bool(same.all() and (out[~torch.isnan(out)] == rowwise[~torch.isnan(out)]).all())
+
+    sa, sb = powers(m, k_tiles), powers(n // group, k_tiles)
+    out.fill_(float("nan"))
+    call = prepared_gemm(a, sa, b, sb, bias, out, (tile, cluster), most, accumulation)
+    call()
+    rows = min(m, checked_rows)
+    a64 = a[:rows].double() * sa[:rows].repeat_interleave(128, 1).double()
+    b64 = b.double() * sb.repeat_interleave(group, 0).repeat_interleave(128, 1).double()
+    want = a64 @ b64.t() + (bias.double() if bias is not None else 0)
+    bound = 2 * k * 2.0**-24 * (a64.abs() @ b64.abs().t()) + torch.finfo(out_dtype).eps * want.abs()
+    diff = (out[:rows].double() - want).abs()
+    checks = dict(bit_equal_to_row_scaled=bit_equal, within_bound=bool((diff <= bound).all()),
+                  worst_over_bound=float((diff / bound.clamp_min(1e-300)).max()))
+    if group == 1:
+        from mxflux.kernels.gemm import scaled_gemm_cuda
+        from mxflux.mx.granularity import FoldGranularity
+
+        checks["cublas_blockwise"] = lambda: scaled_gemm_cuda(a, sa, b, sb, FoldGranularity.BLOCKWISE, bias,
+                                                              out_dtype)
+    return checks, call
+
+
 def _kernel(config: str, n: int):
     """The configuration's kernel for N output columns (the band no wider than divides them)."""
     from mxflux.kernels.gemm_cute import kernel_for
@@ -181,14 +244,18 @@ def compile_only(configs: list[str]) -> list[dict]:
     m, n, k = 32768, 3072, 12288
     rows = []
     for config in configs:
+        group = _block_columns(config)
         for has_bias, fp32_out in ((True, False), (False, False), (False, True)):
             fake = dict(
                 a=make_fake_compact_tensor(cutlass.Float8E4M3FN, (m, k, 1), stride_order=(1, 0, 2), assumed_align=16),
                 b=make_fake_compact_tensor(cutlass.Float8E4M3FN, (n, k, 1), stride_order=(1, 0, 2), assumed_align=16),
                 c=make_fake_compact_tensor(cutlass.Float32 if fp32_out else cutlass.BFloat16, (m, n, 1),
                                            stride_order=(1, 0, 2), assumed_align=16),
-                sa=make_fake_compact_tensor(cutlass.Float32, (m,), assumed_align=16),
-                sb=make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=16),
+                sa=(make_fake_compact_tensor(cutlass.Float32, (m, k // 128), stride_order=(1, 0), assumed_align=16)
+                    if group else make_fake_compact_tensor(cutlass.Float32, (m,), assumed_align=16)),
+                sb=(make_fake_compact_tensor(cutlass.Float32, (n // group, k // 128), stride_order=(1, 0),
+                                             assumed_align=16)
+                    if group else make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=16)),
                 bias=make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=16))
             cluster = CONFIGS[config][1]
             t = time.perf_counter()
@@ -266,6 +333,22 @@ def main() -> int:
                 if not whole_clusters(m, n, config):
                     row[config] = dict(skipped="M or N not in whole tile clusters (the step gives it to cuBLAS)")
                     continue
+                if _block_columns(config):
+                    try:
+                        checks, call = block_scaled(config, a, b, bias, out_dtype, gen)
+                    except Exception as e:  # a configuration the DSL or the device refuses: say so, go on
+                        row[config] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                        continue
+                    cublas_blockwise = checks.pop("cublas_blockwise", None)
+                    ms = bench(call)
+                    # (within_contract and bit_equal: the row-scaled configurations' keys, for the sums below)
+                    row[config] = dict(ms=ms, **checks, within_contract=checks["within_bound"],
+                                       bit_equal=float(checks["bit_equal_to_row_scaled"]),
+                                       vs_cublas_rowwise=row["cublas_rowwise_ms"] / ms,
+                                       vs_cublas_tensorwise=row["cublas_tensorwise_ms"] / ms)
+                    if cublas_blockwise is not None:
+                        row[config]["cublas_blockwise_ms"] = bench(cublas_blockwise)
+                    continue
                 out = torch.full_like(want, float("nan"))  # every element must be written
                 try:
                     call = prepared_gemm(a, sa, b, sb, bias, out, (tile, cluster), most,  # sb [1, N]: read flat
@@ -304,7 +387,11 @@ def main() -> int:
                     ok = all(r[config]["within_contract"] for r in these)
                     equal = min(r[config]["bit_equal"] for r in these)  # fp32 accumulation: cuBLAS's bits
                     line += (f"; {config} {sum(r[config]['ms'] for r in these):.2f} (fp32 bound "
-                             f"{'kept' if ok else 'BROKEN'}, bit-equal to cuBLAS's >= {equal:.4f})")
+                             f"{'kept' if ok else 'BROKEN'}, " +
+                             (f"the row-scaled kernel's bits with k-tile-constant scales: {equal == 1.0}"
+                              if _block_columns(config) else f"bit-equal to cuBLAS's >= {equal:.4f}") + ")")
+                    if all("cublas_blockwise_ms" in r[config] for r in these):
+                        line += f"; cuBLAS 1x128 {sum(r[config]['cublas_blockwise_ms'] for r in these):.2f}"
             print(line, flush=True)
     if args.json:
         write_json(args.json, args.operands, {c: CONFIGS[c] for c in configs}, rows)

@@ -579,6 +579,31 @@ def test_cute_promotion_in_parts_adds_under_the_later_parts_wgmmas(accumulation,
     assert sum(op.startswith("QGMMA") for op in ops) == 4 * parts
 
 
+@pytest.mark.skipif(not _cute_dsl_installed(), reason="needs nvidia-cutlass-dsl")
+@pytest.mark.parametrize("accumulation,loads", [("fp32-bs64", 2 + 3), ("fp32-bscol", 2 + 48)])
+def test_cute_block_scales_enter_at_the_promotion_as_one_ffma(accumulation, loads, tmp_path):
+    """The probe's block-scaled trial (`block_scale_columns`), in the sm_90a SASS built on the CPU: per k-tile a thread
+    loads its two rows' A scales and its groups' B scales once (3 groups of 64 columns before the k-tile's WGMMAs,
+    so the loads run under them; 48 columns after, where loaded before they spilled), and promotes each of its 96
+    partial sums with one FFMA (no FADD), in the kernel's 168 registers, nothing spilled, no scale read in the
+    epilogue. Register-level scale reads (96 a k-tile) or a per-element product break the counts."""
+    pytest.importorskip("triton", reason="cuobjdump comes with Triton's wheel (make test-cute installs it)")
+    cuobjdump = _benchmark_module("sass_census")._tool("cuobjdump")
+    (cubin,) = _dsl_dump("probe_cute_rowwise_gemm", f"128x192-2x1-s8-{accumulation}", tmp_path,
+                         keep="cubin").glob("*.cubin")  # the last of the three GEMMs built: fp32 out, no bias
+    usage = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"REG:168 STACK:0 .*LOCAL:0 ", usage), usage
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"QGMMA\.\S+|WARPGROUP\.DEPBAR\.LE gsb0, 0x0|\bLDG\.E\b|\bFFMA\b|\bFADD\b|\bFMUL\b", sass)
+    first = ops.index(next(op for op in ops if op.startswith("QGMMA")))
+    drain = ops.index("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    assert ops.count("LDG.E") == loads and ops.count("FADD") == 0 and ops.count("FFMA") == 96
+    if accumulation == "fp32-bs64":
+        assert ops[:first].count("LDG.E") == loads and ops.count("FMUL") == 2 * 3
+    else:
+        assert ops[drain:].count("LDG.E") == loads and ops.count("FMUL") == 96
+
+
 def test_bench_kernels_times_the_gemms_an_mx_linear_runs(monkeypatch):
     """bench_kernels' fprop, dgrad and wgrad problems are the GEMMs MXFP6Linear's forward and backward run
     (A rows, B rows, contraction, bias, out dtype), recorded from a CPU linear K -> N at M tokens."""
@@ -643,3 +668,52 @@ def test_the_ncu_summary_pairs_each_profiled_gemm_with_its_label(tmp_path, capsy
         probe.summarize(str(tmp_path / "ncu.csv"), str(tmp_path / "labels.json"))
     with pytest.raises(SystemExit, match="--problems: expected linear:kind pairs"):
         probe.parse_problems("linear1:backward", 32768)
+
+
+def _promoted_gemm(wrong_scales: bool = False):
+    """A CPU stand-in for `gemm_cute.prepared_gemm` with the kernel's arithmetic: each k-tile's sums in fp32 added
+    into an fp32 accumulator, times the k-tile's block scales there (block-scaled accumulations) or times the row
+    and column scales at the end (`fp32`). `wrong_scales`: the block scales of k-tile 0 used for every k-tile."""
+    import torch
+
+    from mxflux.kernels.gemm_cute import BLOCK_SCALES
+
+    def prepared(a, sa, b, sb, bias, out, config, most, accumulation):
+        def call():
+            acc = torch.zeros(out.shape, dtype=torch.float32)
+            k_tiles = a.shape[1] // 128
+            for t in range(k_tiles):
+                part = a[:, 128 * t:128 * (t + 1)].float() @ b[:, 128 * t:128 * (t + 1)].float().t()
+                if accumulation in BLOCK_SCALES:
+                    u = 0 if wrong_scales else t
+                    cols = sb[:, u].repeat_interleave(out.shape[1] // sb.shape[0])
+                    part = part * sa[:, u:u + 1] * cols
+                acc += part
+            if accumulation not in BLOCK_SCALES:
+                acc = acc * sa.reshape(-1, 1) * sb.reshape(1, -1)
+            out.copy_(acc + (bias.float() if bias is not None else 0))
+        return call
+    return prepared
+
+
+@pytest.mark.parametrize("config", ["128x192-2x1-s8-fp32-bs64", "128x192-2x1-s8-fp32-bscol"])
+def test_block_scaled_probe_checks_hold_for_the_kernels_arithmetic_and_catch_wrong_scales(config, monkeypatch):
+    """`block_scaled`'s two checks, on a CPU stand-in with the kernel's arithmetic: with k-tile-constant scales the
+    block-scaled output equals the row-scaled one bit for bit, with random ones it lies within the fp32 bound of
+    float64; the same stand-in using k-tile 0's scales throughout fails the bound (the checks can fail)."""
+    import torch
+
+    from mxflux.kernels import gemm_cute
+
+    probe = _benchmark_module("probe_cute_rowwise_gemm")
+    gen = torch.Generator().manual_seed(0)
+    a = (4 * torch.randn(256, 512, generator=gen)).to(torch.float8_e4m3fn)
+    b = (4 * torch.randn(384, 512, generator=gen)).to(torch.float8_e4m3fn)
+    bias = torch.randn(384, generator=gen).bfloat16()
+    monkeypatch.setattr(gemm_cute, "prepared_gemm", _promoted_gemm())
+    checks, call = probe.block_scaled(config, a, b, bias, torch.bfloat16, gen, checked_rows=64)
+    assert checks["bit_equal_to_row_scaled"] and checks["within_bound"] and checks["worst_over_bound"] <= 1
+    assert ("cublas_blockwise" in checks) == config.endswith("bscol")
+    monkeypatch.setattr(gemm_cute, "prepared_gemm", _promoted_gemm(wrong_scales=True))
+    checks, _ = probe.block_scaled(config, a, b, bias, torch.bfloat16, gen, checked_rows=64)
+    assert checks["bit_equal_to_row_scaled"] and not checks["within_bound"]

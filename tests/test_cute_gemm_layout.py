@@ -13,7 +13,8 @@ import cutlass.cute as cute  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
 from cutlass.cutlass_dsl import BaseDSL  # noqa: E402
 
-from mxflux.kernels.cute_rowwise_gemm import accumulator_coordinates, accumulator_register  # noqa: E402
+from mxflux.kernels.cute_rowwise_gemm import (  # noqa: E402
+    RowScaledFP8Gemm, accumulator_coordinates, accumulator_offsets, accumulator_register)
 
 FOUND: dict = {}
 
@@ -101,3 +102,33 @@ def test_the_partial_tiles_of_each_part_line_up_with_the_accumulators(parts):
         assert len(whole) == 96 and [len(c) for c in by_part] == [size] * parts
         for p, coords in enumerate(by_part):
             assert [whole[accumulator_register(p, i, size)] for i in range(size)] == coords, (t, p)
+
+
+@pytest.mark.parametrize("tile", [(128, 192), (128, 256)], ids=lambda t: f"{t[0]}x{t[1]}")
+def test_each_register_lies_where_the_block_scales_look_for_it(tile):
+    """`block_scale_columns` picks each register's scales when compiling: its row and column relative to register 0
+    (`accumulator_offsets`), and its group of 64 columns as register 0's group plus the offset's (the thread's
+    columns start within 8 of a multiple of 8, the tile on a multiple of 64). Every MMA thread, every register."""
+    tm, tn = tile
+    threads = tuple(range(256 if tn > 128 else 128))
+    FOUND.clear()
+    _coordinates(tm, tn, threads)
+    for t in threads:
+        (m0, n0, _), coords = FOUND[t][0], FOUND[t]
+        assert [(m - m0, n - n0) for m, n, _ in coords] == [accumulator_offsets(i) for i in range(len(coords))], t
+        assert [n // 64 for _, n, _ in coords] == [n0 // 64 + accumulator_offsets(i)[1] // 64
+                                                   for i in range(len(coords))], t
+
+
+def test_block_scales_are_refused_where_the_promotion_cannot_apply_them():
+    """The block scales enter at each k-tile's promotion, so they need fp32 accumulation promoted every k-tile in
+    one part, a tile N of whole column groups, and one WGMMA tile a warp group (`accumulator_offsets`: a 128x128
+    tile's one warp group holds two, its registers 64 on rows 64 further down)."""
+    def gemm(tile_n=192, fp32=True, k_tiles=1, parts=1, scales=64):
+        return RowScaledFP8Gemm(cutlass.Float32, (128, tile_n), (2, 1), 8, True, fp32, k_tiles, parts, scales)
+
+    assert gemm().block_scale_columns == 64 and gemm(scales=1).block_scale_columns == 1
+    for bad in (dict(scales=12), dict(scales=256), dict(fp32=False), dict(k_tiles=2), dict(parts=2), dict(tile_n=160),
+                dict(tile_n=128)):
+        with pytest.raises(ValueError, match="block_scale_columns"):
+            gemm(**bad)

@@ -90,6 +90,14 @@ def accumulator_register(part: int, i: int, part_size: int) -> int:
     return part * part_size + i
 
 
+def accumulator_offsets(i: int) -> tuple[int, int]:
+    """(row, column) of accumulator register i relative to the thread's register 0, in the tile of a warp group's
+    WGMMA (m64nNk32, fp32): the fragment holds, per 8 columns, two neighbouring columns of two rows 8 apart, so
+    register i = c + 2r + 4j is row 8r, column c + 8j. What the block scales' per-register choice is built from
+    at compile time (`block_scale_columns`; tests/test_cute_gemm_layout.py checks it against the coordinates)."""
+    return 8 * ((i // 2) % 2), i % 2 + 8 * (i // 4)
+
+
 class RowScaledFP8Gemm:
     """
     C = (A ⊙ a_scale)(B ⊙ b_scale)ᵀ (+ bias) on Hopper: A [M, K], B [N, K] in E4M3 (K-major), a_scale [M] and
@@ -142,6 +150,7 @@ class RowScaledFP8Gemm:
         fp32_accumulation: bool = False,
         promotion_k_tiles: int = 1,
         promotion_parts: int = 1,
+        block_scale_columns: int | None = None,
     ):
         """
         Initializes the configuration for a Hopper dense GEMM kernel.
@@ -181,6 +190,26 @@ class RowScaledFP8Gemm:
             raise ValueError(f"promotion_parts: needs fp32 accumulation promoted every k-tile and tile N a multiple "
                              f"of 8 x {parts}, got {tile_shape_mn}, promotion_k_tiles={promotion_k_tiles}")
         self.promotion_parts = promotion_parts
+        # block_scale_columns (the probe's trial of a one-pass fold, benchmarks/NOTES.md "A lead"): the scales are
+        # per k-tile of K 128, a_scale [M, K/128] per row, b_scale [N / columns, K/128] per group of that many output
+        # columns (1: per column), and enter at the promotion, `acc + partial * s` (one FFMA, as the add), not in
+        # the epilogue. The per-register choice of s is made when compiling (`accumulator_offsets`, which holds
+        # where each warp group runs one 64-row WGMMA tile: tile M 128 over two warp groups, N over 128).
+        columns = block_scale_columns
+        if columns is not None and (not fp32_accumulation or promotion_k_tiles != 1 or parts != 1
+                                    or tile_shape_mn[0] != 128 or tile_shape_mn[1] <= 128
+                                    or not (columns == 1 or columns % 8 == 0 and tile_shape_mn[1] % columns == 0)):
+            raise ValueError(f"block_scale_columns: needs fp32 accumulation promoted every k-tile, in one part, tile "
+                             f"M 128, tile N over 128, and 1 or a multiple of 8 dividing tile N; got {columns}, "
+                             f"{tile_shape_mn}, promotion_k_tiles={promotion_k_tiles}, promotion_parts={parts}")
+        self.block_scale_columns = columns
+        # (booleans for the kernel's compile-time branches, which the DSL's rewrite of `and`/`or` does not take)
+        self.block_scaled = columns is not None
+        # a few groups a thread: their scales read before the k-tile's WGMMAs, under them; per column (48 a
+        # thread) after them, beside the partial tile's registers, where ptxas interleaves them with the FFMAs
+        # (loaded before, they spilled: 208 bytes)
+        self.block_scales_before_mmas = self.block_scaled and columns > 1
+        self.block_scales_after_mmas = columns == 1
         self.tiled_mma_part = None
         self.mma_inst_shape_mn = None
         # K dimension is deferred in _setup_attributes
@@ -882,7 +911,14 @@ class RowScaledFP8Gemm:
                         mainloop_consumer_read_state.advance()
                 else:
                     accumulators.fill(0.0)
+                    if cutlass.const_expr(self.block_scaled):
+                        # this thread's register 0 in C: where each register's scales are read from
+                        row0, col0, _ = tCcC[(None, None, None, *tile_coord_mnl)][0]
                     for k_group in range(k_tile_cnt // self.promotion_k_tiles):
+                        if cutlass.const_expr(self.block_scales_before_mmas):
+                            # read before the k-tile's WGMMAs, used after them: the loads run under the MMAs
+                            scales = self._k_tile_scales(mSA_m, mSB_n, row0, col0, k_group,
+                                                         cute.size(accumulators))
                         # the partial tile is written by the WGMMAs below and read by the adds after them
                         cute.nvgpu.warpgroup.fence()
                         for j in cutlass.range_constexpr(self.promotion_k_tiles):
@@ -912,15 +948,24 @@ class RowScaledFP8Gemm:
                         for j in cutlass.range_constexpr(self.promotion_k_tiles):
                             mainloop_pipeline.consumer_release(mainloop_consumer_release_state)
                             mainloop_consumer_release_state.advance()
+                        if cutlass.const_expr(self.block_scales_after_mmas):
+                            scales = self._k_tile_scales(mSA_m, mSB_n, row0, col0, k_group,
+                                                         cute.size(accumulators))
                         for i in cutlass.range_constexpr(cute.size(accumulators)):
-                            accumulators[i] = accumulators[i] + partial[i]
+                            if cutlass.const_expr(self.block_scaled):
+                                accumulators[i] = accumulators[i] + partial[i] * scales[i]
+                            else:
+                                accumulators[i] = accumulators[i] + partial[i]
 
                 # The scales (powers of two: exact) and the bias, in fp32 on the accumulator; the
                 # conversion below is the one rounding.
                 tCcC_tile = tCcC[(None, None, None, *tile_coord_mnl)]
                 for i in cutlass.range_constexpr(cute.size(accumulators)):
                     m, n, _ = tCcC_tile[i]
-                    v = accumulators[i] * mSA_m[m] * mSB_n[n]
+                    if cutlass.const_expr(self.block_scaled):  # applied at the promotion
+                        v = accumulators[i]
+                    else:
+                        v = accumulators[i] * mSA_m[m] * mSB_n[n]
                     if cutlass.const_expr(has_bias):
                         v = v + mBias_n[n]
                     accumulators[i] = v
@@ -985,6 +1030,25 @@ class RowScaledFP8Gemm:
                 work_tile = tile_sched.get_current_work()
 
             tma_store_pipeline.producer_tail()
+
+    def _k_tile_scales(self, mSA_mk, mSB_gk, row0, col0, k_tile, size: int) -> list:
+        """Each accumulator register's scale for k-tile `k_tile` (`block_scale_columns`), in register order: its
+        row's A scale times its column group's B scale. Which row and group a register is in is known when compiling
+        (`accumulator_offsets`: the thread's columns lie within 8 of col0 and the tile starts on a group), so the
+        thread loads each of its two rows' and its groups' scales once and multiplies each pair once."""
+        group = self.block_scale_columns
+        a_scales, b_scales, products, out = {}, {}, {}, []
+        for i in range(size):
+            dr, dc = accumulator_offsets(i)
+            g = dc // group
+            if dr not in a_scales:
+                a_scales[dr] = mSA_mk[row0 + dr, k_tile]
+            if g not in b_scales:
+                b_scales[g] = mSB_gk[col0 // group + g if group > 1 else col0 + dc, k_tile]
+            if (dr, g) not in products:
+                products[dr, g] = a_scales[dr] * b_scales[g]
+            out.append(products[dr, g])
+        return out
 
     @staticmethod
     def _compute_stages(

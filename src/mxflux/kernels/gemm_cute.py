@@ -92,8 +92,12 @@ CUTE_GEMM = cute_gemm_choice(os.environ.get("MXFLUX_CUTE_GEMM", "auto"))
 # the parts of N each k-tile's promotion is split into (`RowScaledFP8Gemm`'s promotion_parts)
 PROMOTION_PARTS = {"fp32h": 2, "fp32p3": 3, "fp32p4": 4}
 ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fp32", ("fp32", *PROMOTION_PARTS, "fast"))
+# The probe's trial of block scales at the promotion, by the output columns one B scale covers
+# (`RowScaledFP8Gemm`'s block_scale_columns; not a step's choice: its scales are per k-tile, a_scale [M, K/128] and
+# b_scale [N/64, K/128] or [N, K/128], which no packer writes yet)
+BLOCK_SCALES = {"fp32-bs64": 64, "fp32-bscol": 1}
 CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1)), "fp32k2": ((128, 192), (2, 1)),
-           **{name: ((128, 192), (2, 1)) for name in PROMOTION_PARTS}}
+           **{name: ((128, 192), (2, 1)) for name in (*PROMOTION_PARTS, *BLOCK_SCALES)}}
 CONFIG = CONFIGS[ACCUMULATION]
 SWIZZLE = positive_int("MXFLUX_CUTE_SWIZZLE", 8, "tile columns")
 # Whose kernel runs the GEMMs taken: `rowwise`, ours (`cute_rowwise_gemm`), or one of quack-kernels' schedules with
@@ -204,7 +208,8 @@ def kernel_for(n: int, config, most_swizzle: int | None = None, accumulation: st
     """The kernel for N output columns: `config`'s tile and cluster, tiles visited in bands of the widest
     power of two of tile columns, at most `most_swizzle` (SWIZZLE by default), that divides them; K summed
     as `accumulation` says: `fast`, `fp32` (promoted every k-tile of K 128), `fp32h`, `fp32p3`, `fp32p4` (the
-    same, in 2, 3 or 4 parts of N) or `fp32k2` (every two: the probe's trial; K a multiple of 256)."""
+    same, in 2, 3 or 4 parts of N), `fp32k2` (every two: the probe's trial; K a multiple of 256) or `fp32-bs64`,
+    `fp32-bscol` (every k-tile, times its block scales: the probe's trial, `BLOCK_SCALES`)."""
     import cutlass
 
     from .cute_rowwise_gemm import RowScaledFP8Gemm
@@ -212,7 +217,7 @@ def kernel_for(n: int, config, most_swizzle: int | None = None, accumulation: st
     tile, cluster = config
     return RowScaledFP8Gemm(cutlass.Float32, tile, cluster, _band_width(n, config, most_swizzle), True,
                             accumulation != "fast", 2 if accumulation == "fp32k2" else 1,
-                            PROMOTION_PARTS.get(accumulation, 1))
+                            PROMOTION_PARTS.get(accumulation, 1), BLOCK_SCALES.get(accumulation))
 
 
 def _band_width(n: int, config, most_swizzle: int | None) -> int:
@@ -239,7 +244,10 @@ def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=None, most
     import cutlass
     import cutlass.cute as cute
 
-    a_scale, b_scale = a_scale.reshape(-1).contiguous(), b_scale.reshape(-1).contiguous()
+    if accumulation in BLOCK_SCALES:  # [M, K/128] and [groups, K/128], row-major
+        a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
+    else:
+        a_scale, b_scale = a_scale.reshape(-1).contiguous(), b_scale.reshape(-1).contiguous()
     # without a bias the kernel reads none (a compile-time flag): b_scale stands in, no tensor made per call
     tensors = (a_data.unsqueeze(-1), b_data.unsqueeze(-1), out.unsqueeze(-1), a_scale, b_scale,
                bias.float().contiguous() if bias is not None else b_scale)
@@ -250,7 +258,7 @@ def prepared_gemm(a_data, a_scale, b_data, b_scale, bias, out, config=None, most
         return lambda: compiled(*tensors)
     out_type = cutlass.Float32 if out.dtype == torch.float32 else cutlass.BFloat16
     types = (cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, out_type, cutlass.Float32, cutlass.Float32, cutlass.Float32)
-    args = tuple(_tensor(t, dtype, 1 if t.dim() == 3 else 0, tvm_ffi) for t, dtype in zip(tensors, types))
+    args = tuple(_tensor(t, dtype, 0 if t.dim() == 1 else 1, tvm_ffi) for t, dtype in zip(tensors, types))
     stream = _stream(tvm_ffi)
     if compiled is None:  # the kernel object is built only to compile (host time per call: bench_host.py)
         kernel = kernel_for(b_data.shape[0], config, most_swizzle, accumulation)
