@@ -84,6 +84,7 @@ def test_an_output_path_through_a_file_is_one_line_naming_it(argv, message, tmp_
     ("MXFLUX_CUTE_SWIZZLE", "0", "MXFLUX_CUTE_SWIZZLE: expected a positive whole number of tile columns, got '0'"),
     ("MXFLUX_CUTE_ACCUMULATE", "fp16", "MXFLUX_CUTE_ACCUMULATE: expected one of fp32, fp32h, fp32p3, fp32p4, fast, got 'fp16'"),
     ("MXFLUX_DEFER_SCALES", "x", "MXFLUX_DEFER_SCALES: expected one of auto, all, bias, bias-rounded, none, got 'x'"),
+    ("MXFLUX_CUTE_BLOCKWISE", "yes", "MXFLUX_CUTE_BLOCKWISE: expected one of off, on, got 'yes'"),
 ])
 def test_a_kernel_switch_set_wrong_is_one_line_naming_it(var, value, message, tmp_path):
     """The MXFLUX_* kernel switches (mxflux.switches) are read as the kernels are imported, inside the command:

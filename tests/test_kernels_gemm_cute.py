@@ -224,3 +224,26 @@ def test_a_quack_setting_is_skipped_where_its_gemm_would_not_run(kernel, quack, 
     else:
         assert why == (f"MXFLUX_CUTE_KERNEL={kernel} needs quack-kernels, CuTe DSL and a Hopper GPU (without them its "
                        "GEMMs would run on cuBLAS)")
+
+
+def test_the_blockwise_gemm_goes_to_the_per_column_kernel_only_where_switched_on(monkeypatch):
+    """`mx_gemm: blockwise`'s GEMM: with MXFLUX_CUTE_BLOCKWISE off (the default) never the CuTe kernel; on, where
+    a row-scaled GEMM of that kind and size would go to it, on the per-column block-scaled kernel (`fp32-bscol`),
+    its 1x128 scales passed as they are."""
+    from mxflux.kernels import gemm
+
+    monkeypatch.setattr(gemm_cute, "CUTE_GEMM", gemm_cute.cute_gemm_choice("all"))
+    monkeypatch.setattr(gemm_cute, "available", lambda: True)
+    monkeypatch.setattr(gemm_cute, "_UNUSABLE", None)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # meta tensors stand in for CUDA ones
+    (tm, tn), (cm, cn) = gemm_cute.CONFIGS["fp32-bscol"]
+    a, b = torch.empty(tm * cm, 256, device="meta"), torch.empty(tn * cn, 256, device="meta")
+    assert gemm_cute.BLOCKWISE == "off" and not gemm_cute.takes_blockwise(a, b, True, torch.bfloat16)
+    monkeypatch.setattr(gemm_cute, "BLOCKWISE", "on")
+    assert gemm_cute.takes_blockwise(a, b, True, torch.bfloat16)
+    assert not gemm_cute.takes_blockwise(a, torch.empty(tn * cn + 64, 256, device="meta"), True, torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(gemm_cute, "cute_scaled_gemm", lambda *args: calls.append(args) or "out")
+    sa, sb = torch.empty(tm * cm, 2, device="meta"), torch.empty(tn * cn, 2, device="meta")
+    assert gemm._blockwise(a, sa, b, sb, None, torch.bfloat16) == "out"
+    assert calls == [(a, sa, b, sb, None, torch.bfloat16, "fp32-bscol")]

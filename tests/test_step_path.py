@@ -166,3 +166,29 @@ def test_the_gemm_path_names_the_cute_gemm_where_it_is_asked_for(kinds, accumula
                               block_graphs=SimpleNamespace(on=False), accum=1, world=1)
     gemm = sp.step_path(trainer)["mx_gemm"]
     assert ("CuTe" not in gemm) if want is None else gemm.endswith(want)
+
+
+@pytest.mark.parametrize("switch, available, want", [
+    ("off", True, "; on cuBLAS's 1x128 block-scaled GEMM (MXFLUX_CUTE_BLOCKWISE=off)"),
+    ("on", True, "; on the CuTe-DSL GEMM with block scales at the promotion (MXFLUX_CUTE_BLOCKWISE=on)"),
+    ("on", False, "; on the CuTe-DSL GEMM with block scales at the promotion (MXFLUX_CUTE_BLOCKWISE=on, not "
+                  "available here)"),
+])
+def test_the_gemm_path_names_the_blockwise_gemm(switch, available, want, monkeypatch):
+    """`mx_gemm: blockwise` on CUDA: the run says whether its 1x128 GEMMs are cuBLAS's or the CuTe kernel's with
+    block scales at the promotion (MXFLUX_CUTE_BLOCKWISE, opt-in), and the row-scaled CuTe clause is not there."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mxflux.train import step_path as sp
+
+    monkeypatch.setattr(sp, "CUTE_BLOCKWISE", switch)
+    monkeypatch.setattr(sp, "cute_available", lambda: available)
+    monkeypatch.setattr(sp, "FORCE_REFERENCE", False)
+    cfg = load_recipe("tiny-mxfp6", ["precision.mx_gemm=blockwise", "model.compile=true"])
+    model, _ = build_model(cfg, "cpu")
+    trainer = SimpleNamespace(cfg=cfg, device=torch.device("cuda"), model=model, optimizer=None,
+                              block_graphs=SimpleNamespace(on=False), accum=1, world=1)
+    gemm = sp.step_path(trainer)["mx_gemm"]
+    assert gemm.endswith(want) and "row-scaled GEMM" not in gemm, gemm

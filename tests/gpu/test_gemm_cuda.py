@@ -267,6 +267,57 @@ def test_cute_gemm_gives_the_row_scaled_gemms_bits(shape, accumulation, gen, mon
 @gpu
 @needs_cuda
 @needs_triton
+@pytest.mark.skipif(not gemm_cute.available(), reason="needs CuTe DSL (nvidia-cutlass-dsl) and a Hopper GPU")
+@pytest.mark.parametrize("accumulation", list(gemm_cute.BLOCK_SCALES))
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+def test_block_scales_the_same_in_every_k_tile_give_the_row_scaled_kernels_bits(shape, accumulation, gen):
+    """The kernel with block scales at the promotion (`block_scale_columns`), its scales each row's and column
+    group's row-scaled ones in every k-tile: the row-scaled kernel's output bit for bit, fp32 out and bf16 with a
+    bias (a power of two commutes with fp32 rounding, at each promotion or once in the epilogue). A register given
+    another row's or group's scale, or a k-tile's scale read for the wrong k-tile, breaks it."""
+    m, n, k = shape
+    group = gemm_cute.BLOCK_SCALES[accumulation]
+    a, b, bias = operands(m, n, k, G.ROWWISE, gen)
+    g = _gen(gen)
+    b_group = torch.exp2(torch.randint(-4, 4, (n // group, 1), generator=g, device="cuda").float())
+    for out_dtype, bias_ in ((torch.float32, None), (torch.bfloat16, bias)):
+        outs = []
+        for acc, sa, sb in ((accumulation, a.row_scale.expand(m, k // 128), b_group.expand(n // group, k // 128)),
+                            ("fp32", a.row_scale, b_group.repeat_interleave(group, 0))):
+            out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+            gemm_cute.prepared_gemm(a.row_data, sa, b.row_data, sb, bias_, out, accumulation=acc)()
+            outs.append(out)
+        assert not outs[0].isnan().any() and torch.equal(*outs), (out_dtype, bias_ is not None)
+
+
+@gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.skipif(not gemm_cute.available(), reason="needs CuTe DSL (nvidia-cutlass-dsl) and a Hopper GPU")
+@pytest.mark.parametrize("out_dtype,with_bias", [(torch.bfloat16, True), (torch.float32, False)])
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: "x".join(map(str, s)))
+def test_the_blockwise_gemm_on_the_cute_kernel_is_within_the_fp32_bound(shape, out_dtype, with_bias, gen):
+    """`mx_gemm: blockwise`'s GEMM on the per-column block-scaled kernel (MXFLUX_CUTE_BLOCKWISE=on's), on the
+    one-pass packers' operands (1x128 scales on both): every element written and within the fp32 summation bound
+    of the reference; how often it equals cuBLAS's 1x128 GEMM is printed (its promotion order is cuBLAS's own)."""
+    m, n, k = shape
+    a, b, bias = operands(m, n, k, G.BLOCKWISE, gen)
+    bias = bias if with_bias else None
+    junk = torch.full((m * n * 2,), float("nan"), device="cuda")  # an unwritten element would show as NaN
+    del junk
+    got = gemm_cute.cute_scaled_gemm(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, out_dtype, "fp32-bscol")
+    want = scaled_gemm_reference(a.row_data, a.row_scale, b.row_data, b.row_scale, bias, out_dtype)
+    assert got.shape == (m, n) and got.dtype == out_dtype and not got.isnan().any()
+    av, bv = dequantize_operand(a.row_data, a.row_scale), dequantize_operand(b.row_data, b.row_scale)
+    assert outside_bound(got, want, summation_bound(av, bv)) == 0
+    cublas = scaled_gemm_cuda(a.row_data, a.row_scale, b.row_data, b.row_scale, G.BLOCKWISE, bias, out_dtype)
+    print(f"{shape} {out_dtype}: equal to cuBLAS's 1x128 GEMM {float((got == cublas).float().mean()):.5f}, to the "
+          f"reference {float((got == want).float().mean()):.5f} (cuBLAS {float((cublas == want).float().mean()):.5f})")
+
+
+@gpu
+@needs_cuda
+@needs_triton
 @pytest.mark.skipif(not (gemm_cute.available() and gemm_quack.installed()),
                     reason="needs quack-kernels, CuTe DSL and a Hopper GPU")
 @pytest.mark.parametrize("config", list(gemm_quack.CONFIGS))

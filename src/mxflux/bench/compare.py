@@ -98,6 +98,10 @@ SETTINGS["mxfp6-rows-kept"] = (*SETTINGS["mxfp6"], "precision.release_weight_row
 # the step keeping the weights' row operands alone, Wᵀ packed in each backward from the weight
 # (precision.kept_weight_cols: false; the same bits): 1 byte per MX weight element less at the peak
 SETTINGS["mxfp6-cols-packed"] = (*SETTINGS["mxfp6"], "precision.kept_weight_cols=false")
+# the 1x128 fold (`mx_gemm: blockwise`: one-pass packers, the weights packed in each forward) on cuBLAS's 1x128 GEMM,
+# and on the CuTe kernel with its block scales at the promotion (MXFLUX_CUTE_BLOCKWISE=on; opt-in, a trial)
+SETTINGS["mxfp6-blockwise"] = ('precision={fp6: e2m3, mx_gemm: blockwise, hadamard: true, fused_mlp: "off"}',)
+SETTINGS["mxfp6-blockwise-cute"] = SETTINGS["mxfp6-blockwise"]
 # Each precision with every compiled block replayed as CUDA graphs of its own (torch.compile's
 # cudagraph trees, `model.compile_mode: reduce-overhead`): the host's per-op cost without capturing
 # the whole step, so with gradient accumulation too.
@@ -158,7 +162,8 @@ SETTING_ENV = {"mxfp6-inline-pack": {"MXFLUX_INLINE_PACK": "1"},
                "mxfp6-cute-parts3": {"MXFLUX_CUTE_ACCUMULATE": "fp32p3"},
                "mxfp6-cute-parts4": {"MXFLUX_CUTE_ACCUMULATE": "fp32p4"},
                "mxfp6-quack-pingpong": {"MXFLUX_CUTE_KERNEL": "quack-pingpong"},
-               "mxfp6-quack-cooperative": {"MXFLUX_CUTE_KERNEL": "quack-cooperative"}}
+               "mxfp6-quack-cooperative": {"MXFLUX_CUTE_KERNEL": "quack-cooperative"},
+               "mxfp6-blockwise-cute": {"MXFLUX_CUTE_BLOCKWISE": "on"}}
 DEFAULT_SETTINGS = ("bf16", "fp8-tensorwise", "fp8-rowwise", "mxfp6")
 
 # The throughput proxy of flux-12b (`--proxy`): its width (3072) and attention heads, 2 double + 4

@@ -147,6 +147,11 @@ def _rowwise(a_data, a_scale, b_data, b_scale, bias, out_dtype):
 
 
 def _blockwise(a_data, a_scale, b_data, b_scale, bias, out_dtype):
+    if gemm_cute.takes_blockwise(a_data, b_data, bias is not None, out_dtype):  # MXFLUX_CUTE_BLOCKWISE=on
+        try:
+            return gemm_cute.cute_scaled_gemm(a_data, a_scale, b_data, b_scale, bias, out_dtype, "fp32-bscol")
+        except gemm_cute.CuteGemmUnusable:
+            pass  # warned once; cuBLAS from now on
     caps = _caps(a_data)
     if not caps["blockwise"]:
         raise RuntimeError("scaled_gemm_cuda: cuBLAS 1x128 block scaling is unavailable "

@@ -96,6 +96,10 @@ ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fp32", ("fp32", *PROMOTION_PART
 # (`RowScaledFP8Gemm`'s block_scale_columns; not a step's choice: its scales are per k-tile, a_scale [M, K/128] and
 # b_scale [N/64, K/128] or [N, K/128], which no packer writes yet)
 BLOCK_SCALES = {"fp32-bs64": 64, "fp32-bscol": 1}
+# `mx_gemm: blockwise`'s GEMM (1x128 scales on both operands, which its one-pass packers write) on the CuTe kernel
+# with block scales per column (`fp32-bscol`) in place of cuBLAS's 1x128 kernel: opt-in (`on`) until its GPU run
+# (benchmarks/NOTES.md, "A lead"; tests/gpu/test_gemm_cuda.py checks its bound and bits)
+BLOCKWISE = choice("MXFLUX_CUTE_BLOCKWISE", "off", ("off", "on"))
 CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1)), "fp32k2": ((128, 192), (2, 1)),
            **{name: ((128, 192), (2, 1)) for name in (*PROMOTION_PARTS, *BLOCK_SCALES)}}
 CONFIG = CONFIGS[ACCUMULATION]
@@ -176,16 +180,25 @@ def _give_up(e: Exception) -> CuteGemmUnusable:
     return CuteGemmUnusable(_UNUSABLE)
 
 
-def takes(a_data: torch.Tensor, b_data: torch.Tensor, has_bias: bool, out_dtype: torch.dtype) -> bool:
+def takes(a_data: torch.Tensor, b_data: torch.Tensor, has_bias: bool, out_dtype: torch.dtype,
+          config=None) -> bool:
     """Whether this row-granularity GEMM runs here: `CUTE_GEMM` names its kind and it has the tokens
     `CUTE_GEMM` asks for, the kernel builds and loads here, and M and N are whole clusters of tiles (the
-    epilogue reads each row's and column's scale unguarded; K needs 16 bytes, as cuBLAS's FP8 GEMMs)."""
+    epilogue reads each row's and column's scale unguarded; K needs 16 bytes, as cuBLAS's FP8 GEMMs).
+    `config`: the tile and cluster asked about (`CONFIG`, the accumulation's, by default)."""
     if (kind(has_bias, out_dtype) not in CUTE_GEMM.kinds or gemm_tokens(a_data, out_dtype) < CUTE_GEMM.min_tokens
             or not a_data.is_cuda or not available() or _UNUSABLE is not None):
         return False
-    (tile_m, tile_n), (cluster_m, cluster_n) = CONFIG  # a cluster's CTAs all run: whole clusters
+    (tile_m, tile_n), (cluster_m, cluster_n) = CONFIG if config is None else config  # whole clusters
     return (a_data.shape[0] % (tile_m * cluster_m) == 0 and b_data.shape[0] % (tile_n * cluster_n) == 0
             and a_data.shape[1] % 16 == 0)
+
+
+def takes_blockwise(a_data: torch.Tensor, b_data: torch.Tensor, has_bias: bool, out_dtype: torch.dtype) -> bool:
+    """Whether this 1x128 block-scaled GEMM (`mx_gemm: blockwise`) runs here on the kernel with block scales per
+    column: `BLOCKWISE` on, and what `takes` asks of a row-granularity GEMM, on that kernel's tiles (K comes in
+    whole 128-wide groups, as the granularity has it)."""
+    return BLOCKWISE == "on" and takes(a_data, b_data, has_bias, out_dtype, CONFIGS["fp32-bscol"])
 
 
 def _tensor(t: torch.Tensor, dtype, leading_dim: int, tvm_ffi: bool = False):
@@ -296,7 +309,7 @@ def cute_scaled_gemm(a_data, a_scale, b_data, b_scale, bias, out_dtype, accumula
     CuteGemmUnusable where the kernel cannot be built, or a kernel built by this call fails its first launch
     (which loads it: where a driver or toolkit mismatch shows)."""
     out = torch.empty(a_data.shape[0], b_data.shape[0], dtype=out_dtype, device=a_data.device)
-    quack = KERNEL != "rowwise"
+    quack = KERNEL != "rowwise" and accumulation not in BLOCK_SCALES  # (quack's epilogue takes row scales)
     signature = (a_data.shape, b_data.shape, bias is not None, out_dtype)
     built = len(_COMPILED)
     try:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..kernels.gemm import DEFER_BIAS_MAX_N
 from ..kernels.gemm_cute import ACCUMULATION as CUTE_ACCUMULATION
+from ..kernels.gemm_cute import BLOCKWISE as CUTE_BLOCKWISE
 from ..kernels.gemm_cute import CUTE_GEMM
 from ..kernels.gemm_cute import KERNEL as CUTE_KERNEL
 from ..kernels.gemm_cute import PROMOTION_PARTS as CUTE_PROMOTION_PARTS
@@ -102,6 +103,10 @@ def step_path(trainer) -> dict:
                   f"(MXFLUX_CUTE_KERNEL={CUTE_KERNEL})")
         gemm += (f"; those {which} with M and N in whole tile clusters, before either, on {kernel}, {summed}, "
                  f"{call} (MXFLUX_CUTE_GEMM={switch}{where})")
+    if mx and kernels and cfg.precision.mx_gemm == "blockwise":
+        gemm += ("; on the CuTe-DSL GEMM with block scales at the promotion (MXFLUX_CUTE_BLOCKWISE=on"
+                 f"{'' if cute_available() else ', not available here'})" if CUTE_BLOCKWISE == "on" else
+                 "; on cuBLAS's 1x128 block-scaled GEMM (MXFLUX_CUTE_BLOCKWISE=off)")
     state = getattr(trainer.optimizer, "weight_state", None)
     if not mx:
         weights = f"none ({cfg.precision.name})"
