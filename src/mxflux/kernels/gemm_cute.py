@@ -86,15 +86,15 @@ CUTE_GEMM = cute_gemm_choice(os.environ.get("MXFLUX_CUTE_GEMM", "auto"))
 # How the kernel sums K: `fp32`, each k-tile's partial sums added into fp32 registers (the GEMM contract's:
 # cuBLAS's bits on an H100), `fp32h`, `fp32p3`, `fp32p4` the same sums with each k-tile's WGMMAs in 2, 3 or 4
 # groups, one per part of the tile's N, a part's adds under the later parts' WGMMAs (`promotion_parts`: A/Bs; on an
-# H100 the same bits, no faster in the step), or `fast`, every WGMMA into one accumulator (the tensor cores' FP8 accumulation, outside the
-# contract). Its tile (M, N) and cluster (M, N): the tensor-wise kernels' class; N 192 where the second accumulator
-# needs the registers.
+# H100 the same bits, no faster in the step), or `fast`, every WGMMA into one accumulator (the tensor cores' FP8
+# accumulation, outside the contract). Its tile (M, N) and cluster (M, N): the tensor-wise kernels' class; N 192
+# where the second accumulator needs the registers.
 # the parts of N each k-tile's promotion is split into (`RowScaledFP8Gemm`'s promotion_parts)
 PROMOTION_PARTS = {"fp32h": 2, "fp32p3": 3, "fp32p4": 4}
 ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fp32", ("fp32", *PROMOTION_PARTS, "fast"))
-# The probe's trial of block scales at the promotion, by the output columns one B scale covers
-# (`RowScaledFP8Gemm`'s block_scale_columns; not a step's choice: its scales are per k-tile, a_scale [M, K/128] and
-# b_scale [N/64, K/128] or [N, K/128], which no packer writes yet)
+# Block scales at the promotion, by the output columns one B scale covers (`RowScaledFP8Gemm`'s block_scale_columns):
+# scales per k-tile, a_scale [M, K/128] and b_scale [N/64, K/128] (no packer writes those yet: the probe's trial) or
+# [N, K/128] (the 1x128 packers' of `mx_gemm: blockwise`, see BLOCKWISE); not an MXFLUX_CUTE_ACCUMULATE choice
 BLOCK_SCALES = {"fp32-bs64": 64, "fp32-bscol": 1}
 # `mx_gemm: blockwise`'s GEMM (1x128 scales on both operands, which its one-pass packers write) on the CuTe kernel
 # with block scales per column (`fp32-bscol`) in place of cuBLAS's 1x128 kernel: opt-in (`on`) until its GPU run

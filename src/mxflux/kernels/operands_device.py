@@ -324,6 +324,14 @@ def tile_exponent_maxima(t, row0, R, row_eref_ptr, HADAMARD: tl.constexpr, BR: t
     return tl.max(tl.where(live, e + 128, 0), axis=0)
 
 @triton.jit
+def _max_into(e, live, idx, n, new_ptr):
+    """Pass 1 of one orientation from its block exponents e [A, G] (groups along axis 0, group g being x's row or
+    column idx[g] of n): each group's largest live block exponent, as e + 128 (0: none live), atomically maxed
+    into new_ptr."""
+    m = tl.max(tl.where(live, e + 128, 0), axis=0)
+    tl.atomic_max(new_ptr + idx, m, mask=(idx < n) & (m > 0), sem="relaxed")
+
+@triton.jit
 def _against_held(e, live, idx, n, held_ptr, new_ptr, NEW: tl.constexpr, HEADROOM: tl.constexpr):
     """One orientation of `tile_operands`: blocks [A, G] whose groups run along axis 0 (group g
     is x's row or column idx[g] of n). Returns the e_ref to encode against ([1, G]: the stored
@@ -331,8 +339,7 @@ def _against_held(e, live, idx, n, held_ptr, new_ptr, NEW: tl.constexpr, HEADROO
     not hold and the blocks outside the window; with NEW, each group's own maximum is atomically
     maxed into new_ptr first."""
     if NEW:
-        m = tl.max(tl.where(live, e + 128, 0), axis=0)
-        tl.atomic_max(new_ptr + idx, m, mask=(idx < n) & (m > 0), sem="relaxed")
+        _max_into(e, live, idx, n, new_ptr)
     v = tl.load(held_ptr + idx, mask=idx < n, other=0)[None, :]
     e_ref = tl.where(v > 0, v - 128 + HEADROOM, 0)
     d = e - e_ref
@@ -396,8 +403,7 @@ def tile_operands(t, row0, col0, R, C, Rp, row_eref_ptr, col_eref_ptr, row_new_p
         outside += col_outside
     elif NEW:  # the column maxima alone (pass 1 of that orientation)
         e, bad, live = _block_info(_amax_only(xc, HADAMARD))
-        m = tl.max(tl.where(live, e + 128, 0), axis=0)
-        tl.atomic_max(col_new_ptr + cols, m, mask=(cols < C) & (m > 0), sem="relaxed")
+        _max_into(e, live, cols, C, col_new_ptr)
     return unheld, outside
 
 # R and the loop bounds vary per call: no value specialisation, one compiled kernel per variant
