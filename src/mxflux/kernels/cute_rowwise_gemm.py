@@ -191,7 +191,8 @@ class RowScaledFP8Gemm:
                              f"of 8 x {parts}, got {tile_shape_mn}, promotion_k_tiles={promotion_k_tiles}")
         self.promotion_parts = promotion_parts
         # block_scale_columns (a one-pass fold's GEMM: the probe's trial, and `mx_gemm: blockwise` with
-        # MXFLUX_CUTE_BLOCKWISE=on; benchmarks/NOTES.md "A lead"): the scales are
+        # MXFLUX_CUTE_BLOCKWISE=on; slower than the row-scaled kernel, benchmarks/NOTES.md "Block scales at the
+        # promotion, measured"): the scales are
         # per k-tile of K 128, a_scale [M, K/128] per row, b_scale [N / columns, K/128] per group of that many output
         # columns (1: per column), and enter at the promotion, `acc + partial * s` (one FFMA, as the add), not in
         # the epilogue. The per-register choice of s is made when compiling (`accumulator_offsets`, which holds

@@ -97,8 +97,9 @@ ACCUMULATION = choice("MXFLUX_CUTE_ACCUMULATE", "fp32", ("fp32", *PROMOTION_PART
 # [N, K/128] (the 1x128 packers' of `mx_gemm: blockwise`, see BLOCKWISE); not an MXFLUX_CUTE_ACCUMULATE choice
 BLOCK_SCALES = {"fp32-bs64": 64, "fp32-bscol": 1}
 # `mx_gemm: blockwise`'s GEMM (1x128 scales on both operands, which its one-pass packers write) on the CuTe kernel
-# with block scales per column (`fp32-bscol`) in place of cuBLAS's 1x128 kernel: opt-in (`on`) until its GPU run
-# (benchmarks/NOTES.md, "A lead"; tests/gpu/test_gemm_cuda.py checks its bound and bits)
+# with block scales per column (`fp32-bscol`) in place of cuBLAS's 1x128 kernel: a trial, opt-in (`on`); on an H100
+# 5-7x slower than the row-scaled kernel, the step 3.6x slower (benchmarks/NOTES.md, "Block scales at the promotion,
+# measured"; tests/gpu/test_gemm_cuda.py checks its bound and bits)
 BLOCKWISE = choice("MXFLUX_CUTE_BLOCKWISE", "off", ("off", "on"))
 CONFIGS = {"fast": ((128, 256), (2, 1)), "fp32": ((128, 192), (2, 1)), "fp32k2": ((128, 192), (2, 1)),
            **{name: ((128, 192), (2, 1)) for name in (*PROMOTION_PARTS, *BLOCK_SCALES)}}
