@@ -717,3 +717,47 @@ def test_block_scaled_probe_checks_hold_for_the_kernels_arithmetic_and_catch_wro
     monkeypatch.setattr(gemm_cute, "prepared_gemm", _promoted_gemm(wrong_scales=True))
     checks, _ = probe.block_scaled(config, a, b, bias, torch.bfloat16, gen, checked_rows=64)
     assert checks["bit_equal_to_row_scaled"] and not checks["within_bound"]
+
+
+def test_probe_eref_drift_counts_fix_ups_by_value_and_the_window_against_the_prediction():
+    """benchmarks/probe_eref_drift.py: a column needs a fix-up where a block's largest element, encoded
+    against the predicted e_ref, would pass E4M3's 448 (7.5 one binade above the prediction does, 7.0 does
+    not), or where it has no previous e_ref; a block exactly `window` binades below the prediction stays
+    inside, one more falls outside, and a fixed-up column is counted against its own e_ref."""
+    import torch
+
+    probe = _benchmark_module("probe_eref_drift")
+    none = -(2**20)
+    e_block = torch.tensor([[5, 3], [5, 2], [5, 2], [7, 1], [10, -1], [0, 0], [5, -7]], dtype=torch.int32)
+    live = torch.tensor([[True, True]] * 5 + [[False, False], [True, True]])
+    qmax = torch.tensor([[7.5, 1.0], [7.5, 1.0], [7.0, 1.0], [2.0, 1.0], [4.0, 1.0], [0.0, 0.0], [7.5, 1.0]])
+    e_prev = torch.tensor([5, 4, 4, none, 10, 3, 4], dtype=torch.int32)
+    at = dict(shift=5, window=11)
+    c0 = probe.drift_counts(e_block, live, qmax, e_prev, 0, **at)
+    # fixed up: rows 1 and 6 (7.5 one binade above), 3 (no past); the last's -7 block 12 binades below its own 5
+    assert c0 == {"columns": 6, "columns_to_fix_up": 3, "columns_above_prediction": 3, "blocks": 12,
+                  "blocks_outside_window_exact": 1, "blocks_outside_window_predicted": 1}
+    c1 = probe.drift_counts(e_block, live, qmax, e_prev, 1, **at)
+    assert (c1["columns_to_fix_up"], c1["columns_above_prediction"]) == (1, 0)  # only the column without a past
+    assert c1["blocks_outside_window_predicted"] == 2  # 10 + 1 - (-1) = 12 binades below, and the last row's
+    assert c1["blocks_outside_window_exact"] == 1
+
+
+def test_probe_eref_drift_exact_count_is_the_reference_packers():
+    """The probe's exact-fold count of blocks outside the window on the col orientation equals what the
+    reference packer counts for that orientation (columns with blocks far below their largest)."""
+    import torch
+
+    from mxflux.mx.operands import mx_operands_reference, rowwise_erefs_reference
+
+    probe = _benchmark_module("probe_eref_drift")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 96, generator=g)
+    x[:32, ::3] *= 2.0**14  # the first block of every third column far above the column's others
+    e_block, live, qmax, f = probe.column_blocks(x)
+    no_past = torch.full((96,), -(2**20), dtype=torch.int32)
+    counts = probe.drift_counts(e_block, live, qmax, no_past, 0, f.fold_shift, f.fold_window)
+    reference = int(mx_operands_reference(x, row=False, col=True).blocks_outside_window)
+    assert counts["blocks_outside_window_exact"] == reference > 0
+    assert counts["columns_to_fix_up"] == counts["columns"] == 96
+    assert torch.equal(probe.column_erefs(e_block, live) + 128, rowwise_erefs_reference(x)[1])
