@@ -19,8 +19,8 @@ and for each margin m it counts, against the prediction P = (last step's e_ref o
 
 Within the window a power-of-two change of a group's scale moves no value (docs/design.md, "The exact FP8
 fold and its window"), so where no column needs a fix-up and no block leaves the window such an encoding
-gives the fold's operands up to a power of two per column. Writes one JSON (per tensor kind and margin, the
-sums over linears and steps; per step too) with provenance.
+gives the fold's operands up to a power of two per column. Writes one JSON with provenance: per tensor kind and
+margin the sums over linears and steps (all, and from --late-from on), and per step the sums over linears.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ class Recorder:
 
         self.margins, self.step = margins, step  # step(): the training step being run
         self.prev: dict[tuple[str, str], torch.Tensor] = {}
-        self.totals: dict[tuple[str, int], dict] = defaultdict(lambda: defaultdict(int))
-        self.per_step: list[dict] = []
+        # counts summed over the linears, by (step, tensor, margin)
+        self.counts: dict[tuple[int, str, int], dict] = defaultdict(lambda: defaultdict(int))
         self.linears = [(name, m) for name, m in model.named_modules() if isinstance(m, MXFP6Linear)]
         for name, m in self.linears:
             m.register_forward_hook(self._forward_hook(name))
@@ -114,13 +114,21 @@ class Recorder:
             for m in self.margins:
                 c = drift_counts(e_block, live, qmax, self.prev[key], m, f.fold_shift, f.fold_window)
                 for k, v in c.items():
-                    self.totals[(kind, m)][k] += v
-                self.per_step.append({"step": self.step(), "linear": name, "tensor": kind, "margin": m, **c})
+                    self.counts[(self.step(), kind, m)][k] += v
         self.prev[key] = column_erefs(e_block, live)
 
-    def summary(self) -> list[dict]:
+    def per_step(self) -> list[dict]:
+        return [{"step": step, "tensor": kind, "margin": m, **c} for (step, kind, m), c in sorted(self.counts.items())]
+
+    def summary(self, from_step: int = 0) -> list[dict]:
+        """Per tensor and margin, the counts summed over the linears and the steps >= from_step, with fractions."""
+        totals: dict[tuple[str, int], dict] = defaultdict(lambda: defaultdict(int))
+        for (step, kind, m), c in self.counts.items():
+            if step >= from_step:
+                for k, v in c.items():
+                    totals[(kind, m)][k] += v
         rows = []
-        for (kind, m), c in sorted(self.totals.items()):
+        for (kind, m), c in sorted(totals.items()):
             rows.append({"tensor": kind, "margin": m, **c,
                          "fraction_of_columns_to_fix_up": c["columns_to_fix_up"] / max(c["columns"], 1),
                          "outside_window_exact_fraction": c["blocks_outside_window_exact"] / max(c["blocks"], 1),
@@ -135,6 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=300, help="training steps (the first only sets the e_refs)")
     ap.add_argument("--margins", default="0,1,2", help="binades added to the previous step's e_ref")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe overrides")
+    ap.add_argument("--late-from", type=int, default=200, help="the summary of steps from this one on, too")
     ap.add_argument("--device", default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -161,16 +170,21 @@ def main(argv=None) -> int:
             return 2
         trainer.fit(progress=False, max_steps=args.steps)
 
-    rows = recorder.summary()
-    for r in rows:
-        print(f"{r['tensor']:3s} margin {r['margin']}: columns to fix up {r['fraction_of_columns_to_fix_up']:.4f} "
-              f"({r['columns_to_fix_up']} of {r['columns']}); blocks outside the window "
-              f"{r['outside_window_predicted_fraction']:.2e} predicted, {r['outside_window_exact_fraction']:.2e} exact")
+    rows, late = recorder.summary(), recorder.summary(args.late_from)
+    for title, table in (("all steps", rows), (f"steps >= {args.late_from}", late)):
+        print(title)
+        for r in table:
+            print(f"  {r['tensor']:3s} margin {r['margin']}: columns to fix up "
+                  f"{r['fraction_of_columns_to_fix_up']:.4f} ({r['columns_to_fix_up']} of {r['columns']}); "
+                  f"blocks outside the window "
+                  f"{r['outside_window_predicted_fraction']:.2e} predicted, "
+                  f"{r['outside_window_exact_fraction']:.2e} exact")
     if args.json:
         args.json.write_text(json.dumps({
             "provenance": provenance(), "date": datetime.date.today().isoformat(), "recipe": args.recipe,
             "overrides": args.set, "steps": args.steps, "linears": [n for n, _ in recorder.linears],
-            "summary": rows, "per_step": recorder.per_step}, indent=1))
+            "summary": rows, "late_from": args.late_from, "summary_late": late,
+            "per_step": recorder.per_step()}))
     return 0
 
 
