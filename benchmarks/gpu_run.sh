@@ -12,6 +12,7 @@
 # layers       benchmarks/bench_layers.py: MXFP6Linear / FusedMXFP6MLP / peer vs bf16
 # layerprofile per-kernel times of single linears (LAYER_PROFILE="proj 16384 proj 32768")
 # convergence  benchmarks/convergence.py: bf16 vs MXFP6, same seed, width 768
+# erefdrift    benchmarks/probe_eref_drift.py: the columns' e_ref drift step to step at width 768, batch 64 (the demo data)
 # bench16      `mxflux bench step --proxy` at micro-batch 16: bf16, fp8-tensorwise, fp8-rowwise, mxfp6,
 #              each in its own process, with the bare loop and one profiled step (BENCH_SETTINGS,
 #              BENCH_ARGS to change; the memory settings: BENCH_SETTINGS=mxfp6,mxfp6-repack,mxfp6-repack-sac,
@@ -119,6 +120,11 @@ for stage in "$@"; do
       python3 benchmarks/bench_layers.py --json "$OUT/bench_layers.json" ${LAYERS_ARGS:-} 2>&1 | grep -v "^W11" | tail -40 ;;
     convergence)
       python3 benchmarks/convergence.py --out "$OUT" ${CONVERGENCE_ARGS:-} 2>&1 | grep -v "^W11" | tail -8 ;;
+    erefdrift)  # benchmarks/probe_eref_drift.py at the width-768 convergence model (EREFDRIFT_STEPS, default 1000)
+      timeout ${EREFDRIFT_TIMEOUT:-540} python3 benchmarks/probe_eref_drift.py --steps ${EREFDRIFT_STEPS:-1000} \
+        --set "model.overrides={hidden_size: 768, num_heads: 12, depth: 2, depth_single_blocks: 4}" \
+        --set batch.global_batch_size=64 --set batch.micro_batch_size=64 --json "$OUT/eref_drift_width768.json" \
+        2>&1 | grep -v "^W11" | tail -16 ;;
     bench16|bench32|bench64)
       # Budget: a setting compiles the proxy in ~1-2 min (the bare loop reuses the trainer's
       # compiled code), so 4 settings fit the 10-minute call only with the per-setting timeout.

@@ -160,8 +160,9 @@ def main(argv=None) -> int:
     from mxflux.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as out_dir:
+        # eager and uncaptured: the hooks are Python, which a compiled or replayed step would not run
         overrides = [f"train.out_dir={out_dir}", "train.checkpoint_every=null", "train.sample_prompts=[]",
-                     f"train.eval_every_samples={10**12}", "model.compile=false", *args.set]
+                     f"train.eval_every_samples={10**12}", "model.compile=false", "train.cuda_graph=false", *args.set]
         cfg = load_recipe(args.recipe, overrides)
         trainer = Trainer(cfg, device=args.device)
         recorder = Recorder(trainer.model, margins, step=lambda: trainer.step)
