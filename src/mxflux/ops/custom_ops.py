@@ -69,7 +69,8 @@ INLINE_GEMM = os.environ.get("MXFLUX_INLINE_GEMM", "1") != "0"
 # bits either way). Off by default: with it the 6+12-block model did not finish compiling in the time
 # the opaque op compiled and ran it, inductor converting the packer kernel to TTIR at every call site
 # (benchmarks/NOTES.md); that analysis is now done once per kernel variant
-# (`kernels.inductor_analysis`), which has not yet run on a GPU.
+# (`kernels.inductor_analysis`: its traced GPU tests pass, tests/gpu/test_operands_inline.py), but what that
+# does to the deep model's compile time is not measured.
 INLINE_PACK = os.environ.get("MXFLUX_INLINE_PACK", "0") == "1"
 
 _EMPTY_DTYPE = torch.float32
