@@ -46,14 +46,22 @@ class Interrupted(BaseException):
 
 
 def unsafe_to_raise(frame) -> bool:
-    """Whether an exception raised by a signal handler in `frame` could unwind through C++ that cannot
-    pass it on (pybind11 then aborts the process: "terminate called after throwing an instance of
-    'pybind11::error_already_set'", seen once in CI for a SIGINT 0.3 s into `mxflux train`, raised
-    with a module's top level as the innermost Python frame): no function of the program running,
-    only a module's top level, where the interpreter is inside C code such as an extension that
-    torch or numba is loading. (Holding the signal back for every import would hold it through most
-    of the start-up, whose imports are lazy, into the training steps.)"""
-    return frame is None or frame.f_code.co_name == "<module>"
+    """Whether an exception raised by a signal handler in `frame` would be lost or abort the process:
+
+    - no function of the program running, only a module's top level, where the interpreter is inside C
+      code such as an extension that torch or numba is loading: the exception could unwind through C++
+      that cannot pass it on (pybind11 aborts the process: "terminate called after throwing an instance
+      of 'pybind11::error_already_set'", seen once in CI for a SIGINT 0.3 s into `mxflux train`);
+    - the import machinery's own code or a `__del__`: Python runs its module-lock weakref callbacks and
+      finalizers with exceptions ignored, so the stop would be printed as "Exception ignored in" and
+      the command run on (seen in CI for a SIGINT 0.15 s and a SIGTERM 0.6 s into `mxflux train`).
+
+    (Holding the signal back for every import would hold it through most of the start-up, whose imports
+    are lazy, into the training steps: a module's own functions are safe.)"""
+    if frame is None:
+        return True
+    code = frame.f_code
+    return code.co_name in ("<module>", "__del__") or code.co_filename.startswith("<frozen importlib")
 
 
 _DEFERRED_S: dict[int, float] = {}
