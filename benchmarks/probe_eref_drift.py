@@ -41,8 +41,8 @@ E4M3_MAX = 448.0
 def column_blocks(t: torch.Tensor, fmt: str = "e2m3", hadamard: bool = True):
     """The col orientation of a 2-D [tokens, features] tensor as the packers quantize it (tokens padded with
     zeros to a multiple of 32, blocks of 32 tokens per feature): per block its exponent (int32 [C, blocks]),
-    whether it is live (a non-zero code, not NaN) and its largest |q| (the E2M3 value, fp32)."""
-    from mxflux.mx.constants import E8M0_BIAS, E8M0_NAN
+    whether it is live (the fold's rule: a non-zero code, not NaN) and its largest |q| (the E2M3 value, fp32)."""
+    from mxflux.mx.fold import _live_blocks
     from mxflux.mx.formats import code_table
     from mxflux.mx.operands import padded_rows
     from mxflux.mx.quantize import quantize
@@ -51,23 +51,27 @@ def column_blocks(t: torch.Tensor, fmt: str = "e2m3", hadamard: bool = True):
     mx = quantize(vt, fmt, axis=1, hadamard=hadamard)
     f = mx.format
     codes = mx.codes.reshape(vt.shape[0], -1, mx.block)
-    scales = mx.scales.to(torch.int32)
-    live = ((codes & (f.sign_mask - 1)).amax(dim=-1) > 0) & (scales != E8M0_NAN)
+    e_block, live, _ = _live_blocks(codes, mx.scales.to(torch.int32), f)
     qmax = code_table(f, codes.device)[codes.long()].abs().amax(dim=-1)
-    return scales - E8M0_BIAS, live, qmax, f
+    return e_block, live, qmax, f
 
 
 def column_erefs(e_block: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """Each column's e_ref (its largest live block exponent); None-like -2^20 where it has no live block."""
-    return torch.where(live, e_block, torch.full_like(e_block, -(2**20))).amax(dim=-1)
+    """Each column's e_ref (its largest live block exponent, as the fold finds it); -2^20 where it has no live
+    block."""
+    from mxflux.mx.fold import _group_maxima
+
+    return _group_maxima(e_block, live, e_block.shape[-1])[..., 0]
 
 
 def drift_counts(e_block, live, qmax, e_prev, margin: int, shift: int, window: int) -> dict:
     """Against the prediction P = e_prev + margin per column (e_prev -2^20: no previous e_ref): the columns a
     fix-up must re-encode and the live blocks outside the window, beside the exact fold's count."""
+    from mxflux.mx.fold import _NO_BLOCK
+
     e_now = column_erefs(e_block, live)
-    has_live = e_now > -(2**20)
-    known = e_prev > -(2**20)
+    has_live = e_now > _NO_BLOCK
+    known = e_prev > _NO_BLOCK
     pred = torch.where(known, e_prev + margin, e_now)
     d = e_block - pred.unsqueeze(-1)
     over = live & (qmax * torch.exp2((d + shift).clamp(max=40).float()) > E4M3_MAX)
