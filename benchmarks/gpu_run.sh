@@ -9,6 +9,8 @@
 #              $OUT/gpu_tests1.log, gpu_tests2.log, gpu_tests3.log.
 #              GPU_TESTS is split at spaces; GPU_TESTS_K="a or b" is passed whole as pytest's -k
 # kernels      benchmarks/bench_kernels.py: every packer and GEMM at the Flux-12B shapes
+# onepass      benchmarks/bench_onepass.py: the one-pass row packer against the two-pass one at every Flux
+#              activation and gradient width, M = 16384 and 32768, bits checked ($OUT/bench_onepass.json; ONEPASS_ARGS)
 # layers       benchmarks/bench_layers.py: MXFP6Linear / FusedMXFP6MLP / peer vs bf16
 # layerprofile per-kernel times of single linears (LAYER_PROFILE="proj 16384 proj 32768")
 # convergence  benchmarks/convergence.py: bf16 vs MXFP6, same seed, width 768
@@ -112,6 +114,9 @@ for stage in "$@"; do
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$log" | tail -40 ;;
     kernels)
       timeout ${KERNELS_TIMEOUT:-400} python3 benchmarks/bench_kernels.py --out "$OUT" 2>&1 | grep -v "^W11" | tail -120 ;;
+    onepass)
+      timeout ${ONEPASS_TIMEOUT:-300} python3 benchmarks/bench_onepass.py --out "$OUT" ${ONEPASS_ARGS:-} 2>&1 |
+        grep -v "^W11" | tail -24 ;;
     layerprofile)  # per-kernel time of single linears' fwd+bwd (LAYER_PROFILE="proj 16384 qkv 32768 ...")
       set -- ${LAYER_PROFILE:-proj 16384 proj 32768}; a=()
       while [ $# -ge 2 ]; do a+=(--profile "$1" "$2"); shift 2; done

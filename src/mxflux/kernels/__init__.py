@@ -14,6 +14,7 @@ from .gemm import GEMM_SHAPE_RULES, scaled_gemm_cuda, scaled_gemm_cuda_traceable
 from .gemm_cpu import dequantize_operand_cpu, scaled_gemm_cpu
 from .operands_cpu import HAS_NUMBA, cpu_kernel_available, mx_operands_cpu
 from .operands_cuda import cuda_kernel_available, mx_operands_cuda, mx_operands_cuda_counted, prologue_cuda
+from .operands_onepass import mx_operands_onepass_cuda
 from .triton_common import HAS_TRITON
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "mx_operands_cpu",
     "mx_operands_cuda",
     "mx_operands_cuda_counted",
+    "mx_operands_onepass_cuda",
     "prologue_cuda",
     "scaled_gemm_cpu",
     "scaled_gemm_cuda",

@@ -31,7 +31,8 @@ def pow2_any(k: torch.Tensor) -> torch.Tensor:
 
 
 def fold_to_e4m3(
-    mx: MXTensor, granularity: FoldGranularity = FoldGranularity.ROWWISE
+    mx: MXTensor, granularity: FoldGranularity = FoldGranularity.ROWWISE, *,
+    held: torch.Tensor | None = None, headroom: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Encode `mx` as E4M3 data plus one fp32 scale per group along its axis.
 
@@ -40,6 +41,13 @@ def fold_to_e4m3(
     int64 tensor counting the non-zero blocks outside the exact window). `data.float() * scale`
     (each scale repeated over its group) equals `mx.dequantize(unrotate=False)` bit for bit in
     every block inside the window. NaN blocks stay NaN.
+
+    `held` (ROWWISE only: int32, one per line along the axis, e + 128 or 0 for none, as
+    `rowwise_erefs` writes them) places the window of a line at a predicted e_ref instead of the
+    line's own: held − 128 + `headroom` wherever that is at or above the line's largest live block
+    exponent (or the line has none); a line it does not hold (no prediction, or a block above it)
+    keeps its own. The values of every block inside the placed window are the same either way (a
+    power of two per line moves between data and scale); blocks below it are rounded and counted.
     """
     if not isinstance(mx, MXTensor):
         raise ValueError(f"mx: expected an MXTensor, got {type(mx).__name__}")
@@ -65,6 +73,8 @@ def fold_to_e4m3(
     blk_codes = codes.reshape(*lead, nb, block)
     e_block, live, is_nan = _live_blocks(blk_codes, scales, f)
     e_ref = _group_maxima(e_block, live, bpg)
+    if held is not None:
+        e_ref = _held_erefs(e_ref, held, headroom, granularity, lead)
     e_ref = torch.where(e_ref == _NO_BLOCK, torch.zeros_like(e_ref), e_ref)  # empty group: any scale
     d = e_block - e_ref.repeat_interleave(bpg, dim=-1)
 
@@ -77,6 +87,21 @@ def fold_to_e4m3(
     blocks_outside_window = (live & (d < -window)).sum()
 
     return data.movedim(-1, mx.axis), scale.movedim(-1, mx.axis), blocks_outside_window
+
+
+def _held_erefs(own: torch.Tensor, held: torch.Tensor, headroom: int, granularity: FoldGranularity,
+                lead: torch.Size) -> torch.Tensor:
+    """The e_ref of each line [..., 1]: the held prediction where it holds the line's own maximum
+    `own` (_NO_BLOCK for an empty line), else `own`."""
+    if granularity is not FoldGranularity.ROWWISE:
+        raise ValueError(f"held: a predicted e_ref is for the row granularity, got {granularity.value}")
+    if not isinstance(held, torch.Tensor) or held.dtype != torch.int32 or tuple(held.shape) != tuple(lead):
+        raise ValueError(f"held: expected int32 {tuple(lead)} (e_ref + 128 per line, 0 for none), got "
+                         f"{getattr(held, 'dtype', type(held).__name__)} {tuple(getattr(held, 'shape', ()))}")
+    h = held.to(own.device).unsqueeze(-1)
+    pred = h - 128 + int(headroom)
+    holds = (h > 0) & ((own == _NO_BLOCK) | (own <= pred))
+    return torch.where(holds, pred, own)
 
 
 def _live_blocks(blk_codes: torch.Tensor, scales: torch.Tensor, f) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

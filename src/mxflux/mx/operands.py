@@ -76,8 +76,15 @@ def mx_operands_reference(
     prologue: str = "none",
     aux: torch.Tensor | None = None,
     colsum: bool = False,
+    col_held: torch.Tensor | None = None,
+    col_headroom: int = 0,
 ) -> MXOperands:
-    """Pack a 2-D [R, C] tensor into the requested GEMM operands (see module docstring)."""
+    """Pack a 2-D [R, C] tensor into the requested GEMM operands (see module docstring).
+
+    `col_held` (ROWWISE only: int32 [C], e_ref + 128 per column or 0, as `rowwise_erefs_reference`
+    gives them) places each column's fold window at a predicted e_ref, raised by `col_headroom`
+    binades, wherever that holds the column (`fold_to_e4m3`'s `held`): what the one-pass packer
+    encodes against, the prediction being the last step's maxima."""
     if x.dim() != 2:
         raise ValueError(f"x: expected a 2-D [rows, cols] tensor, got shape {tuple(x.shape)}")
     v = apply_prologue(x, prologue, aux)
@@ -89,7 +96,8 @@ def mx_operands_reference(
     if col:
         r = v.shape[0]
         vt = F.pad(v, (0, 0, 0, padded_rows(r, granularity) - r)).t()  # [C, Rp]
-        col_data, col_scale, n = fold_to_e4m3(quantize(vt, fmt, axis=1, hadamard=hadamard), granularity)
+        col_data, col_scale, n = fold_to_e4m3(quantize(vt, fmt, axis=1, hadamard=hadamard), granularity,
+                                              held=col_held, headroom=col_headroom)
         outside = outside + n
     if colsum:
         sums = v.float().sum(dim=0)

@@ -1,0 +1,350 @@
+"""The one-pass row-granularity packer: both operands of a bf16 activation from one read of it
+(docs/design.md, "The one-pass packer"), bit-identical to `mx_operands_reference(...,
+col_held=, col_headroom=)`.
+
+The two-pass packer (`operands_cuda`) reads x twice because two reductions stand between the
+values and the first byte: a row's e_ref (its largest block exponent over all C) and a column's
+(over all R). Its kernels are bound by instruction issue, not by memory (benchmarks/NOTES.md), and
+pass 1 is half of pass 2's instructions again. Here:
+
+- **Rows.** A program owns a stripe of 32 rows and walks all of C in tiles of 32 x NB·32. Each
+  row block is encoded against its own exponent (d = 0: q·2^5, exact in E4M3 whatever the row's
+  e_ref), stored in place, and its exponent kept in a byte per block; the row maxima accumulate in
+  registers. After the walk the stripe's e_ref are known, and a second walk re-scales the stored
+  bytes by 2^(e_block − e_ref) (decode, one f16x2 multiply, encode: the fold's own last steps, so
+  the same bytes as encoding against e_ref at once). That walk reads what the program has just
+  written, mostly from L2, and issues a fraction of the instructions of a second rotation.
+- **Columns.** Every column block lies inside one stripe; only the column's e_ref is global. It
+  is taken from the caller's prediction `held` (the last step's maxima, raised by `headroom`
+  binades), and the pass records each column's true maximum (atomic max) as it goes. A column
+  the prediction does not hold (none given, or a block above it) is encoded again by the fix-up
+  kernel against its own maximum, which reads only the column strips that have such a column
+  (all return at once otherwise).
+
+The operands differ from the two-pass packer's only in the window of the held columns (placed at
+the prediction instead of the column's maximum): the same values inside it, blocks below it
+rounded and counted (`fold_to_e4m3`'s `held`). Everything that touches Triton is guarded as in
+`operands_cuda`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..mx.constants import MX_BLOCK
+from ..mx.fold import pow2_any
+from ..mx.formats import get_format
+from ..mx.operands import MXOperands, padded_rows
+from .operands_plan import check_input, counts_in_place
+from .triton_common import HAS_TRITON, PAIR_SHUFFLE_ASM, interpreting, lane_pair_shuffles_hold, launch_options, \
+    num_sms
+
+if MX_BLOCK != 32:
+    raise ImportError(f"operands_onepass: the kernels' register layout is written for MX_BLOCK = 32, got {MX_BLOCK}")
+
+__all__ = ["mx_operands_onepass_cuda", "onepass_constexprs"]
+
+_NB = 8  # row blocks per row of a tile: tiles of 32 x 256, one row block and one column block per thread
+_WARPS = 8
+_FIX_BR, _FIX_NB = 128, 2  # the fix-up kernel's tiles: the two-pass packer's (128 x 64)
+_SHIFT_E2M3 = get_format("e2m3").fold_shift
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .operands_device import (
+        _BLOCK,
+        _SHIFT,
+        _WINDOW,
+        _as_words,
+        _block_info,
+        _blocks_of_rows,
+        _encode_words,
+        _load_rows,
+        _rotate_amax,
+        _store_blocks,
+        _word_halves,
+        _word_stride,
+    )
+    from .triton_common import bf16_to_f32, e4m3_byte_to_f32, f16_pow2_bits, f32_to_e4m3, pow2_f32, unzip
+
+    _DEAD = tl.constexpr(-128)  # the exponent byte of a block without a non-zero code: no e_ref, no count
+
+    # Four stored E4M3 bytes ($1, one word) times F = 2^d as f16x2 ($2), back to E4M3: the fold's last
+    # steps (`_ENCODE4`) on bytes that hold q·2^5. Exact up to the one rounding of the final
+    # conversion: q·2^(d+5) has at most 4 significant bits, all above f16's smallest subnormal for
+    # d >= -20, and every d below that rounds to zero in E4M3 either way.
+    _RESCALE4 = tl.constexpr(
+        "{ .reg .b16 p0, p1; .reg .b32 h0, h1; mov.b32 {p0, p1}, $1;"
+        " cvt.rn.f16x2.e4m3x2 h0, p0; cvt.rn.f16x2.e4m3x2 h1, p1;"
+        " mul.rn.f16x2 h0, h0, $2; mul.rn.f16x2 h1, h1, $2;"
+        " cvt.rn.satfinite.e4m3x2.f16x2 p0, h0; cvt.rn.satfinite.e4m3x2.f16x2 p1, h1;"
+        " mov.b32 $0, {p0, p1}; }")
+
+    @triton.jit
+    def _rescale_words(w, d, HW: tl.constexpr):
+        """int32 words of four E4M3 bytes q·2^5 each -> the bytes of q·2^(d+5) (d <= 0, per word)."""
+        dc = tl.maximum(d, -20)
+        if HW:
+            fb = f16_pow2_bits(dc)
+            return tl.inline_asm_elementwise(_RESCALE4, "=r,r,r", [w, fb | (fb << 16)], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        else:
+            f = pow2_f32(dc)
+            out = tl.zeros_like(w)
+            for k in tl.static_range(4):
+                b = (w >> (8 * k)) & 0xFF
+                nan = (b & 0x7F) == 0x7F
+                v = f32_to_e4m3(e4m3_byte_to_f32(tl.where(nan, 0, b)) * f, False).to(tl.int32)
+                out = out | (tl.where(nan, b, v) << (8 * k))
+            return out
+
+    @triton.jit
+    def _col_blocks(t, RB: tl.constexpr, BC: tl.constexpr, HW: tl.constexpr):
+        """[RB·32, BC] bf16 tile -> 32-tuple of [RB, BC] fp32: element j of each column block (the
+        transpose, through shared memory)."""
+        tc = unzip(tl.reshape(tl.permute(tl.reshape(t, (RB, _BLOCK, BC)), (0, 2, 1)), (RB, BC, 2, 2, 2, 2, 2)), 5)
+        xc = ()
+        for j in tl.static_range(_BLOCK):
+            xc = xc + (bf16_to_f32(tc[j], HW),)
+        return xc
+
+    @triton.jit
+    def _predicted(held_ptr, cols, C, HEADROOM: tl.constexpr):
+        """[1, BC]: the held e_ref of each column (0 where none is held) and whether one is."""
+        v = tl.load(held_ptr + cols, mask=cols < C, other=0)[None, :]
+        return tl.where(v > 0, v - 128 + HEADROOM, 0), v > 0
+
+    @triton.jit(do_not_specialize=["R", "n_stripes", "n_prog"])
+    def _onepass_kernel(
+        x_ptr, stride_x, R, C, Rp,
+        row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, colsum_ptr, outside_ptr,
+        held_ptr, new_ptr, rexp_ptr, n_stripes, n_prog,
+        HEADROOM: tl.constexpr, DO_COLSUM: tl.constexpr, HADAMARD: tl.constexpr, HW: tl.constexpr,
+        NB: tl.constexpr, PAIRS: tl.constexpr,
+    ):
+        BR: tl.constexpr = _BLOCK  # one column block high
+        BC: tl.constexpr = NB * _BLOCK
+        KB = C // _BLOCK  # row blocks per row
+        n_chunks = tl.cdiv(C, BC)
+        rr = tl.arange(0, BR)
+        r2 = rr[:, None]
+        c2 = tl.arange(0, BC)[None, :]
+        r3 = rr[:, None, None]
+        nb2 = tl.arange(0, NB)[:, None]
+        rest = (tl.arange(0, NB) * (_BLOCK // 4))[None, :, None] + tl.arange(0, 4)[None, None, :]
+        w2 = tl.arange(0, BC // 4)[None, :]
+        row_words = _as_words(row_data_ptr)
+        row_cnt = tl.zeros([BR, NB], dtype=tl.int32)
+        col_cnt = tl.zeros([1, BC], dtype=tl.int32)
+
+        for s in range(tl.program_id(0), n_stripes, n_prog):
+            row0 = s * BR
+            rows = row0 + rr
+            rmax = tl.zeros([NB, BR], dtype=tl.int32)
+            tn = _load_rows(x_ptr, row0, stride_x, R, C, 0, r2, c2)
+            # ---------------- walk 1: read x once; rows against their own blocks, columns against `held`
+            for ch in range(0, n_chunks):
+                col0 = ch * BC
+                t = tn
+                tn = _load_rows(x_ptr, row0, stride_x, R, C, col0 + BC, r2, c2)  # masked off past C
+                ys, ab = _rotate_amax(_blocks_of_rows(t, BR, NB, HW), HADAMARD)  # [NB, BR] per block
+                e, bad, live = _block_info(ab)
+                rmax = tl.maximum(rmax, tl.where(live, e + 128, 0))
+                zl, zh = _word_halves(_encode_words(ys, e, e, bad, HW))
+                cblk3 = col0 + (tl.arange(0, NB) * _BLOCK)[None, :, None]
+                _store_blocks(row_words + col0 // 4, row0 + r3, _word_stride(C, s), R, rest,
+                              tl.permute(zl, (1, 0, 2)), tl.permute(zh, (1, 0, 2)), cblk3 < C, PAIRS, HW)
+                kb = col0 // _BLOCK + nb2
+                tl.store(rexp_ptr + rows[None, :].to(tl.int64) * KB + kb, tl.where(live, e, _DEAD).to(tl.int8),
+                         mask=(rows[None, :] < R) & (kb < KB))
+
+                cols = col0 + tl.arange(0, BC)
+                xc = _col_blocks(t, 1, BC, HW)
+                if DO_COLSUM:
+                    csum = xc[0]
+                    for j in tl.static_range(1, _BLOCK):
+                        csum += xc[j]
+                    tl.atomic_add(colsum_ptr + cols[None, :], csum, mask=cols[None, :] < C, sem="relaxed")
+                ys, ab = _rotate_amax(xc, HADAMARD)  # [1, BC] per block
+                e, bad, live = _block_info(ab)
+                tl.atomic_max(new_ptr + cols[None, :], e + 128, mask=live & (cols[None, :] < C), sem="relaxed")
+                e_ref, _ = _predicted(held_ptr, cols, C, HEADROOM)
+                col_cnt += (live & ((e - e_ref) < -_WINDOW)).to(tl.int32)
+                zl, zh = _word_halves(_encode_words(ys, e, e_ref, bad, HW))
+                ct = col0 + tl.arange(0, BC)[:, None, None]
+                rt3 = row0 + tl.arange(0, 1)[None, :, None] * _BLOCK
+                _store_blocks(_as_words(col_data_ptr), ct, _word_stride(Rp, s), C,
+                              rt3 // 4 + tl.arange(0, 4)[None, None, :], tl.permute(zl, (1, 0, 2)),
+                              tl.permute(zh, (1, 0, 2)), rt3 < Rp, PAIRS, HW)
+                if s == 0:
+                    tl.store(col_scale_ptr + cols[None, :], pow2_f32(e_ref - _SHIFT), mask=cols[None, :] < C)
+
+            # ---------------- walk 2: the stripe's row e_ref are known; re-scale its stored bytes
+            rm = tl.max(rmax, axis=0)  # [BR]
+            e_row = tl.where(rm > 0, rm - 128, 0)
+            tl.store(row_scale_ptr + rows, pow2_f32(e_row - _SHIFT), mask=rows < R)
+            tl.debug_barrier()  # walk 1's stores, by other threads of this program, are visible to walk 2
+            for ch in range(0, n_chunks):
+                col0 = ch * BC
+                wm = (r2 + row0 < R) & (col0 + 4 * w2 < C)
+                wo = (row0 + r2).to(tl.int64) * (C // 4) + col0 // 4 + w2
+                w = tl.load(row_words + wo, mask=wm, other=0)  # [BR, BC/4]
+                kb = col0 // _BLOCK + tl.arange(0, NB)[None, :]
+                eb = tl.load(rexp_ptr + (row0 + r2).to(tl.int64) * KB + kb, mask=(row0 + r2 < R) & (kb < KB),
+                             other=_DEAD).to(tl.int32)  # [BR, NB]
+                d = eb - e_row[:, None]
+                row_cnt += ((eb != _DEAD) & (d < -_WINDOW)).to(tl.int32)
+                dw = tl.reshape(tl.broadcast_to(d[:, :, None], (BR, NB, _BLOCK // 4)), (BR, BC // 4))
+                tl.store(row_words + wo, _rescale_words(w, dw, HW), mask=wm)
+
+        total = tl.sum(tl.sum(row_cnt, axis=1), axis=0) + tl.sum(tl.sum(col_cnt, axis=1), axis=0)
+        tl.atomic_add(outside_ptr, total.to(tl.int64), sem="relaxed")
+
+    @triton.jit(do_not_specialize=["R", "n_row_tiles", "n_prog_r"])
+    def _fixup_kernel(
+        x_ptr, stride_x, R, C, Rp, col_data_ptr, col_scale_ptr, outside_ptr, fixed_ptr, held_ptr, new_ptr,
+        n_row_tiles, n_prog_r,
+        HEADROOM: tl.constexpr, HADAMARD: tl.constexpr, HW: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr,
+    ):
+        """The columns of one strip that `held` did not hold, encoded against their own maxima
+        (`new`), their scales written, and the blocks outside the window counted again: those
+        against the column's own e_ref in, those the one-pass kernel counted against the held one
+        out. A strip without such a column returns after reading its e_ref."""
+        RB: tl.constexpr = BR // _BLOCK
+        BC: tl.constexpr = NB * _BLOCK
+        pid_c = tl.program_id(0)
+        pid_r = tl.program_id(1)
+        col0 = pid_c * BC
+        cols = col0 + tl.arange(0, BC)
+        e_pred, has = _predicted(held_ptr, cols, C, HEADROOM)
+        v = tl.load(new_ptr + cols, mask=cols < C, other=0)[None, :]
+        e_own = v - 128
+        fix = (v > 0) & ((~has) | (e_own > e_pred))  # [1, BC]
+        n_fix = tl.sum(tl.sum(fix.to(tl.int32), axis=1), axis=0)
+        if n_fix > 0:
+            if pid_r == 0:
+                tl.store(col_scale_ptr + cols[None, :], pow2_f32(e_own - _SHIFT), mask=fix)
+                tl.atomic_add(fixed_ptr, n_fix, sem="relaxed")
+            r2 = tl.arange(0, BR)[:, None]
+            c2 = tl.arange(0, BC)[None, :]
+            cnt = tl.zeros([RB, BC], dtype=tl.int32)
+            for rt in range(pid_r, n_row_tiles, n_prog_r):
+                row0 = rt * BR
+                t = _load_rows(x_ptr, row0, stride_x, R, C, col0, r2, c2)
+                ys, ab = _rotate_amax(_col_blocks(t, RB, BC, HW), HADAMARD)
+                e, bad, live = _block_info(ab)
+                cnt += (fix & live & ((e - e_own) < -_WINDOW)).to(tl.int32)
+                cnt -= (fix & live & ((e - e_pred) < -_WINDOW)).to(tl.int32)
+                zl, zh = _word_halves(_encode_words(ys, e, e_own, bad, HW))
+                ct = col0 + tl.arange(0, BC)[:, None, None]
+                rt3 = row0 + tl.arange(0, RB)[None, :, None] * _BLOCK
+                fix3 = tl.permute(fix, (1, 0))[:, :, None]  # [BC, 1, 1]
+                _store_blocks(_as_words(col_data_ptr), ct, _word_stride(Rp, pid_r), C,
+                              rt3 // 4 + tl.arange(0, 4)[None, None, :], tl.permute(zl, (1, 0, 2)),
+                              tl.permute(zh, (1, 0, 2)), (rt3 < Rp) & fix3, False, HW)
+            tl.atomic_add(outside_ptr, tl.sum(tl.sum(cnt, axis=1), axis=0).to(tl.int64), sem="relaxed")
+
+
+def onepass_constexprs() -> dict:
+    """The one-pass kernel's compile-time tile (what the ahead-of-time compile tests build)."""
+    return dict(NB=_NB, PAIRS=True)
+
+
+_PAIRS_HOLD: dict[str, bool] = {}  # compiled kernel (its hash) -> its block stores may go by lane pairs
+
+
+def mx_operands_onepass_cuda(
+    x: torch.Tensor,
+    held: torch.Tensor,
+    *,
+    headroom: int = 0,
+    hadamard: bool = True,
+    colsum: bool = False,
+    counter: torch.Tensor | None = None,
+    _hw: bool | None = None,
+    _poison: bool = False,
+) -> tuple[MXOperands, torch.Tensor, torch.Tensor]:
+    """Both row-granularity operands of x (CUDA bf16 [R, C], C a multiple of 32) from one read of it,
+    the column orientation against the predicted e_ref `held` (int32 [C] on x's device, e_ref + 128
+    per column or 0 for none; raised by `headroom` binades).
+
+    Returns (the operands, bit-identical to `mx_operands_reference(x, hadamard=hadamard,
+    colsum=colsum, col_held=held, col_headroom=headroom)` but for the summation order of colsum;
+    x's own column maxima, int32 [C] in `held`'s form: the next call's prediction; the number of
+    columns the prediction did not hold and the fix-up re-encoded, int32 [1]). No host
+    synchronisation. With `counter` (one int64 element on x's device) the blocks outside the window
+    are added into it and it is the operands' count."""
+    hw = (not interpreting()) if _hw is None else bool(_hw)
+    if not HAS_TRITON or not (torch.cuda.is_available() or interpreting()):
+        raise RuntimeError("mx_operands_onepass_cuda: needs Triton and a CUDA device (or TRITON_INTERPRET=1)")
+    check_input(x, "x")
+    R, C = x.shape
+    if C % MX_BLOCK:
+        raise ValueError(f"x: {C} columns is not a multiple of the block size {MX_BLOCK}")
+    if not isinstance(held, torch.Tensor) or held.dtype != torch.int32 or tuple(held.shape) != (C,) \
+            or held.device != x.device:
+        raise ValueError(f"held: expected int32 [{C}] on {x.device} (e_ref + 128 per column, 0 for none), got "
+                         f"{getattr(held, 'dtype', type(held).__name__)} {tuple(getattr(held, 'shape', ()))}")
+    if isinstance(headroom, bool) or not isinstance(headroom, int) or not 0 <= headroom <= 8:
+        raise ValueError(f"headroom: expected an int of binades in [0, 8], got {headroom!r}")
+    for name, flag in (("hadamard", hadamard), ("colsum", colsum)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: expected a bool, got {flag!r}")
+    if counter is not None and not counts_in_place(counter, x.device):
+        raise ValueError(f"counter: expected one int64 element on {x.device}")
+    if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16:
+        x = x.contiguous()  # 16-byte pieces of rows
+
+    dev = x.device
+    Rp = padded_rows(R)
+    f8 = torch.float8_e4m3fn
+    row_data = torch.empty((R, C), dtype=f8, device=dev)
+    row_scale = torch.empty((R, 1), dtype=torch.float32, device=dev)
+    col_data = torch.empty((C, Rp), dtype=f8, device=dev)
+    col_scale = torch.empty((C, 1), dtype=torch.float32, device=dev)
+    if _poison:  # tests: 0xFF bytes are NaN in fp32 and E4M3, so an unwritten element shows
+        for t in (row_data, row_scale, col_data, col_scale):
+            t.view(torch.uint8).fill_(0xFF)
+    new = torch.zeros(C, dtype=torch.int32, device=dev)
+    fixed = torch.zeros(1, dtype=torch.int32, device=dev)
+    sums = torch.zeros(C, dtype=torch.float32, device=dev) if colsum else None
+    outside = counter if counter is not None else torch.zeros((), dtype=torch.int64, device=dev)
+    if Rp == 0:  # no block anywhere: every column's e_ref is the held one, or 0
+        col_scale.copy_(pow2_any(torch.where(held > 0, held - 128 + headroom, 0) - _SHIFT_E2M3)[:, None])
+        return MXOperands(row_data, row_scale, col_data, col_scale, sums, outside), new, fixed
+    rexp = torch.empty((R, C // MX_BLOCK), dtype=torch.int8, device=dev)
+
+    n_stripes = Rp // MX_BLOCK
+    sms = num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 4
+    args = (x, x.stride(0), R, C, Rp, row_data, row_scale, col_data, col_scale,
+            sums if colsum else new, outside, held, new, rexp)
+    meta = dict(HEADROOM=headroom, DO_COLSUM=colsum, HADAMARD=hadamard, HW=hw, NB=_NB)
+    grid = (min(n_stripes, 2 * sms),)
+    pairs = _pairs_hold(args + (n_stripes, grid[0]), grid, meta) if hw else True
+    _onepass_kernel[grid](*args, n_stripes, grid[0], PAIRS=pairs, **meta, **launch_options(_WARPS))
+
+    n_strips = -(-C // (_FIX_NB * MX_BLOCK))
+    n_rt = -(-Rp // _FIX_BR)
+    n_prog_r = max(1, min(n_rt, 2 * sms // n_strips))
+    _fixup_kernel[(n_strips, n_prog_r)](
+        x, x.stride(0), R, C, Rp, col_data, col_scale, outside, fixed, held, new, n_rt, n_prog_r,
+        HEADROOM=headroom, HADAMARD=hadamard, HW=hw, BR=_FIX_BR, NB=_FIX_NB, **launch_options(_WARPS))
+    return MXOperands(row_data, row_scale, col_data, col_scale, sums, outside), new, fixed
+
+
+def _pairs_hold(args, grid, meta) -> bool:
+    """Whether the compiled one-pass kernel may store blocks by lane pairs (`operands_cuda`'s
+    `_paired_stores_hold`: the layout is the compiler's choice, read from its TTGIR)."""
+    if interpreting():
+        return True
+    compiled = _onepass_kernel.warmup(*args, grid=grid, PAIRS=True, **meta, **launch_options(_WARPS))
+    key = getattr(compiled, "hash", None)
+    hold = _PAIRS_HOLD.get(key) if key is not None else None
+    if hold is None:
+        found = lane_pair_shuffles_hold(compiled.asm["ttgir"], PAIR_SHUFFLE_ASM)
+        hold = len(found) == 2 and all(found)
+        if key is not None:
+            _PAIRS_HOLD[key] = hold
+    return hold

@@ -1,0 +1,121 @@
+"""The one-pass row-granularity packer (`mx_operands_onepass_cuda`): both operands from one read of x,
+the columns against a predicted e_ref, the ones it does not hold fixed up.
+
+Runs on CUDA, and on a CPU machine with Triton under its interpreter (`TRITON_INTERPRET=1`; small
+shapes). What must hold: bit for bit the reference given the same prediction
+(`mx_operands_reference(..., col_held=, col_headroom=)`), and the two-pass packer's operands where the
+prediction is the columns' own maxima; x's own column maxima returned for the next call; exactly the
+columns the prediction does not hold re-encoded; the same count of blocks outside the window.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pack_inputs import DISTS, TRITON_DEVICE, assert_bits_equal, assert_colsum_close, triton_marks
+
+from mxflux.kernels import mx_operands_cuda, mx_operands_onepass_cuda
+from mxflux.mx import mx_operands_reference
+from mxflux.mx.operands import rowwise_erefs_reference
+
+pytestmark = triton_marks()
+DEVICE = TRITON_DEVICE
+FIELDS = ("row_data", "row_scale", "col_data", "col_scale")
+SHAPES = [(64, 256), (45, 96), (33, 544)] if DEVICE == "cpu" else [(64, 256), (45, 96), (1000, 3072), (4099, 12288)]
+
+
+def _predictions(cols: torch.Tensor, gen: torch.Generator) -> dict:
+    """Predictions of x's column maxima `cols` (e_ref + 128, 0 for none), by what the packer must do
+    with them: the true maxima; none at all; one binade low on a third of the columns (those are
+    fixed up, the rest held); one to three binades high (all held, windows placed higher)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    c = cols.cpu()
+    third = torch.arange(c.numel()) % 3 == 0
+    high = c + torch.randint(1, 4, c.shape, generator=g, dtype=torch.int32)
+    return {
+        "true": cols,
+        "none": torch.zeros_like(cols),
+        "low": torch.where(third & (c > 0), c - 1, c).to(torch.int32).to(cols.device),
+        "high": torch.where(c > 0, high, 0).to(torch.int32).to(cols.device),
+    }
+
+
+@pytest.mark.parametrize("dist", list(DISTS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_one_pass_packer_is_the_reference_given_the_same_prediction(gen, shape, dist):
+    x = DISTS[dist](*shape, gen, DEVICE)
+    colsum = dist != "adversarial"  # (sums over inf and NaN are compared by the two-pass tests)
+    _, cols = rowwise_erefs_reference(x)
+    two_pass = mx_operands_cuda(x, colsum=colsum)
+    for name, held in _predictions(cols, gen).items():
+        for headroom in (0, 1):
+            got, new, fixed = mx_operands_onepass_cuda(x, held, headroom=headroom, colsum=colsum, _poison=True)
+            want = mx_operands_reference(x, colsum=colsum, col_held=held.cpu(), col_headroom=headroom)
+            for f in FIELDS:
+                assert_bits_equal(f"{name}+{headroom} {f}", getattr(got, f).cpu(), getattr(want, f))
+            assert int(got.blocks_outside_window) == int(want.blocks_outside_window), (name, headroom)
+            assert torch.equal(new, cols), (name, headroom)  # x's own maxima, whatever was predicted
+            pred = torch.where(held > 0, held + headroom, 0)
+            expect_fixed = int(((cols > 0) & ((held == 0) | (cols > pred))).sum())
+            assert int(fixed) == expect_fixed, (name, headroom)
+            if colsum:
+                assert_colsum_close(got.colsum.cpu(), want.colsum, x.cpu())
+            # the rows never depend on the prediction: the two-pass packer's bytes
+            assert_bits_equal("row_data", got.row_data, two_pass.row_data)
+            assert_bits_equal("row_scale", got.row_scale, two_pass.row_scale)
+            if name == "true" and headroom == 0:  # the columns' own e_ref: the two-pass packer's operands
+                for f in FIELDS:
+                    assert_bits_equal(f, getattr(got, f), getattr(two_pass, f))
+                assert int(got.blocks_outside_window) == int(two_pass.blocks_outside_window)
+
+
+def test_a_prediction_that_holds_moves_no_value_inside_the_window(gen):
+    """Placed one binade high, a column's window still holds every block of a normal tensor: the
+    dequantized col operand (data times scale) is the two-pass packer's exactly, while the bytes
+    and the scale each differ by the power of two."""
+    x = DISTS["normal"](64, 256, gen, DEVICE)
+    _, cols = rowwise_erefs_reference(x)
+    got, _, fixed = mx_operands_onepass_cuda(x, cols, headroom=1)
+    want = mx_operands_cuda(x)
+    assert int(fixed) == 0 and int(got.blocks_outside_window) == int(want.blocks_outside_window) == 0
+    assert torch.equal(got.col_scale, 2 * want.col_scale)
+    assert torch.equal(got.col_data.float() * got.col_scale, want.col_data.float() * want.col_scale)
+    assert not torch.equal(got.col_data.view(torch.uint8), want.col_data.view(torch.uint8))
+
+
+def test_the_count_goes_into_the_callers_counter(gen):
+    x = DISTS["adversarial"](64, 96, gen, DEVICE)
+    _, cols = rowwise_erefs_reference(x)
+    counter = torch.full((1,), 5, dtype=torch.int64, device=DEVICE)
+    got, _, _ = mx_operands_onepass_cuda(x, torch.zeros_like(cols), counter=counter)
+    want = mx_operands_reference(x)
+    assert got.blocks_outside_window is counter and int(counter) == 5 + int(want.blocks_outside_window) > 5
+
+
+def test_no_rows_gives_empty_operands_and_the_held_scales():
+    x = torch.zeros(0, 64, dtype=torch.bfloat16, device=DEVICE)
+    held = torch.tensor([0, 130] * 32, dtype=torch.int32, device=DEVICE)
+    got, new, fixed = mx_operands_onepass_cuda(x, held, headroom=1)
+    want = mx_operands_reference(x.cpu(), col_held=held.cpu(), col_headroom=1)
+    assert got.row_data.shape == (0, 64) and got.col_data.shape == (64, 0)
+    assert_bits_equal("col_scale", got.col_scale.cpu(), want.col_scale)
+    assert int(new.abs().sum()) == 0 and int(fixed) == 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(held=torch.zeros(64, dtype=torch.int64)), "held: expected int32 [96]"),
+    (dict(held=torch.zeros(95, dtype=torch.int32)), "held: expected int32 [96]"),
+    (dict(headroom=-1), "headroom: expected an int of binades in [0, 8]"),
+    (dict(headroom=True), "headroom: expected an int"),
+    (dict(colsum=1), "colsum: expected a bool"),
+    (dict(x=torch.zeros(8, 96)), "x: mx_operands_cuda reads torch.bfloat16"),
+    (dict(x=torch.zeros(8, 80, dtype=torch.bfloat16)), "x: 80 columns is not a multiple"),
+])
+def test_bad_arguments_are_refused_by_name(bad, message):
+    args = dict(x=torch.zeros(8, 96, dtype=torch.bfloat16), held=torch.zeros(96, dtype=torch.int32))
+    args.update(bad)
+    x = args.pop("x").to(DEVICE)
+    held = args.pop("held").to(DEVICE)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        mx_operands_onepass_cuda(x, held, **args)
