@@ -83,6 +83,30 @@ def compile_packer(granularity: str, pass_: int, prologue: str = "none", x_f32: 
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+_ONEPASS_SIG = {"x_ptr": "*bf16", "stride_x": "i32", "R": "i32", "C": "i32", "Rp": "i32", "row_data_ptr": "*fp8e4nv",
+                "row_scale_ptr": "*fp32", "col_data_ptr": "*fp8e4nv", "col_scale_ptr": "*fp32", "colsum_ptr": "*fp32",
+                "outside_ptr": "*i64", "held_ptr": "*i32", "new_ptr": "*i32", "rexp_ptr": "*i8", "n_stripes": "i32",
+                "n_prog": "i32"}
+
+
+def compile_onepass(colsum: bool = False, headroom: int = 1):
+    """The one-pass packer's kernel (`mx_operands_onepass_cuda`) for sm_90, specialised as a launch is."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mxflux.kernels import operands_onepass
+
+    consts = {"HEADROOM": headroom, "DO_COLSUM": colsum, "HADAMARD": True, "HW": True,
+              **operands_onepass.onepass_constexprs()}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(_ONEPASS_SIG.items())
+             if ty.startswith("*") or name in ("stride_x", "C", "Rp")}
+    src = ASTSource(fn=operands_onepass._onepass_kernel, signature={**_ONEPASS_SIG, **dict.fromkeys(consts, "constexpr")},
+                    constexprs=consts, attrs=attrs)
+    options = {"num_warps": operands_onepass.ONEPASS_WARPS, "enable_fp_fusion": False, "enable_reflect_ftz": False}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
 def _tool(name: str) -> str:
     import triton
 
@@ -133,6 +157,18 @@ def main_loop(instructions: list[tuple[int, str]]) -> list[str]:
     return [text for _, text in instructions[best[1]:best[2] + 1]]
 
 
+def inner_loops(instructions: list[tuple[int, str]]) -> list[list[str]]:
+    """The instructions of every loop that holds no other loop, in address order: the one-pass packer's
+    two walks over a stripe (walk 1 encoding, walk 2 re-scaling the rows)."""
+    spans = []
+    for i, (addr, text) in enumerate(instructions):
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text) if opcode(text) == "BRA" else None
+        if m and int(m.group(1), 16) < addr:
+            spans.append((next(j for j, (a, _) in enumerate(instructions) if a >= int(m.group(1), 16)), i))
+    inner = [(s, e) for s, e in spans if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in spans)]
+    return [[text for _, text in instructions[s:e + 1]] for s, e in sorted(inner)]
+
+
 def census(loop: list[str]) -> dict:
     """Counts by opcode and by kind (arithmetic, memory, control, and integer / layout for the rest)."""
     ops = collections.Counter(opcode(t) for t in loop)
@@ -153,6 +189,16 @@ def measure(variants=VARIANTS) -> dict:
         everything = sass(kernel.asm["cubin"])
         rows[name] = {"granularity": granularity, "pass": pass_, "prologue": prologue, "fp32 input": x_f32,
                       "column sums": colsum, "kernel": len(everything), **census(main_loop(everything))}
+    for colsum in (False, True):
+        everything = sass(compile_onepass(colsum).asm["cubin"])
+        walk1, walk2 = inner_loops(everything)
+        rows[f"one-pass walk 1 ({'dY, column sums' if colsum else 'X'})"] = {
+            "granularity": "rowwise", "pass": "one", "prologue": "none", "fp32 input": False, "column sums": colsum,
+            "kernel": len(everything), **census(walk1)}
+        if not colsum:
+            rows["one-pass walk 2 (rows re-scaled)"] = {
+                "granularity": "rowwise", "pass": "one", "prologue": "none", "fp32 input": False,
+                "column sums": False, "kernel": len(everything), **census(walk2)}
     return {"target": "sm_90", "triton": triton.__version__, "torch": torch.__version__, "variants": rows}
 
 

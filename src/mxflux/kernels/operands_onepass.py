@@ -42,10 +42,10 @@ from .triton_common import HAS_TRITON, PAIR_SHUFFLE_ASM, interpreting, lane_pair
 if MX_BLOCK != 32:
     raise ImportError(f"operands_onepass: the kernels' register layout is written for MX_BLOCK = 32, got {MX_BLOCK}")
 
-__all__ = ["mx_operands_onepass_cuda", "onepass_constexprs"]
+__all__ = ["ONEPASS_WARPS", "mx_operands_onepass_cuda", "onepass_constexprs"]
 
 _NB = 8  # row blocks per row of a tile: tiles of 32 x 256, one row block and one column block per thread
-_WARPS = 8
+ONEPASS_WARPS = 8
 _FIX_BR, _FIX_NB = 128, 2  # the fix-up kernel's tiles: the two-pass packer's (128 x 64)
 _SHIFT_E2M3 = get_format("e2m3").fold_shift
 
@@ -323,14 +323,14 @@ def mx_operands_onepass_cuda(
     meta = dict(HEADROOM=headroom, DO_COLSUM=colsum, HADAMARD=hadamard, HW=hw, NB=_NB)
     grid = (min(n_stripes, 2 * sms),)
     pairs = _pairs_hold(args + (n_stripes, grid[0]), grid, meta) if hw else True
-    _onepass_kernel[grid](*args, n_stripes, grid[0], PAIRS=pairs, **meta, **launch_options(_WARPS))
+    _onepass_kernel[grid](*args, n_stripes, grid[0], PAIRS=pairs, **meta, **launch_options(ONEPASS_WARPS))
 
     n_strips = -(-C // (_FIX_NB * MX_BLOCK))
     n_rt = -(-Rp // _FIX_BR)
     n_prog_r = max(1, min(n_rt, 2 * sms // n_strips))
     _fixup_kernel[(n_strips, n_prog_r)](
         x, x.stride(0), R, C, Rp, col_data, col_scale, outside, fixed, held, new, n_rt, n_prog_r,
-        HEADROOM=headroom, HADAMARD=hadamard, HW=hw, BR=_FIX_BR, NB=_FIX_NB, **launch_options(_WARPS))
+        HEADROOM=headroom, HADAMARD=hadamard, HW=hw, BR=_FIX_BR, NB=_FIX_NB, **launch_options(ONEPASS_WARPS))
     return MXOperands(row_data, row_scale, col_data, col_scale, sums, outside), new, fixed
 
 
@@ -339,7 +339,7 @@ def _pairs_hold(args, grid, meta) -> bool:
     `_paired_stores_hold`: the layout is the compiler's choice, read from its TTGIR)."""
     if interpreting():
         return True
-    compiled = _onepass_kernel.warmup(*args, grid=grid, PAIRS=True, **meta, **launch_options(_WARPS))
+    compiled = _onepass_kernel.warmup(*args, grid=grid, PAIRS=True, **meta, **launch_options(ONEPASS_WARPS))
     key = getattr(compiled, "hash", None)
     hold = _PAIRS_HOLD.get(key) if key is not None else None
     if hold is None:
