@@ -35,6 +35,7 @@ DESIGN_HEADINGS = (
     "Fold granularity",
     "The three GEMMs and their operands",
     "Kernels, backends and the reference",
+    "The one-pass packer",
     "Saved operands in six bits",
     "Inputs packed again in backward",
     "Fusions",

@@ -120,3 +120,53 @@ def test_bad_arguments_are_refused_by_name(bad, message):
     held = args.pop("held").to(DEVICE)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         mx_operands_onepass_cuda(x, held, **args)
+
+
+def test_a_held_value_that_is_no_e_ref_holds_nothing_and_the_headroom_stops_at_e8m0s_top(gen):
+    """Only e + 128 in [1, 255] predicts anything (a buffer never written, or written by something else,
+    must not place windows where no block is); a prediction raised past 127 stays at 127."""
+    x = DISTS["normal"](64, 96, gen, DEVICE)
+    _, cols = rowwise_erefs_reference(x)
+    held = cols.clone()
+    held[::3] = 300
+    held[1::3] = -5
+    held[2::3] = 254  # e = 126: + headroom 3 would be 129
+    got, _, fixed = mx_operands_onepass_cuda(x, held, headroom=3)
+    want = mx_operands_reference(x, col_held=held.cpu(), col_headroom=3)
+    for f in FIELDS:
+        assert_bits_equal(f, getattr(got, f).cpu(), getattr(want, f))
+    assert int(fixed) == 64  # the two thirds that hold nothing
+    assert torch.equal(got.col_scale[2::3].cpu(), torch.full((32, 1), 2.0 ** 122))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the layer takes the kernels on CUDA only")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_held_layer_on_cuda_trains_as_the_exact_one_and_keeps_its_maxima(gen, compiled):
+    """`MXConfig.held_cols` on CUDA (the one-pass packer for X in forward and dY in backward, the layer's
+    kept e_ref mutated in both, compiled or not): while every block stays inside the placed windows the
+    outputs and all three gradients are the plain layer's bit for bit, and after each step the layer holds
+    X's and dY's own column maxima."""
+    from mxflux.nn import MXFP6Linear
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    held = MXFP6Linear(3072, 1024, device="cuda")
+    plain = MXFP6Linear(3072, 1024, device="cuda")
+    plain.load_state_dict(held.state_dict())
+    held.cfg = held.cfg._replace(held_cols=True)
+    run_held = torch.compile(held) if compiled else held
+    run_plain = torch.compile(plain) if compiled else plain
+    for step in range(3):
+        x = DISTS["normal"](2048, 3072, gen, DEVICE)
+        gy = DISTS["normal"](2048, 1024, gen, DEVICE)
+        outs = []
+        for layer, run in ((held, run_held), (plain, run_plain)):
+            xi = x.clone().requires_grad_()
+            y = run(xi)
+            y.backward(gy)
+            outs.append((y, xi.grad, layer.weight.grad.clone(), layer.bias.grad.clone()))
+            layer.weight.grad = layer.bias.grad = None
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), step
+        assert torch.equal(held.x_col_erefs, rowwise_erefs_reference(x)[1])
+        assert torch.equal(held.dy_col_erefs, rowwise_erefs_reference(gy)[1])
+    assert int(held.blocks_outside_window) == int(plain.blocks_outside_window) == 0

@@ -112,9 +112,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _predicted(held_ptr, cols, C, HEADROOM: tl.constexpr):
-        """[1, BC]: the held e_ref of each column (0 where none is held) and whether one is."""
+        """[1, BC]: the held e_ref of each column (0 where none is held) and whether one is. Only e + 128
+        in [1, 255] is an e_ref; the headroom stops at E8M0's largest exponent, which holds any column."""
         v = tl.load(held_ptr + cols, mask=cols < C, other=0)[None, :]
-        return tl.where(v > 0, v - 128 + HEADROOM, 0), v > 0
+        has = (v > 0) & (v < 256)
+        return tl.where(has, tl.minimum(v - 128 + HEADROOM, 127), 0), has
 
     @triton.jit(do_not_specialize=["R", "n_stripes", "n_prog"])
     def _onepass_kernel(
@@ -312,7 +314,8 @@ def mx_operands_onepass_cuda(
     sums = torch.zeros(C, dtype=torch.float32, device=dev) if colsum else None
     outside = counter if counter is not None else torch.zeros((), dtype=torch.int64, device=dev)
     if Rp == 0:  # no block anywhere: every column's e_ref is the held one, or 0
-        col_scale.copy_(pow2_any(torch.where(held > 0, held - 128 + headroom, 0) - _SHIFT_E2M3)[:, None])
+        e_ref = torch.where((held > 0) & (held < 256), (held - 128 + headroom).clamp(max=127), 0)
+        col_scale.copy_(pow2_any(e_ref - _SHIFT_E2M3)[:, None])
         return MXOperands(row_data, row_scale, col_data, col_scale, sums, outside), new, fixed
     rexp = torch.empty((R, C // MX_BLOCK), dtype=torch.int8, device=dev)
 

@@ -99,8 +99,8 @@ def _held_erefs(own: torch.Tensor, held: torch.Tensor, headroom: int, granularit
         raise ValueError(f"held: expected int32 {tuple(lead)} (e_ref + 128 per line, 0 for none), got "
                          f"{getattr(held, 'dtype', type(held).__name__)} {tuple(getattr(held, 'shape', ()))}")
     h = held.to(own.device).unsqueeze(-1)
-    pred = h - 128 + int(headroom)
-    holds = (h > 0) & ((own == _NO_BLOCK) | (own <= pred))
+    pred = (h - 128 + int(headroom)).clamp(max=127)  # E8M0's largest exponent holds any line
+    holds = (h > 0) & (h < 256) & ((own == _NO_BLOCK) | (own <= pred))  # only e + 128 in [1, 255] is an e_ref
     return torch.where(holds, pred, own)
 
 

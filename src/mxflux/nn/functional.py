@@ -39,13 +39,19 @@ import torch
 
 from ..mx.granularity import FoldGranularity
 from ..mx.hadamard import hadamard32_by_gemm
-from ..ops.custom_ops import (compact_operand, expand_operand, frozen_weight_col, mx_erefs, mx_operands, scaled_gemm,
-                              use_kernels)
+from ..ops.custom_ops import (compact_operand, expand_operand, frozen_weight_col, mx_erefs, mx_operands,
+                              mx_operands_held, scaled_gemm, use_kernels)
 
-__all__ = ["SAVED_OPERANDS", "MXConfig", "frozen_mx_linear", "fused_mx_mlp", "mx_linear"]
+__all__ = ["HELD_HEADROOM", "SAVED_OPERANDS", "MXConfig", "frozen_mx_linear", "fused_mx_mlp", "mx_linear"]
 
 # How forward keeps the col operands for backward (docs/design.md, "Saved operands in six bits").
 SAVED_OPERANDS = ("e4m3", "e2m3")
+
+# Binades above the last call's column maxima at which `held_cols` places a column's fold window, for
+# the input X and the output gradient dY: a feature's activations keep their range from step to step
+# (one binade up re-encodes <= 0.1 % of the columns), its gradients less so (two: 0.2-0.6 %; counted by
+# benchmarks/probe_eref_drift.py, benchmarks/NOTES.md). Each binade takes one from the exact window.
+HELD_HEADROOM = {"x": 1, "dy": 2}
 
 
 class MXConfig(NamedTuple):
@@ -70,6 +76,10 @@ class MXConfig(NamedTuple):
     inputs backward keeps anyway or that the partitioner rebuilds from such (a tensor saved twice is
     stored once): then the 1 B per element of Xᵀ is not kept (docs/design.md, "Inputs packed again in
     backward").
+    `held_cols`: the input's and the output gradient's col operands (the weight gradient's) are
+    encoded against each column's e_ref from the last call, raised by HELD_HEADROOM binades, in the
+    same read of the tensor as the row operand (`mx_operands_held`; docs/design.md, "The one-pass
+    packer"); the module keeps those e_ref. Only where both orientations are packed in one call.
     """
 
     mx_gemm: str = "rowwise"
@@ -79,6 +89,7 @@ class MXConfig(NamedTuple):
     recomputed: bool = False
     pack_apart: bool = False
     repack_input: bool = False
+    held_cols: bool = False
 
     @property
     def granularity(self) -> FoldGranularity:
@@ -96,6 +107,13 @@ def _pack(x, cfg: MXConfig, blocks_outside_window, *, row=True, col=True, prolog
     # a recomputed call stays the opaque op, which the selective-recompute policy recognises
     rd, rs, cd, cs, sums = mx_operands(x, aux, blocks_outside_window, row, col, cfg.granularity.value,
                                        cfg.hadamard, prologue, colsum, erefs, inline=not cfg.recomputed)
+    return Operand(rd, rs), Operand(cd, cs), sums
+
+
+def _pack_held(x, cfg: MXConfig, counter, held, headroom: int, colsum: bool = False):
+    """`_pack`'s both orientations with the col windows at `held`'s e_ref (`mx_operands_held`), which
+    then holds x's own maxima."""
+    rd, rs, cd, cs, sums = mx_operands_held(x, held, counter, headroom, cfg.hadamard, colsum)
     return Operand(rd, rs), Operand(cd, cs), sums
 
 
@@ -223,12 +241,15 @@ def _weight_col(saved, cfg: MXConfig, blocks_outside_window, *, repacked: bool, 
 class _MXLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig, w_erefs, w_row_data, w_row_scale,
-                w_col_data, w_col_scale):
+                w_col_data, w_col_scale, x_held=None, dy_held=None):
         counter = _forward_counter(blocks_outside_window, cfg)
         ctx.x_repacked = cfg.repack_input and weight.requires_grad
         if ctx.x_repacked:  # Xᵀ packed in backward from x itself, with x's e_ref from here (`_repack_erefs`)
             erefs = _repack_erefs(x, cfg)
             x_row, x_saved = _pack(x, cfg, counter, col=False, erefs=erefs)[0], (x, erefs, None)
+        elif x_held is not None and weight.requires_grad:
+            x_row, x_col, _ = _pack_held(x, cfg, counter, x_held, HELD_HEADROOM["x"])
+            x_saved = _stash(x_col, cfg)
         else:
             x_row, x_col = (_pack_apart(x, cfg, counter) if _packs_apart(x, cfg, weight.requires_grad)
                             else _pack(x, cfg, counter, col=weight.requires_grad)[:2])
@@ -246,6 +267,7 @@ class _MXLinear(torch.autograd.Function):
         ctx.save_for_backward(*x_saved, *w_saved)
         ctx.cfg, ctx.blocks_outside_window, ctx.w_erefs = cfg, blocks_outside_window, w_erefs
         ctx.w_dtype, ctx.b_dtype = weight.dtype, None if bias is None else bias.dtype
+        ctx.dy_held = dy_held
         return y
 
     @staticmethod
@@ -254,8 +276,12 @@ class _MXLinear(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         cfg = ctx.cfg
         dy = dy.contiguous()
-        dy_row, dy_col, dbias = _pack(dy, cfg, ctx.blocks_outside_window, row=need_x, col=need_w,
-                                      colsum=need_b and ctx.b_dtype is not None)
+        colsum = need_b and ctx.b_dtype is not None
+        if ctx.dy_held is not None and need_x and need_w:
+            dy_row, dy_col, dbias = _pack_held(dy, cfg, ctx.blocks_outside_window, ctx.dy_held, HELD_HEADROOM["dy"],
+                                               colsum)
+        else:
+            dy_row, dy_col, dbias = _pack(dy, cfg, ctx.blocks_outside_window, row=need_x, col=need_w, colsum=colsum)
         # each saved operand is expanded right before the GEMM that reads it (one at a time alive)
         if need_x:
             w_col = _weight_col(saved[3:6], cfg, ctx.blocks_outside_window, repacked=ctx.w_repacked,
@@ -270,19 +296,22 @@ class _MXLinear(torch.autograd.Function):
         else:
             dw = None
         db = dbias.to(ctx.b_dtype) if need_b and ctx.b_dtype is not None else None
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None
 
 
-def mx_linear(x, weight, bias, blocks_outside_window, cfg: MXConfig, weight_operands=None, weight_erefs=None):
+def mx_linear(x, weight, bias, blocks_outside_window, cfg: MXConfig, weight_operands=None, weight_erefs=None,
+              held=None):
     """Y = X·Wᵀ + b in MXFP6 for bf16 2-D `x`; `blocks_outside_window` (int64 [1]) collects the
     count of blocks outside the fold window, in place. From the optimizer step, for the weight's
     current values (`mxflux.nn.weight_state`): `weight_operands`, its row-granularity operands (row
     data, row scale, col data, col scale; the col pair None where the step keeps the rows alone, and
     backward then packs Wᵀ from `weight` with `weight_erefs`), used as they are instead of packing
     `weight`; or `weight_erefs`, its e_ref, with which the packer skips its first pass. The gradients
-    are computed as without them."""
+    are computed as without them. `held` (`cfg.held_cols`): the int32 e_ref of x's and of dY's columns
+    from the last call (e_ref + 128, 0 for none), which the packers encode those col operands against
+    and then overwrite with the tensors' own."""
     w = (None,) * 4 if weight_operands is None else weight_operands
-    return _MXLinear.apply(x, weight, bias, blocks_outside_window, cfg, weight_erefs, *w)
+    return _MXLinear.apply(x, weight, bias, blocks_outside_window, cfg, weight_erefs, *w, *(held or (None, None)))
 
 
 class _FrozenMXLinear(torch.autograd.Function):

@@ -97,6 +97,14 @@ class MXFP6Linear(nn.Linear):
         # What the optimizer step keeps of the weight between steps, attached by its owner
         # (`mxflux.nn.weight_state.MXWeightState`): the e_ref, the packed operands, and the weight's
         # version they were computed from. Plain tensors; None: forward packs the weight itself.
+        # The last call's e_ref of the input's and of the output gradient's columns (e_ref + 128, 0 for
+        # none), which `cfg.held_cols` packs those col operands against (`mx_linear`'s `held`). Not in
+        # the state dict: a model loaded or resumed starts from none (its first step re-encodes every
+        # column against its own e_ref).
+        self.register_buffer("x_col_erefs", torch.zeros(self.in_features, dtype=torch.int32,
+                                                        device=self.weight.device), persistent=False)
+        self.register_buffer("dy_col_erefs", torch.zeros(self.out_features, dtype=torch.int32,
+                                                         device=self.weight.device), persistent=False)
         self.weight_erefs: torch.Tensor | None = None
         self.weight_operands: tuple[torch.Tensor, ...] | None = None
         self.weight_state_version: int | tuple[int, int] | None = None  # `weight_version` of the weight
@@ -118,6 +126,13 @@ class MXFP6Linear(nn.Linear):
             return None, None
         return self.weight_erefs, self.weight_operands
 
+    def holds_col_erefs(self) -> bool:
+        """Whether forward and backward pack X and dY against the kept column e_ref (`cfg.held_cols`):
+        the row granularity, and a forward that runs once (one recomputed in backward would see the
+        e_ref its first run left, and pack otherwise)."""
+        cfg = self.cfg
+        return cfg.held_cols and cfg.granularity is FoldGranularity.ROWWISE and not cfg.recomputed
+
     def compute_params(self, x: torch.Tensor):
         """(x in bf16, the dtype every MX GEMM takes its inputs in; weight; bias). The parameters
         go in their own dtype, which the Function returns their gradients in."""
@@ -129,15 +144,17 @@ class MXFP6Linear(nn.Linear):
                 f"MXFP6Linear: input's last dimension is {x.shape[-1]}, expected {self.in_features}")
         x2, lead = as_2d(x)
         erefs, operands = self.kept_weight_state()
-        y = mx_linear(*self.compute_params(x2), self.blocks_outside_window, self.cfg, operands, erefs)
+        held = (self.x_col_erefs, self.dy_col_erefs) if self.holds_col_erefs() else None
+        y = mx_linear(*self.compute_params(x2), self.blocks_outside_window, self.cfg, operands, erefs, held)
         return y.reshape(*lead, self.out_features).to(output_dtype(x))
 
     def extra_repr(self) -> str:
         saved = "" if self.cfg.saved_operands == "e4m3" else f", saved_operands={self.cfg.saved_operands}"
         repack = ", repack_weights=True" if self.cfg.repack_weights else ""
         recomputed = ", recomputed=True" if self.cfg.recomputed else ""
+        held = ", held_cols=True" if self.cfg.held_cols else ""
         return (f"{super().extra_repr()}, mx_gemm={self.cfg.mx_gemm}, hadamard={self.cfg.hadamard}{saved}{repack}"
-                f"{recomputed}")
+                f"{recomputed}{held}")
 
 
 def weight_version(p: torch.Tensor) -> int | tuple[int, int]:

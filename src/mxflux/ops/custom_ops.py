@@ -45,6 +45,8 @@ from ..kernels import (HAS_TRITON, compact_operand_cuda, cpu_kernel_available, e
 from ..kernels.gemm import DEFER_MIN_DIM, DEFER_MIN_TOKENS, DEFER_SCALES
 from ..kernels.operands_cuda import mx_erefs_cuda, weight_exponents_cuda
 from ..kernels.operands_inline import inline_packable, mx_operands_cuda_inline
+from ..kernels.operands_onepass import mx_operands_onepass_cuda
+from ..kernels.operands_plan import counts_in_place
 from ..kernels.triton_common import interpreting
 from ..kernels.weight_erefs import buffer_words as eref_buffer_words
 from ..kernels.weight_erefs import rows_and_columns as eref_rows_and_columns
@@ -57,7 +59,7 @@ from ..mx.scaled_gemm import scaled_gemm_reference
 
 __all__ = ["DEFER_MIN_DIM", "DEFER_MIN_TOKENS", "DEFER_SCALES", "FORCE_REFERENCE", "INLINE_GEMM", "INLINE_PACK", "compact_operand",
            "eref_buffer_words", "eref_rows_and_columns",
-           "expand_operand", "frozen_weight_col", "mx_erefs", "mx_erefs_op", "mx_operands", "mx_operands_inline", "mx_operands_op", "scaled_gemm",
+           "expand_operand", "frozen_weight_col", "mx_erefs", "mx_erefs_op", "mx_operands", "mx_operands_held", "mx_operands_inline", "mx_operands_op", "scaled_gemm",
            "scaled_gemm_op", "static_kernel_launch", "static_launch_on", "use_kernels", "weight_exponents",
            "weight_exponents_available"]
 
@@ -112,6 +114,8 @@ _LIB.define("mx_operands(Tensor x, Tensor? aux, Tensor(a!) blocks_outside_window
 _LIB.define("scaled_gemm(Tensor a_data, Tensor a_scale, Tensor b_data, Tensor b_scale, str granularity, "
             "Tensor? bias, ScalarType out_dtype) -> Tensor")
 _LIB.define("mx_erefs(Tensor x, bool hadamard) -> Tensor")
+_LIB.define("mx_operands_held(Tensor x, Tensor(a!) held, Tensor(b!) blocks_outside_window, int headroom, "
+            "bool hadamard, bool colsum) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 _LIB.define("compact_operand(Tensor data) -> (Tensor, Tensor)")
 _LIB.define("expand_operand(Tensor packed, Tensor shifts) -> Tensor")
 _LIB.define("frozen_weight_col(Tensor row_data, Tensor row_scale, Tensor column_scale, str granularity) -> (Tensor, Tensor)")
@@ -212,6 +216,41 @@ mx_erefs_op = _register("mx_erefs", _mx_erefs, _mx_erefs_fake)
 def mx_erefs(x: torch.Tensor, hadamard: bool) -> torch.Tensor:
     """The opaque op `torch.ops.mxflux.mx_erefs` (`_mx_erefs`' contract)."""
     return mx_erefs_op(x, hadamard)
+
+
+def _mx_operands_held(x: torch.Tensor, held: torch.Tensor, blocks_outside_window: torch.Tensor, headroom: int,
+                      hadamard: bool, colsum: bool) -> tuple[torch.Tensor, ...]:
+    """Both row-granularity operands of x (bf16 [R, C], no prologue), its columns' fold windows
+    placed at the predicted e_ref `held` (int32 [C], e_ref + 128 per column or 0 for none) raised by
+    `headroom` binades wherever that holds the column (`mx_operands_reference(..., col_held=,
+    col_headroom=)`), and x's own column maxima then written into `held`: the next call's prediction.
+    On CUDA one read of x (`mx_operands_onepass_cuda`); elsewhere the reference. Outputs as
+    `mx_operands`' (row and col always; colsum empty unless asked); blocks outside the window added
+    to `blocks_outside_window`."""
+    if use_kernels(x):
+        direct = counts_in_place(blocks_outside_window, x.device)  # (else added below)
+        p, new, _ = mx_operands_onepass_cuda(x, held, headroom=headroom, hadamard=hadamard, colsum=colsum,
+                                             counter=blocks_outside_window if direct else None)
+        if not direct:
+            blocks_outside_window.add_(p.blocks_outside_window.reshape(blocks_outside_window.shape))
+    else:
+        p = mx_operands_reference(x, hadamard=hadamard, colsum=colsum, col_held=held, col_headroom=headroom)
+        new = rowwise_erefs_reference(x, hadamard=hadamard)[1]
+        blocks_outside_window.add_(p.blocks_outside_window.reshape(blocks_outside_window.shape))
+    held.copy_(new)
+    return p.row_data, p.row_scale, p.col_data, p.col_scale, _empty(x.device) if p.colsum is None else p.colsum
+
+
+def _mx_operands_held_fake(x, held, blocks_outside_window, headroom, hadamard, colsum):
+    r, c = x.shape
+    rp = padded_rows(r)
+    fp8 = torch.float8_e4m3fn
+    return (x.new_empty(r, c, dtype=fp8), x.new_empty(r, 1, dtype=torch.float32), x.new_empty(c, rp, dtype=fp8),
+            x.new_empty(c, 1, dtype=torch.float32),
+            x.new_empty(c, dtype=torch.float32) if colsum else x.new_empty(0, dtype=_EMPTY_DTYPE))
+
+
+mx_operands_held = _register("mx_operands_held", _mx_operands_held, _mx_operands_held_fake)
 
 
 # `mxflux::mx_operands` without a prologue, for compiled regions on CUDA: traced, its body

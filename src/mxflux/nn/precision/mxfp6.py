@@ -51,6 +51,12 @@ class MXFP6Options(BaseModel):
     # CUDA graphs, no checkpointing that runs forward again: `train.build.rows_release_off`). The same
     # bits with or without (tests/gpu/test_weight_erefs.py).
     release_weight_rows: bool = True
+    # The MXFP6Linears' input and output gradient packed in one read each (not two): the weight
+    # gradient's operands, Xᵀ and dYᵀ, encoded against each column's e_ref from the last step, a binade
+    # or two above it (`nn.functional.HELD_HEADROOM`), and the columns that outgrew it re-encoded. The
+    # same values inside the fold window; the window itself sits that much higher, so a few more blocks
+    # fall below it (rounded, and counted in blocks_outside_window). docs/design.md, "The one-pass packer".
+    held_col_erefs: bool = False
 
 
 def _mlp_activation(module: nn.Module) -> str | None:
@@ -73,7 +79,8 @@ class MXFP6Converter(PrecisionConverter):
     repack_weights (backward packs Wᵀ again from the parameter instead of keeping it from forward),
     weight_exponents_in_optimizer / weight_operands_in_optimizer (the optimizer step writes the
     weights' e_ref / packed operands for the next forward), kept_weight_cols (those operands include
-    Wᵀ, or backward packs it from the parameter).
+    Wᵀ, or backward packs it from the parameter), held_col_erefs (X and dY packed in one read each,
+    their columns against the last step's e_ref).
     """
 
     name = "mxfp6"
@@ -104,6 +111,10 @@ class MXFP6Converter(PrecisionConverter):
             if name not in done:
                 replace_module(model, name, MXFP6Linear.from_linear(linear, **mx))
                 done[name] = "mxfp6"
+        if self.cfg.held_col_erefs:
+            for m in model.modules():
+                if isinstance(m, MXFP6Linear):
+                    m.cfg = m.cfg._replace(held_cols=True)
         return done
 
     def optimizer_state_off(self, model: nn.Module) -> str | None:

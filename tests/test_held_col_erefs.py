@@ -1,0 +1,127 @@
+"""The columns' e_ref held from the last call (`precision.held_col_erefs`, `MXConfig.held_cols`): the
+weight gradient's operands Xᵀ and dYᵀ encoded against a prediction, on the CPU (the reference packer;
+the CUDA one-pass packer is held to the same reference bit for bit in tests/gpu/test_operands_onepass.py).
+
+What must hold: the fold places a column's window at the prediction only where it holds the column
+(at or above its largest block), with the same values inside it; a layer gives the same outputs and
+gradients as without while every block stays inside the window, keeps its inputs' and gradients' own
+column maxima for the next call, and packs against them there (seen in the bytes of its col operand
+and in the blocks it counts outside the window); the recipe switch reaches every MXFP6Linear.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxflux.mx import FoldGranularity, mx_operands_reference, quantize
+from mxflux.mx.fold import fold_to_e4m3
+from mxflux.mx.operands import rowwise_erefs_reference
+from mxflux.nn import MXFP6Linear
+from mxflux.nn.functional import HELD_HEADROOM
+from mxflux.nn.precision import PrecisionConfig, apply_precision
+
+
+def _x(gen, r=64, c=96, spread=0):
+    x = torch.randn(r, c, generator=gen)
+    if spread:  # columns over `spread` binades, so that some blocks sit far below their column's largest
+        x = x * torch.exp2(torch.randint(-spread, 1, (r // 32, c), generator=gen).float()).repeat_interleave(32, 0)
+    return x.bfloat16()
+
+
+def test_the_fold_places_the_window_only_where_the_prediction_holds(gen):
+    x = _x(gen)
+    mx = quantize(x.t().contiguous(), "e2m3", axis=1)
+    own = rowwise_erefs_reference(x)[1]
+    data, scale, _ = fold_to_e4m3(mx)
+    # one binade above every column: the scale doubles, the values stay
+    d2, s2, _ = fold_to_e4m3(mx, held=own, headroom=1)
+    assert torch.equal(s2, 2 * scale) and torch.equal(d2.float() * s2, data.float() * scale)
+    assert not torch.equal(d2.view(torch.uint8), data.view(torch.uint8))
+    # one binade below every column does not hold it: each keeps its own e_ref; so does "none held" (0)
+    for held in (own - 1, torch.zeros_like(own)):
+        d3, s3, _ = fold_to_e4m3(mx, held=held.to(torch.int32))
+        assert torch.equal(d3.view(torch.uint8), data.view(torch.uint8)) and torch.equal(s3, scale)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(held=torch.zeros(95, dtype=torch.int32)), r"held: expected int32 \(96,\)"),
+    (dict(held=torch.zeros(96, dtype=torch.int64)), r"held: expected int32 \(96,\)"),
+    (dict(held=torch.zeros(96, dtype=torch.int32), granularity=FoldGranularity.BLOCKWISE),
+     "held: a predicted e_ref is for the row granularity"),
+])
+def test_a_bad_prediction_is_refused_by_name(gen, bad, message):
+    mx = quantize(_x(gen, r=128).t().contiguous(), "e2m3", axis=1)
+    with pytest.raises(ValueError, match=message):
+        fold_to_e4m3(mx, **bad)
+
+
+def _pair(gen, held: bool):
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    a = MXFP6Linear(96, 64)
+    b = MXFP6Linear(96, 64)
+    b.load_state_dict(a.state_dict())
+    if held:
+        a.cfg = a.cfg._replace(held_cols=True)
+    return a, b
+
+
+def _step(layer, x, gy):
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    y.backward(gy)
+    grads = (x.grad, layer.weight.grad, layer.bias.grad)
+    layer.weight.grad = layer.bias.grad = None
+    return y, grads
+
+
+def test_a_held_layer_trains_as_the_exact_one_while_its_blocks_stay_in_the_window(gen):
+    held, plain = _pair(gen, True)
+    for step in range(3):
+        x, gy = _x(gen), _x(gen, c=64)
+        y, g = _step(held, x, gy)
+        y0, g0 = _step(plain, x, gy)
+        assert torch.equal(y, y0)
+        for a, b in zip(g, g0):
+            assert torch.equal(a, b), step
+        # what the next call predicts from: this call's own column maxima, of X and of dY
+        assert torch.equal(held.x_col_erefs, rowwise_erefs_reference(x)[1])
+        assert torch.equal(held.dy_col_erefs, rowwise_erefs_reference(gy)[1])
+        assert int(held.blocks_outside_window) == int(plain.blocks_outside_window) == 0
+    assert torch.equal(plain.x_col_erefs, torch.zeros_like(plain.x_col_erefs))  # the plain layer keeps none
+
+
+def test_the_next_call_packs_against_what_the_last_one_kept(gen, monkeypatch):
+    """The window placed above a column's own largest block by the headroom: where a column spreads
+    over more binades than the exact window minus the headroom, blocks fall below it and are counted.
+    The same input twice: the first call has no prediction (exact fold, the plain layer's count), the
+    second packs against the first's maxima raised by the headroom (more blocks outside)."""
+    held, plain = _pair(gen, True)
+    x, gy = _x(gen, spread=14), _x(gen, c=64)
+    counts = []
+    for _ in range(2):
+        before = int(held.blocks_outside_window)
+        _step(held, x, gy)
+        counts.append(int(held.blocks_outside_window) - before)
+    _step(plain, x, gy)
+    exact = int(plain.blocks_outside_window)
+    assert counts[0] == exact and counts[1] > exact
+    # ... which is the reference packer given that prediction
+    want = mx_operands_reference(x, col_held=rowwise_erefs_reference(x)[1], col_headroom=HELD_HEADROOM["x"])
+    dy_want = mx_operands_reference(gy, col_held=rowwise_erefs_reference(gy)[1], col_headroom=HELD_HEADROOM["dy"])
+    assert counts[1] - exact == (int(want.blocks_outside_window) + int(dy_want.blocks_outside_window)
+                                 - int(mx_operands_reference(x).blocks_outside_window)
+                                 - int(mx_operands_reference(gy).blocks_outside_window))
+
+
+def test_the_recipe_switch_reaches_every_mx_linear_and_recompute_turns_it_off():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(128, 64))
+    holder = torch.nn.Sequential(model, torch.nn.Linear(64, 96))
+    apply_precision(holder, PrecisionConfig(fp6="e2m3", fused_mlp="off", held_col_erefs=True, include=("*",)))
+    layers = [m for m in holder.modules() if isinstance(m, MXFP6Linear)]
+    assert len(layers) == 3 and all(m.cfg.held_cols and m.holds_col_erefs() for m in layers)
+    layers[0].cfg = layers[0].cfg._replace(recomputed=True)
+    assert not layers[0].holds_col_erefs()
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 96))
+    apply_precision(plain, PrecisionConfig(fp6="e2m3", include=("*",)))
+    assert not plain[0].cfg.held_cols
