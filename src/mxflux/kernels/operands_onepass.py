@@ -46,7 +46,8 @@ __all__ = ["ONEPASS_WARPS", "mx_operands_onepass_cuda", "onepass_constexprs"]
 
 _NB = 8  # row blocks per row of a tile: tiles of 32 x 256, one row block and one column block per thread
 ONEPASS_WARPS = 8
-_FIX_BR, _FIX_NB = 128, 2  # the fix-up kernel's tiles: the two-pass packer's (128 x 64)
+_FIX_BR, _FIX_NB = 128, 2
+_COLMAX_BLOCK, _COLMAX_WARPS = 512, 4  # the fix-up kernel's tiles: the two-pass packer's (128 x 64)
 _SHIFT_E2M3 = get_format("e2m3").fold_shift
 
 if HAS_TRITON:
@@ -122,7 +123,7 @@ if HAS_TRITON:
     def _onepass_kernel(
         x_ptr, stride_x, R, C, Rp,
         row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, colsum_ptr, outside_ptr,
-        held_ptr, new_ptr, rexp_ptr, n_stripes, n_prog,
+        held_ptr, cmax_ptr, rexp_ptr, n_stripes, n_prog,
         HEADROOM: tl.constexpr, DO_COLSUM: tl.constexpr, HADAMARD: tl.constexpr, HW: tl.constexpr,
         NB: tl.constexpr, PAIRS: tl.constexpr,
     ):
@@ -145,12 +146,18 @@ if HAS_TRITON:
             row0 = s * BR
             rows = row0 + rr
             rmax = tl.zeros([NB, BR], dtype=tl.int32)
-            tn = _load_rows(x_ptr, row0, stride_x, R, C, 0, r2, c2)
+            # Each stripe starts its walk at another tile (by its index), so that the programs running
+            # at once do not all write the same columns' sums; walk 2 goes back the other way, from the
+            # tiles walk 1 wrote last (the likeliest still in L2).
+            start = (s % n_chunks) * BC
+            last = (n_chunks - 1) * BC  # the last tile's first column
+            tn = _load_rows(x_ptr, row0, stride_x, R, C, start, r2, c2)
+            col0 = start
             # ---------------- walk 1: read x once; rows against their own blocks, columns against `held`
-            for ch in range(0, n_chunks):
-                col0 = ch * BC
+            for i in range(0, n_chunks):
                 t = tn
-                tn = _load_rows(x_ptr, row0, stride_x, R, C, col0 + BC, r2, c2)  # masked off past C
+                nxt = tl.where(col0 == last, 0, col0 + BC)
+                tn = _load_rows(x_ptr, row0, stride_x, R, C, tl.where(i + 1 < n_chunks, nxt, C), r2, c2)
                 ys, ab = _rotate_amax(_blocks_of_rows(t, BR, NB, HW), HADAMARD)  # [NB, BR] per block
                 e, bad, live = _block_info(ab)
                 rmax = tl.maximum(rmax, tl.where(live, e + 128, 0))
@@ -171,7 +178,9 @@ if HAS_TRITON:
                     tl.atomic_add(colsum_ptr + cols[None, :], csum, mask=cols[None, :] < C, sem="relaxed")
                 ys, ab = _rotate_amax(xc, HADAMARD)  # [1, BC] per block
                 e, bad, live = _block_info(ab)
-                tl.atomic_max(new_ptr + cols[None, :], e + 128, mask=live & (cols[None, :] < C), sem="relaxed")
+                # the stripe's block exponent per column (its one block there): `_colmax_kernel` takes the maxima
+                tl.store(cmax_ptr + s * C + cols[None, :], tl.where(live, e, _DEAD).to(tl.int8),
+                         mask=cols[None, :] < C)
                 e_ref, _ = _predicted(held_ptr, cols, C, HEADROOM)
                 col_cnt += (live & ((e - e_ref) < -_WINDOW)).to(tl.int32)
                 zl, zh = _word_halves(_encode_words(ys, e, e_ref, bad, HW))
@@ -182,14 +191,15 @@ if HAS_TRITON:
                               tl.permute(zh, (1, 0, 2)), rt3 < Rp, PAIRS, HW)
                 if s == 0:
                     tl.store(col_scale_ptr + cols[None, :], pow2_f32(e_ref - _SHIFT), mask=cols[None, :] < C)
+                col0 = nxt
 
             # ---------------- walk 2: the stripe's row e_ref are known; re-scale its stored bytes
             rm = tl.max(rmax, axis=0)  # [BR]
             e_row = tl.where(rm > 0, rm - 128, 0)
             tl.store(row_scale_ptr + rows, pow2_f32(e_row - _SHIFT), mask=rows < R)
             tl.debug_barrier()  # walk 1's stores, by other threads of this program, are visible to walk 2
-            for ch in range(0, n_chunks):
-                col0 = ch * BC
+            col0 = tl.where(start == 0, last, start - BC)  # the tile walk 1 wrote last
+            for j in range(0, n_chunks):
                 wm = (r2 + row0 < R) & (col0 + 4 * w2 < C)
                 wo = (row0 + r2).to(tl.int64) * (C // 4) + col0 // 4 + w2
                 w = tl.load(row_words + wo, mask=wm, other=0)  # [BR, BC/4]
@@ -200,9 +210,20 @@ if HAS_TRITON:
                 row_cnt += ((eb != _DEAD) & (d < -_WINDOW)).to(tl.int32)
                 dw = tl.reshape(tl.broadcast_to(d[:, :, None], (BR, NB, _BLOCK // 4)), (BR, BC // 4))
                 tl.store(row_words + wo, _rescale_words(w, dw, HW), mask=wm)
+                col0 = tl.where(col0 == 0, last, col0 - BC)
 
         total = tl.sum(tl.sum(row_cnt, axis=1), axis=0) + tl.sum(tl.sum(col_cnt, axis=1), axis=0)
         tl.atomic_add(outside_ptr, total.to(tl.int64), sem="relaxed")
+
+    @triton.jit(do_not_specialize=["n_stripes"])
+    def _colmax_kernel(cmax_ptr, new_ptr, n_stripes, C, BLOCK: tl.constexpr):
+        """Each column's largest live block exponent over the stripes' bytes (e + 128, 0 for none): a
+        read of 1/32 of x's elements, where atomic maxima from every stripe serialised on each column."""
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = tl.full([BLOCK], -128, dtype=tl.int32)
+        for s in range(0, n_stripes):
+            m = tl.maximum(m, tl.load(cmax_ptr + s * C + cols, mask=cols < C, other=-128).to(tl.int32))
+        tl.store(new_ptr + cols, tl.where(m > _DEAD, m + 128, 0), mask=cols < C)
 
     @triton.jit(do_not_specialize=["R", "n_row_tiles", "n_prog_r"])
     def _fixup_kernel(
@@ -254,7 +275,8 @@ def onepass_constexprs() -> dict:
     return dict(NB=_NB, PAIRS=True)
 
 
-_PAIRS_HOLD: dict[str, bool] = {}  # compiled kernel (its hash) -> its block stores may go by lane pairs
+_PAIRS_HOLD: dict[str, bool] = {}
+_PAIRS_BY_META: dict[tuple, bool] = {}  # the answer per constexprs, so that a call does not look the kernel up  # compiled kernel (its hash) -> its block stores may go by lane pairs
 
 
 def mx_operands_onepass_cuda(
@@ -309,7 +331,7 @@ def mx_operands_onepass_cuda(
     if _poison:  # tests: 0xFF bytes are NaN in fp32 and E4M3, so an unwritten element shows
         for t in (row_data, row_scale, col_data, col_scale):
             t.view(torch.uint8).fill_(0xFF)
-    new = torch.zeros(C, dtype=torch.int32, device=dev)
+    new = (torch.empty if Rp else torch.zeros)(C, dtype=torch.int32, device=dev)  # (`_colmax_kernel` writes it)
     fixed = torch.zeros(1, dtype=torch.int32, device=dev)
     sums = torch.zeros(C, dtype=torch.float32, device=dev) if colsum else None
     outside = counter if counter is not None else torch.zeros((), dtype=torch.int64, device=dev)
@@ -318,15 +340,18 @@ def mx_operands_onepass_cuda(
         col_scale.copy_(pow2_any(e_ref - _SHIFT_E2M3)[:, None])
         return MXOperands(row_data, row_scale, col_data, col_scale, sums, outside), new, fixed
     rexp = torch.empty((R, C // MX_BLOCK), dtype=torch.int8, device=dev)
+    cmax = torch.empty((Rp // MX_BLOCK, C), dtype=torch.int8, device=dev)
 
     n_stripes = Rp // MX_BLOCK
     sms = num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 4
     args = (x, x.stride(0), R, C, Rp, row_data, row_scale, col_data, col_scale,
-            sums if colsum else new, outside, held, new, rexp)
+            sums if colsum else new, outside, held, cmax, rexp)
     meta = dict(HEADROOM=headroom, DO_COLSUM=colsum, HADAMARD=hadamard, HW=hw, NB=_NB)
     grid = (min(n_stripes, 2 * sms),)
     pairs = _pairs_hold(args + (n_stripes, grid[0]), grid, meta) if hw else True
     _onepass_kernel[grid](*args, n_stripes, grid[0], PAIRS=pairs, **meta, **launch_options(ONEPASS_WARPS))
+    _colmax_kernel[(-(-C // _COLMAX_BLOCK),)](cmax, new, n_stripes, C, BLOCK=_COLMAX_BLOCK,
+                                              **launch_options(_COLMAX_WARPS))
 
     n_strips = -(-C // (_FIX_NB * MX_BLOCK))
     n_rt = -(-Rp // _FIX_BR)
@@ -342,6 +367,9 @@ def _pairs_hold(args, grid, meta) -> bool:
     `_paired_stores_hold`: the layout is the compiler's choice, read from its TTGIR)."""
     if interpreting():
         return True
+    key = tuple(sorted(meta.items()))  # (pointers and row lengths are 16-byte aligned at every launch)
+    if key in _PAIRS_BY_META:
+        return _PAIRS_BY_META[key]
     compiled = _onepass_kernel.warmup(*args, grid=grid, PAIRS=True, **meta, **launch_options(ONEPASS_WARPS))
     key = getattr(compiled, "hash", None)
     hold = _PAIRS_HOLD.get(key) if key is not None else None
@@ -350,4 +378,5 @@ def _pairs_hold(args, grid, meta) -> bool:
         hold = len(found) == 2 and all(found)
         if key is not None:
             _PAIRS_HOLD[key] = hold
+    _PAIRS_BY_META[tuple(sorted(meta.items()))] = hold
     return hold
