@@ -413,8 +413,8 @@ def test_the_row_packers_main_loop_issues_the_arithmetic_of_its_design_and_littl
 def test_the_one_pass_packer_compiles_and_issues_about_three_quarters_of_the_two_passes(colsum, walk1_budget):
     """The one-pass packer (`mx_operands_onepass_cuda`) is worth its complexity only in issue: its two walks
     over a stripe (walk 1 one tile per trip, as pass 2 encodes it; walk 2 re-scaling the rows' bytes) issue
-    1229 instructions per tile and thread where the two passes issue 557 + 1059 (1265 against 1650 with
-    column sums). It stores both orientations by lane pairs, in the layout the pair swap needs, with the
+    1082 + 148 instructions per tile and thread where the two passes issue 557 + 1059 (1116 + 148 against
+    557 + 1093 with column sums). It stores both orientations by lane pairs, in the layout the pair swap needs, with the
     hardware's FP8 conversions and no flush-to-zero arithmetic."""
     census = _census_module()
     try:

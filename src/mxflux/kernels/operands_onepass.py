@@ -13,10 +13,12 @@ pass 1 is half of pass 2's instructions again. Here:
   registers. After the walk the stripe's e_ref are known, and a second walk re-scales the stored
   bytes by 2^(e_block − e_ref) (decode, one f16x2 multiply, encode: the fold's own last steps, so
   the same bytes as encoding against e_ref at once). That walk reads what the program has just
-  written, mostly from L2, and issues a fraction of the instructions of a second rotation.
+  written (from L2 where the stripe's bytes still are) and issues a seventh of the instructions of a
+  second pass.
 - **Columns.** Every column block lies inside one stripe; only the column's e_ref is global. It
   is taken from the caller's prediction `held` (the last step's maxima, raised by `headroom`
-  binades), and the pass records each column's true maximum (atomic max) as it goes. A column
+  binades), and the pass records each column's block exponent per stripe (a byte), which a small
+  kernel reduces to the columns' true maxima. A column
   the prediction does not hold (none given, or a block above it) is encoded again by the fix-up
   kernel against its own maximum, which reads only the column strips that have such a column
   (all return at once otherwise).
