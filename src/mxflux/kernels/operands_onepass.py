@@ -37,7 +37,7 @@ from ..mx.constants import MX_BLOCK
 from ..mx.fold import pow2_any
 from ..mx.formats import get_format
 from ..mx.operands import MXOperands, padded_rows
-from .operands_plan import check_input, counts_in_place
+from .operands_plan import check_input, counts_in_place, resident_programs
 from .triton_common import HAS_TRITON, PAIR_SHUFFLE_ASM, interpreting, lane_pair_shuffles_hold, launch_options, \
     num_sms
 
@@ -46,10 +46,12 @@ if MX_BLOCK != 32:
 
 __all__ = ["ONEPASS_WARPS", "mx_operands_onepass_cuda", "onepass_constexprs"]
 
-_NB = 8  # row blocks per row of a tile: tiles of 32 x 256, one row block and one column block per thread
-ONEPASS_WARPS = 8
-_FIX_BR, _FIX_NB = 128, 2
-_COLMAX_BLOCK, _COLMAX_WARPS = 512, 4  # the fix-up kernel's tiles: the two-pass packer's (128 x 64)
+# Tiles of 32 x 128, one row block and one column block per thread: 122 registers, four programs of 4
+# warps per SM (tiles of 32 x 256 on 8 warps took 168 registers: one program per SM)
+_NB = 4
+ONEPASS_WARPS = 4
+_FIX_BR, _FIX_NB, _FIX_WARPS = 128, 2, 8  # the fix-up kernel's tiles and warps: the two-pass packer's
+_COLMAX_BLOCK, _COLMAX_WARPS = 512, 4
 _SHIFT_E2M3 = get_format("e2m3").fold_shift
 
 if HAS_TRITON:
@@ -277,8 +279,7 @@ def onepass_constexprs() -> dict:
     return dict(NB=_NB, PAIRS=True)
 
 
-_PAIRS_HOLD: dict[str, bool] = {}
-_PAIRS_BY_META: dict[tuple, bool] = {}  # the answer per constexprs, so that a call does not look the kernel up  # compiled kernel (its hash) -> its block stores may go by lane pairs
+_SHAPE_BY_META: dict[tuple, tuple[bool, int]] = {}  # `_launch_shape`'s answer per constexprs  # compiled kernel (its hash) -> its block stores may go by lane pairs
 
 
 def mx_operands_onepass_cuda(
@@ -349,36 +350,38 @@ def mx_operands_onepass_cuda(
     args = (x, x.stride(0), R, C, Rp, row_data, row_scale, col_data, col_scale,
             sums if colsum else new, outside, held, cmax, rexp)
     meta = dict(HEADROOM=headroom, DO_COLSUM=colsum, HADAMARD=hadamard, HW=hw, NB=_NB)
-    grid = (min(n_stripes, 2 * sms),)
-    pairs = _pairs_hold(args + (n_stripes, grid[0]), grid, meta) if hw else True
+    pairs, resident = _launch_shape(args + (n_stripes, n_stripes), (n_stripes,), meta) if hw else (True, 2)
+    grid = (min(n_stripes, resident * sms),)
     _onepass_kernel[grid](*args, n_stripes, grid[0], PAIRS=pairs, **meta, **launch_options(ONEPASS_WARPS))
     _colmax_kernel[(-(-C // _COLMAX_BLOCK),)](cmax, new, n_stripes, C, BLOCK=_COLMAX_BLOCK,
                                               **launch_options(_COLMAX_WARPS))
 
     n_strips = -(-C // (_FIX_NB * MX_BLOCK))
     n_rt = -(-Rp // _FIX_BR)
-    n_prog_r = max(1, min(n_rt, 2 * sms // n_strips))
+    n_prog_r = max(1, min(n_rt, 2 * sms // n_strips))  # (two 8-warp programs per SM, as pass 2)
     _fixup_kernel[(n_strips, n_prog_r)](
         x, x.stride(0), R, C, Rp, col_data, col_scale, outside, fixed, held, new, n_rt, n_prog_r,
-        HEADROOM=headroom, HADAMARD=hadamard, HW=hw, BR=_FIX_BR, NB=_FIX_NB, **launch_options(ONEPASS_WARPS))
+        HEADROOM=headroom, HADAMARD=hadamard, HW=hw, BR=_FIX_BR, NB=_FIX_NB, **launch_options(_FIX_WARPS))
     return MXOperands(row_data, row_scale, col_data, col_scale, sums, outside), new, fixed
 
 
-def _pairs_hold(args, grid, meta) -> bool:
-    """Whether the compiled one-pass kernel may store blocks by lane pairs (`operands_cuda`'s
-    `_paired_stores_hold`: the layout is the compiler's choice, read from its TTGIR)."""
+def _launch_shape(args, grid, meta) -> tuple[bool, int]:
+    """(whether the compiled one-pass kernel may store blocks by lane pairs, programs of it one SM
+    holds), once per constexprs. Lane pairs: `operands_cuda`'s `_paired_stores_hold` (the layout is the
+    compiler's choice, read from its TTGIR). Programs per SM: from its registers and shared memory
+    (`resident_programs`), so that the persistent grid is one full wave (at 8 warps and 168 registers an
+    SM held one program, and a grid of two per SM ran in two waves)."""
     if interpreting():
-        return True
+        return True, 2
     key = tuple(sorted(meta.items()))  # (pointers and row lengths are 16-byte aligned at every launch)
-    if key in _PAIRS_BY_META:
-        return _PAIRS_BY_META[key]
+    if key in _SHAPE_BY_META:
+        return _SHAPE_BY_META[key]
     compiled = _onepass_kernel.warmup(*args, grid=grid, PAIRS=True, **meta, **launch_options(ONEPASS_WARPS))
-    key = getattr(compiled, "hash", None)
-    hold = _PAIRS_HOLD.get(key) if key is not None else None
-    if hold is None:
-        found = lane_pair_shuffles_hold(compiled.asm["ttgir"], PAIR_SHUFFLE_ASM)
-        hold = len(found) == 2 and all(found)
-        if key is not None:
-            _PAIRS_HOLD[key] = hold
-    _PAIRS_BY_META[tuple(sorted(meta.items()))] = hold
-    return hold
+    found = lane_pair_shuffles_hold(compiled.asm["ttgir"], PAIR_SHUFFLE_ASM)
+    try:
+        compiled._init_handles()
+        resident = resident_programs(compiled.n_regs, ONEPASS_WARPS, compiled.metadata.shared)
+    except (AttributeError, RuntimeError):  # another Triton: two, as the two-pass packer's pass 2
+        resident = 2
+    _SHAPE_BY_META[key] = shape = (len(found) == 2 and all(found), resident)
+    return shape
