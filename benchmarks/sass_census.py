@@ -103,7 +103,8 @@ def compile_onepass(colsum: bool = False, headroom: int = 1):
              if ty.startswith("*") or name in ("stride_x", "C", "Rp")}
     src = ASTSource(fn=operands_onepass._onepass_kernel, signature={**_ONEPASS_SIG, **dict.fromkeys(consts, "constexpr")},
                     constexprs=consts, attrs=attrs)
-    options = {"num_warps": operands_onepass.ONEPASS_WARPS, "enable_fp_fusion": False, "enable_reflect_ftz": False}
+    options = {"num_warps": operands_onepass.ONEPASS_WARPS, "enable_fp_fusion": False, "enable_reflect_ftz": False,
+               "maxnreg": operands_onepass.ONEPASS_MAXNREG}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

@@ -44,14 +44,16 @@ from .triton_common import HAS_TRITON, PAIR_SHUFFLE_ASM, interpreting, lane_pair
 if MX_BLOCK != 32:
     raise ImportError(f"operands_onepass: the kernels' register layout is written for MX_BLOCK = 32, got {MX_BLOCK}")
 
-__all__ = ["ONEPASS_WARPS", "mx_operands_onepass_cuda", "onepass_constexprs"]
+__all__ = ["ONEPASS_MAXNREG", "ONEPASS_WARPS", "mx_operands_onepass_cuda", "onepass_constexprs", "onepass_options"]
 
-# Tiles of 32 x 128, one row block and one column block per thread: 122 registers, four programs of 4
-# warps per SM (tiles of 32 x 256 on 8 warps took 168 registers: one program per SM)
+# Tiles of 32 x 128, one row block and one column block per thread, on 4 warps held to 128 registers
+# (ptxas picks 152 without spilling none at 128): four programs per SM (tiles of 32 x 256 on 8 warps took
+# 168 registers: one program per SM)
 _NB = 4
 ONEPASS_WARPS = 4
+ONEPASS_MAXNREG = 128
 _FIX_BR, _FIX_NB, _FIX_WARPS = 128, 2, 8  # the fix-up kernel's tiles and warps: the two-pass packer's
-_COLMAX_BLOCK, _COLMAX_WARPS = 512, 4
+_COLUMNS_BLOCK, _COLUMNS_WARPS = 512, 4
 _SHIFT_E2M3 = get_format("e2m3").fold_shift
 
 if HAS_TRITON:
@@ -142,6 +144,7 @@ if HAS_TRITON:
         nb2 = tl.arange(0, NB)[:, None]
         rest = (tl.arange(0, NB) * (_BLOCK // 4))[None, :, None] + tl.arange(0, 4)[None, None, :]
         w2 = tl.arange(0, BC // 4)[None, :]
+        nb_row = tl.arange(0, NB)[None, :]
         row_words = _as_words(row_data_ptr)
         row_cnt = tl.zeros([BR, NB], dtype=tl.int32)
         col_cnt = tl.zeros([1, BC], dtype=tl.int32)
@@ -150,18 +153,12 @@ if HAS_TRITON:
             row0 = s * BR
             rows = row0 + rr
             rmax = tl.zeros([NB, BR], dtype=tl.int32)
-            # Each stripe starts its walk at another tile (by its index), so that the programs running
-            # at once do not all write the same columns' sums; walk 2 goes back the other way, from the
-            # tiles walk 1 wrote last (the likeliest still in L2).
-            start = (s % n_chunks) * BC
-            last = (n_chunks - 1) * BC  # the last tile's first column
-            tn = _load_rows(x_ptr, row0, stride_x, R, C, start, r2, c2)
-            col0 = start
+            tn = _load_rows(x_ptr, row0, stride_x, R, C, 0, r2, c2)
             # ---------------- walk 1: read x once; rows against their own blocks, columns against `held`
-            for i in range(0, n_chunks):
+            for ch in range(0, n_chunks):
+                col0 = ch * BC
                 t = tn
-                nxt = tl.where(col0 == last, 0, col0 + BC)
-                tn = _load_rows(x_ptr, row0, stride_x, R, C, tl.where(i + 1 < n_chunks, nxt, C), r2, c2)
+                tn = _load_rows(x_ptr, row0, stride_x, R, C, col0 + BC, r2, c2)  # masked off past C
                 ys, ab = _rotate_amax(_blocks_of_rows(t, BR, NB, HW), HADAMARD)  # [NB, BR] per block
                 e, bad, live = _block_info(ab)
                 rmax = tl.maximum(rmax, tl.where(live, e + 128, 0))
@@ -175,14 +172,14 @@ if HAS_TRITON:
 
                 cols = col0 + tl.arange(0, BC)
                 xc = _col_blocks(t, 1, BC, HW)
-                if DO_COLSUM:
+                if DO_COLSUM:  # the stripe's sum per column, added up in order by `_columns_kernel`
                     csum = xc[0]
                     for j in tl.static_range(1, _BLOCK):
                         csum += xc[j]
-                    tl.atomic_add(colsum_ptr + cols[None, :], csum, mask=cols[None, :] < C, sem="relaxed")
+                    tl.store(colsum_ptr + s * C + cols[None, :], csum, mask=cols[None, :] < C)
                 ys, ab = _rotate_amax(xc, HADAMARD)  # [1, BC] per block
                 e, bad, live = _block_info(ab)
-                # the stripe's block exponent per column (its one block there): `_colmax_kernel` takes the maxima
+                # the stripe's block exponent per column (its one block there): `_columns_kernel` takes the maxima
                 tl.store(cmax_ptr + s * C + cols[None, :], tl.where(live, e, _DEAD).to(tl.int8),
                          mask=cols[None, :] < C)
                 e_ref, _ = _predicted(held_ptr, cols, C, HEADROOM)
@@ -195,39 +192,48 @@ if HAS_TRITON:
                               tl.permute(zh, (1, 0, 2)), rt3 < Rp, PAIRS, HW)
                 if s == 0:
                     tl.store(col_scale_ptr + cols[None, :], pow2_f32(e_ref - _SHIFT), mask=cols[None, :] < C)
-                col0 = nxt
 
-            # ---------------- walk 2: the stripe's row e_ref are known; re-scale its stored bytes
+            # ---------------- walk 2: the stripe's row e_ref are known; re-scale its stored bytes, from the
+            # tile walk 1 wrote last back to the first (the likeliest still in L2 first)
             rm = tl.max(rmax, axis=0)  # [BR]
             e_row = tl.where(rm > 0, rm - 128, 0)
             tl.store(row_scale_ptr + rows, pow2_f32(e_row - _SHIFT), mask=rows < R)
             tl.debug_barrier()  # walk 1's stores, by other threads of this program, are visible to walk 2
-            col0 = tl.where(start == 0, last, start - BC)  # the tile walk 1 wrote last
+            stripe_words = row_words + row0.to(tl.int64) * (C // 4)
+            stripe_exps = rexp_ptr + row0.to(tl.int64) * KB
+            rmask = row0 + r2 < R
             for j in range(0, n_chunks):
-                wm = (r2 + row0 < R) & (col0 + 4 * w2 < C)
-                wo = (row0 + r2).to(tl.int64) * (C // 4) + col0 // 4 + w2
-                w = tl.load(row_words + wo, mask=wm, other=0)  # [BR, BC/4]
-                kb = col0 // _BLOCK + tl.arange(0, NB)[None, :]
-                eb = tl.load(rexp_ptr + (row0 + r2).to(tl.int64) * KB + kb, mask=(row0 + r2 < R) & (kb < KB),
-                             other=_DEAD).to(tl.int32)  # [BR, NB]
+                col0 = (n_chunks - 1 - j) * BC
+                wm = rmask & (col0 + 4 * w2 < C)
+                wo = r2 * (C // 4) + col0 // 4 + w2
+                w = tl.load(stripe_words + wo, mask=wm, other=0)  # [BR, BC/4]
+                kb = col0 // _BLOCK + nb_row
+                eb = tl.load(stripe_exps + r2 * KB + kb, mask=rmask & (kb < KB), other=_DEAD).to(tl.int32)  # [BR, NB]
                 d = eb - e_row[:, None]
                 row_cnt += ((eb != _DEAD) & (d < -_WINDOW)).to(tl.int32)
                 dw = tl.reshape(tl.broadcast_to(d[:, :, None], (BR, NB, _BLOCK // 4)), (BR, BC // 4))
-                tl.store(row_words + wo, _rescale_words(w, dw, HW), mask=wm)
-                col0 = tl.where(col0 == 0, last, col0 - BC)
+                tl.store(stripe_words + wo, _rescale_words(w, dw, HW), mask=wm)
 
         total = tl.sum(tl.sum(row_cnt, axis=1), axis=0) + tl.sum(tl.sum(col_cnt, axis=1), axis=0)
         tl.atomic_add(outside_ptr, total.to(tl.int64), sem="relaxed")
 
     @triton.jit(do_not_specialize=["n_stripes"])
-    def _colmax_kernel(cmax_ptr, new_ptr, n_stripes, C, BLOCK: tl.constexpr):
-        """Each column's largest live block exponent over the stripes' bytes (e + 128, 0 for none): a
-        read of 1/32 of x's elements, where atomic maxima from every stripe serialised on each column."""
+    def _columns_kernel(cmax_ptr, new_ptr, part_ptr, colsum_ptr, n_stripes, C, DO_COLSUM: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        """Per column, over the stripes' records: the largest live block exponent (e + 128, 0 for none) and,
+        with DO_COLSUM, the sum of the stripes' sums in stripe order (the same bits every run). A read of
+        1/32 of x's elements (1/8 with the sums), where atomics from every stripe on the same columns
+        serialised."""
         cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = tl.full([BLOCK], -128, dtype=tl.int32)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
         for s in range(0, n_stripes):
             m = tl.maximum(m, tl.load(cmax_ptr + s * C + cols, mask=cols < C, other=-128).to(tl.int32))
+            if DO_COLSUM:
+                acc += tl.load(part_ptr + s * C + cols, mask=cols < C, other=0.0)
         tl.store(new_ptr + cols, tl.where(m > _DEAD, m + 128, 0), mask=cols < C)
+        if DO_COLSUM:
+            tl.store(colsum_ptr + cols, acc, mask=cols < C)
 
     @triton.jit(do_not_specialize=["R", "n_row_tiles", "n_prog_r"])
     def _fixup_kernel(
@@ -277,6 +283,12 @@ if HAS_TRITON:
 def onepass_constexprs() -> dict:
     """The one-pass kernel's compile-time tile (what the ahead-of-time compile tests build)."""
     return dict(NB=_NB, PAIRS=True)
+
+
+def onepass_options() -> dict:
+    """The one-pass kernel's compile options (none under the interpreter)."""
+    opts = launch_options(ONEPASS_WARPS)
+    return {**opts, "maxnreg": ONEPASS_MAXNREG} if opts else opts
 
 
 _SHAPE_BY_META: dict[tuple, tuple[bool, int]] = {}  # `_launch_shape`'s answer per constexprs  # compiled kernel (its hash) -> its block stores may go by lane pairs
@@ -334,9 +346,9 @@ def mx_operands_onepass_cuda(
     if _poison:  # tests: 0xFF bytes are NaN in fp32 and E4M3, so an unwritten element shows
         for t in (row_data, row_scale, col_data, col_scale):
             t.view(torch.uint8).fill_(0xFF)
-    new = (torch.empty if Rp else torch.zeros)(C, dtype=torch.int32, device=dev)  # (`_colmax_kernel` writes it)
+    new = (torch.empty if Rp else torch.zeros)(C, dtype=torch.int32, device=dev)  # (`_columns_kernel` writes it)
     fixed = torch.zeros(1, dtype=torch.int32, device=dev)
-    sums = torch.zeros(C, dtype=torch.float32, device=dev) if colsum else None
+    sums = (torch.empty if Rp else torch.zeros)(C, dtype=torch.float32, device=dev) if colsum else None
     outside = counter if counter is not None else torch.zeros((), dtype=torch.int64, device=dev)
     if Rp == 0:  # no block anywhere: every column's e_ref is the held one, or 0
         e_ref = torch.where((held > 0) & (held < 256), (held - 128 + headroom).clamp(max=127), 0)
@@ -344,17 +356,19 @@ def mx_operands_onepass_cuda(
         return MXOperands(row_data, row_scale, col_data, col_scale, sums, outside), new, fixed
     rexp = torch.empty((R, C // MX_BLOCK), dtype=torch.int8, device=dev)
     cmax = torch.empty((Rp // MX_BLOCK, C), dtype=torch.int8, device=dev)
+    parts = torch.empty((Rp // MX_BLOCK, C), dtype=torch.float32, device=dev) if colsum else None
 
     n_stripes = Rp // MX_BLOCK
     sms = num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 4
     args = (x, x.stride(0), R, C, Rp, row_data, row_scale, col_data, col_scale,
-            sums if colsum else new, outside, held, cmax, rexp)
+            parts if colsum else new, outside, held, cmax, rexp)
     meta = dict(HEADROOM=headroom, DO_COLSUM=colsum, HADAMARD=hadamard, HW=hw, NB=_NB)
     pairs, resident = _launch_shape(args + (n_stripes, n_stripes), (n_stripes,), meta) if hw else (True, 2)
     grid = (min(n_stripes, resident * sms),)
-    _onepass_kernel[grid](*args, n_stripes, grid[0], PAIRS=pairs, **meta, **launch_options(ONEPASS_WARPS))
-    _colmax_kernel[(-(-C // _COLMAX_BLOCK),)](cmax, new, n_stripes, C, BLOCK=_COLMAX_BLOCK,
-                                              **launch_options(_COLMAX_WARPS))
+    _onepass_kernel[grid](*args, n_stripes, grid[0], PAIRS=pairs, **meta, **onepass_options())
+    _columns_kernel[(-(-C // _COLUMNS_BLOCK),)](cmax, new, parts if colsum else new, sums if colsum else new,
+                                                n_stripes, C, DO_COLSUM=colsum, BLOCK=_COLUMNS_BLOCK,
+                                                **launch_options(_COLUMNS_WARPS))
 
     n_strips = -(-C // (_FIX_NB * MX_BLOCK))
     n_rt = -(-Rp // _FIX_BR)
@@ -376,7 +390,7 @@ def _launch_shape(args, grid, meta) -> tuple[bool, int]:
     key = tuple(sorted(meta.items()))  # (pointers and row lengths are 16-byte aligned at every launch)
     if key in _SHAPE_BY_META:
         return _SHAPE_BY_META[key]
-    compiled = _onepass_kernel.warmup(*args, grid=grid, PAIRS=True, **meta, **launch_options(ONEPASS_WARPS))
+    compiled = _onepass_kernel.warmup(*args, grid=grid, PAIRS=True, **meta, **onepass_options())
     found = lane_pair_shuffles_hold(compiled.asm["ttgir"], PAIR_SHUFFLE_ASM)
     try:
         compiled._init_handles()
