@@ -47,7 +47,7 @@ if MX_BLOCK != 32:
 __all__ = ["ONEPASS_MAXNREG", "ONEPASS_WARPS", "mx_operands_onepass_cuda", "onepass_constexprs", "onepass_options"]
 
 # Tiles of 32 x 128, one row block and one column block per thread, on 4 warps held to 128 registers
-# (ptxas picks 152 without spilling none at 128): four programs per SM (tiles of 32 x 256 on 8 warps took
+# (ptxas picks 152; at 128 it spills a few registers once per stripe, none in the walks): four programs per SM (tiles of 32 x 256 on 8 warps took
 # 168 registers: one program per SM)
 _NB = 4
 ONEPASS_WARPS = 4
