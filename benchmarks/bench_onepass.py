@@ -88,14 +88,35 @@ def bench_width(m, c, colsum, headroom, copy_gbs):
         mx_operands_onepass_cuda(xs[nxt()], none, colsum=colsum)
 
     fixed = [int(mx_operands_onepass_cuda(xs[k], last[k], headroom=headroom, colsum=colsum)[2]) for k in range(nbuf)]
+    kernels = {"two_pass": _kernel_times(two), "one_pass": _kernel_times(one)}
     res = {"M": m, "C": c, "colsum": colsum, "buffers": nbuf,
            "two_pass_ms": _bench(two), "one_pass_ms": _bench(one), "first_call_ms": _bench(first),
-           "fixed_columns_steady": fixed}
+           "fixed_columns_steady": fixed, "kernel_us": kernels}
     res["speedup"] = res["two_pass_ms"] / res["one_pass_ms"]
     res["copy_ms"] = 4 * m * c / (copy_gbs * 1e9) * 1e3
     res["one_pass_pct_copy"] = 100 * res["copy_ms"] / res["one_pass_ms"]
     res.update(_bits(xs[0], held[0], headroom, colsum))
     return res
+
+
+def _kernel_times(fn, calls=5):
+    """Device time per kernel name (µs per call, the mean of `calls` calls) under torch's profiler: which of
+    a path's kernels the time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None)
+        t = getattr(evt, "cuda_time_total", 0) if t is None else t
+        if t and "kernel" in evt.key:
+            out[evt.key] = t / calls
+    return out
 
 
 def _bits(x, own, headroom, colsum):
@@ -145,6 +166,8 @@ def main(argv=None) -> int:
             print(f"{name:24} {m:6d} {c:6d} {r['two_pass_ms']:9.3f} {r['one_pass_ms']:9.3f} {r['first_call_ms']:8.3f} "
                   f"{r['speedup']:6.3f} {r['one_pass_pct_copy']:6.1f} {'same' if ok else 'DIFFER'} "
                   f"fixed {max(r['fixed_columns_steady'])}", flush=True)
+            print("    kernels µs:", {path: {k: round(v, 1) for k, v in t.items()} for path, t in r["kernel_us"].items()},
+                  flush=True)
     two = sum(r["two_pass_ms"] for r in rows)
     one = sum(r["one_pass_ms"] for r in rows)
     print(f"sum: two-pass {two:.2f} ms, one-pass {one:.2f} ms ({two / one:.3f}x)")

@@ -53,7 +53,7 @@ _NB = 4
 ONEPASS_WARPS = 4
 ONEPASS_MAXNREG = 128
 _FIX_BR, _FIX_NB, _FIX_WARPS = 128, 2, 8  # the fix-up kernel's tiles and warps: the two-pass packer's
-_COLUMNS_BLOCK, _COLUMNS_WARPS = 512, 4
+_COLUMNS_STRIPES, _COLUMNS_BLOCK, _COLUMNS_WARPS = 32, 64, 4  # a [32, 64] tile of the records per trip
 _SHIFT_E2M3 = get_format("e2m3").fold_shift
 
 if HAS_TRITON:
@@ -219,21 +219,25 @@ if HAS_TRITON:
 
     @triton.jit(do_not_specialize=["n_stripes"])
     def _columns_kernel(cmax_ptr, new_ptr, part_ptr, colsum_ptr, n_stripes, C, DO_COLSUM: tl.constexpr,
-                        BLOCK: tl.constexpr):
+                        BS: tl.constexpr, BLOCK: tl.constexpr):
         """Per column, over the stripes' records: the largest live block exponent (e + 128, 0 for none) and,
-        with DO_COLSUM, the sum of the stripes' sums in stripe order (the same bits every run). A read of
-        1/32 of x's elements (1/8 with the sums), where atomics from every stripe on the same columns
-        serialised."""
-        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        with DO_COLSUM, the sum of the stripes' sums in a fixed order (the same bits every run). A read of
+        1/32 of x's elements (1/8 with the sums), BS stripes at a time, where atomics from every stripe on
+        the same columns serialised."""
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)[None, :]
+        ss = tl.arange(0, BS)[:, None]
         m = tl.full([BLOCK], -128, dtype=tl.int32)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for s in range(0, n_stripes):
-            m = tl.maximum(m, tl.load(cmax_ptr + s * C + cols, mask=cols < C, other=-128).to(tl.int32))
+        for s0 in range(0, n_stripes, BS):
+            mask = (s0 + ss < n_stripes) & (cols < C)
+            off = (s0 + ss) * C + cols
+            m = tl.maximum(m, tl.max(tl.load(cmax_ptr + off, mask=mask, other=-128).to(tl.int32), axis=0))
             if DO_COLSUM:
-                acc += tl.load(part_ptr + s * C + cols, mask=cols < C, other=0.0)
-        tl.store(new_ptr + cols, tl.where(m > _DEAD, m + 128, 0), mask=cols < C)
+                acc += tl.sum(tl.load(part_ptr + off, mask=mask, other=0.0), axis=0)
+        c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(new_ptr + c, tl.where(m > _DEAD, m + 128, 0), mask=c < C)
         if DO_COLSUM:
-            tl.store(colsum_ptr + cols, acc, mask=cols < C)
+            tl.store(colsum_ptr + c, acc, mask=c < C)
 
     @triton.jit(do_not_specialize=["R", "n_row_tiles", "n_prog_r"])
     def _fixup_kernel(
@@ -367,8 +371,8 @@ def mx_operands_onepass_cuda(
     grid = (min(n_stripes, resident * sms),)
     _onepass_kernel[grid](*args, n_stripes, grid[0], PAIRS=pairs, **meta, **onepass_options())
     _columns_kernel[(-(-C // _COLUMNS_BLOCK),)](cmax, new, parts if colsum else new, sums if colsum else new,
-                                                n_stripes, C, DO_COLSUM=colsum, BLOCK=_COLUMNS_BLOCK,
-                                                **launch_options(_COLUMNS_WARPS))
+                                                n_stripes, C, DO_COLSUM=colsum, BS=_COLUMNS_STRIPES,
+                                                BLOCK=_COLUMNS_BLOCK, **launch_options(_COLUMNS_WARPS))
 
     n_strips = -(-C // (_FIX_NB * MX_BLOCK))
     n_rt = -(-Rp // _FIX_BR)
