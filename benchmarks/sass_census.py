@@ -85,7 +85,7 @@ def compile_packer(granularity: str, pass_: int, prologue: str = "none", x_f32: 
 
 _ONEPASS_SIG = {"x_ptr": "*bf16", "stride_x": "i32", "R": "i32", "C": "i32", "Rp": "i32", "row_data_ptr": "*fp8e4nv",
                 "row_scale_ptr": "*fp32", "col_data_ptr": "*fp8e4nv", "col_scale_ptr": "*fp32", "colsum_ptr": "*fp32",
-                "outside_ptr": "*i64", "held_ptr": "*i32", "cmax_ptr": "*i8", "rexp_ptr": "*i8", "n_stripes": "i32",
+                "outside_ptr": "*i64", "held_ptr": "*i32", "cmax_ptr": "*u8", "rexp_ptr": "*i8", "n_stripes": "i32",
                 "n_prog": "i32"}
 
 

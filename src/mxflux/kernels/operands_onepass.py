@@ -179,8 +179,10 @@ if HAS_TRITON:
                     tl.store(colsum_ptr + s * C + cols[None, :], csum, mask=cols[None, :] < C)
                 ys, ab = _rotate_amax(xc, HADAMARD)  # [1, BC] per block
                 e, bad, live = _block_info(ab)
-                # the stripe's block exponent per column (its one block there): `_columns_kernel` takes the maxima
-                tl.store(cmax_ptr + s * C + cols[None, :], tl.where(live, e, _DEAD).to(tl.int8),
+                # the stripe's block exponent per column (its one block there) as e + 128, 0 for none, unsigned:
+                # `_columns_kernel` takes the maxima (Triton 3.6 reduced int8 loads widened to int32 as
+                # unsigned on the H100, e = -1 above e = 0; the interpreter did not)
+                tl.store(cmax_ptr + s * C + cols[None, :], tl.where(live, e + 128, 0).to(tl.uint8),
                          mask=cols[None, :] < C)
                 e_ref, _ = _predicted(held_ptr, cols, C, HEADROOM)
                 col_cnt += (live & ((e - e_ref) < -_WINDOW)).to(tl.int32)
@@ -226,16 +228,16 @@ if HAS_TRITON:
         the same columns serialised."""
         cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)[None, :]
         ss = tl.arange(0, BS)[:, None]
-        m = tl.full([BLOCK], -128, dtype=tl.int32)
+        m = tl.zeros([BLOCK], dtype=tl.int32)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for s0 in range(0, n_stripes, BS):
             mask = (s0 + ss < n_stripes) & (cols < C)
             off = (s0 + ss) * C + cols
-            m = tl.maximum(m, tl.max(tl.load(cmax_ptr + off, mask=mask, other=-128).to(tl.int32), axis=0))
+            m = tl.maximum(m, tl.max(tl.load(cmax_ptr + off, mask=mask, other=0).to(tl.int32), axis=0))
             if DO_COLSUM:
                 acc += tl.sum(tl.load(part_ptr + off, mask=mask, other=0.0), axis=0)
         c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(new_ptr + c, tl.where(m > _DEAD, m + 128, 0), mask=c < C)
+        tl.store(new_ptr + c, m, mask=c < C)
         if DO_COLSUM:
             tl.store(colsum_ptr + c, acc, mask=c < C)
 
@@ -359,7 +361,7 @@ def mx_operands_onepass_cuda(
         col_scale.copy_(pow2_any(e_ref - _SHIFT_E2M3)[:, None])
         return MXOperands(row_data, row_scale, col_data, col_scale, sums, outside), new, fixed
     rexp = torch.empty((R, C // MX_BLOCK), dtype=torch.int8, device=dev)
-    cmax = torch.empty((Rp // MX_BLOCK, C), dtype=torch.int8, device=dev)
+    cmax = torch.empty((Rp // MX_BLOCK, C), dtype=torch.uint8, device=dev)
     parts = torch.empty((Rp // MX_BLOCK, C), dtype=torch.float32, device=dev) if colsum else None
 
     n_stripes = Rp // MX_BLOCK
