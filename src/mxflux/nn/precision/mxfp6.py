@@ -56,7 +56,8 @@ class MXFP6Options(BaseModel):
     # or two above it (`nn.functional.HELD_HEADROOM`), and the columns that outgrew it re-encoded. The
     # same values inside the fold window; the window itself sits that much higher, so a few more blocks
     # fall below it (rounded, and counted in blocks_outside_window). docs/design.md, "The one-pass packer".
-    # Off by default: on an H100 its kernels still take 1.4-1.6x the two passes' time (benchmarks/NOTES.md).
+    # Off by default: on an H100 its kernels are not faster than the two passes (0.87x their speed over the
+    # Flux widths; benchmarks/NOTES.md).
     held_col_erefs: bool = False
 
 
