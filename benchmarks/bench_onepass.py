@@ -132,7 +132,8 @@ def _bits(x, own, headroom, colsum):
     return {"bits_equal_own_maxima": same, "rows_equal_at_headroom": bool(
                 torch.equal(placed.row_data.view(torch.uint8), want.row_data.view(torch.uint8))),
             "col_values_equal_at_headroom": bool(values_col),
-            "outside_two_pass": int(want.blocks_outside_window), "outside_at_headroom": int(placed.blocks_outside_window)}
+            "outside_two_pass": int(want.blocks_outside_window),
+            "outside_at_headroom": int(placed.blocks_outside_window)}
 
 
 def copy_bandwidth():
@@ -166,8 +167,8 @@ def main(argv=None) -> int:
             print(f"{name:24} {m:6d} {c:6d} {r['two_pass_ms']:9.3f} {r['one_pass_ms']:9.3f} {r['first_call_ms']:8.3f} "
                   f"{r['speedup']:6.3f} {r['one_pass_pct_copy']:6.1f} {'same' if ok else 'DIFFER'} "
                   f"fixed {max(r['fixed_columns_steady'])}", flush=True)
-            print("    kernels µs:", {path: {k: round(v, 1) for k, v in t.items()} for path, t in r["kernel_us"].items()},
-                  flush=True)
+            times = {path: {k: round(v, 1) for k, v in t.items()} for path, t in r["kernel_us"].items()}
+            print("    kernels µs:", times, flush=True)
     two = sum(r["two_pass_ms"] for r in rows)
     one = sum(r["one_pass_ms"] for r in rows)
     print(f"sum: two-pass {two:.2f} ms, one-pass {one:.2f} ms ({two / one:.3f}x)")

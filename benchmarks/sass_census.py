@@ -101,8 +101,8 @@ def compile_onepass(colsum: bool = False, headroom: int = 1):
               **operands_onepass.onepass_constexprs()}
     attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(_ONEPASS_SIG.items())
              if ty.startswith("*") or name in ("stride_x", "C", "Rp")}
-    src = ASTSource(fn=operands_onepass._onepass_kernel, signature={**_ONEPASS_SIG, **dict.fromkeys(consts, "constexpr")},
-                    constexprs=consts, attrs=attrs)
+    signature = {**_ONEPASS_SIG, **dict.fromkeys(consts, "constexpr")}
+    src = ASTSource(fn=operands_onepass._onepass_kernel, signature=signature, constexprs=consts, attrs=attrs)
     options = {"num_warps": operands_onepass.ONEPASS_WARPS, "enable_fp_fusion": False, "enable_reflect_ftz": False,
                "maxnreg": operands_onepass.ONEPASS_MAXNREG}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

@@ -47,8 +47,8 @@ if MX_BLOCK != 32:
 __all__ = ["ONEPASS_MAXNREG", "ONEPASS_WARPS", "mx_operands_onepass_cuda", "onepass_constexprs", "onepass_options"]
 
 # Tiles of 32 x 128, one row block and one column block per thread, on 4 warps held to 128 registers
-# (ptxas picks 152; at 128 it spills a few registers once per stripe, none in the walks): four programs per SM (tiles of 32 x 256 on 8 warps took
-# 168 registers: one program per SM)
+# (ptxas picks 152; at 128 it spills a few once per stripe, none in the walks): four programs per SM
+# (tiles of 32 x 256 on 8 warps took 168 registers: one program per SM)
 _NB = 4
 ONEPASS_WARPS = 4
 ONEPASS_MAXNREG = 128
@@ -299,7 +299,7 @@ def onepass_options() -> dict:
     return {**opts, "maxnreg": ONEPASS_MAXNREG} if opts else opts
 
 
-_SHAPE_BY_META: dict[tuple, tuple[bool, int]] = {}  # `_launch_shape`'s answer per constexprs  # compiled kernel (its hash) -> its block stores may go by lane pairs
+_SHAPE_BY_META: dict[tuple, tuple[bool, int]] = {}  # `_launch_shape`'s answer per constexprs
 
 
 def mx_operands_onepass_cuda(

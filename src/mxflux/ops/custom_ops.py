@@ -59,7 +59,8 @@ from ..mx.scaled_gemm import scaled_gemm_reference
 
 __all__ = ["DEFER_MIN_DIM", "DEFER_MIN_TOKENS", "DEFER_SCALES", "FORCE_REFERENCE", "INLINE_GEMM", "INLINE_PACK", "compact_operand",
            "eref_buffer_words", "eref_rows_and_columns",
-           "expand_operand", "frozen_weight_col", "mx_erefs", "mx_erefs_op", "mx_operands", "mx_operands_held", "mx_operands_inline", "mx_operands_op", "scaled_gemm",
+           "expand_operand", "frozen_weight_col", "mx_erefs", "mx_erefs_op", "mx_operands", "mx_operands_held",
+           "mx_operands_inline", "mx_operands_op", "scaled_gemm",
            "scaled_gemm_op", "static_kernel_launch", "static_launch_on", "use_kernels", "weight_exponents",
            "weight_exponents_available"]
 
