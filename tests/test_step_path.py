@@ -59,6 +59,7 @@ def test_the_console_line_counts_graph_breaks_only_where_compiled():
     ([], False, True, "opaque op (the default; MXFLUX_INLINE_PACK=1"),
     ([], True, False, "opaque op (inductor's static launch of user kernels is off"),
     (["model.compile=false"], True, True, "opaque op (model.compile: false)"),
+    (["precision.held_col_erefs=true"], False, True, "opaque op (the default; MXFLUX_INLINE_PACK=1"),
 ])
 def test_the_packers_path_names_what_keeps_them_off_inductors_code(overrides, inline_pack, static, want,
                                                                    monkeypatch):
@@ -79,6 +80,8 @@ def test_the_packers_path_names_what_keeps_them_off_inductors_code(overrides, in
     path = sp.step_path(trainer)
     assert path["mx_packers"].startswith(want)
     assert f"MX packers {path['mx_packers']};" in step_path_line(path)
+    held = "X and dY in one read each, their columns against the last step's e_ref" in path["mx_packers"]
+    assert held == ("precision.held_col_erefs=true" in overrides)
 
 
 @pytest.mark.parametrize("overrides, clip, want", [

@@ -86,6 +86,9 @@ def step_path(trainer) -> dict:
         packers = "inline: the packer kernel launched from inductor's code"
         if cfg.precision.fused_mlp != "off":
             packers += " (the fused MLP's GELU prologues: the opaque op)"
+    if mx and kernels and cfg.precision.held_col_erefs:
+        packers += ("; the MXFP6Linears' X and dY in one read each, their columns against the last step's e_ref "
+                    "(precision.held_col_erefs: the opaque op mx_operands_held)")
     if mx and kernels and CUTE_GEMM.kinds and cfg.precision.mx_gemm == "rowwise":  # eager and compiled alike
         kinds = ",".join(sorted(CUTE_GEMM.kinds))
         which = (f"of >= {CUTE_GEMM.min_tokens} tokens" if CUTE_GEMM.min_tokens else f"computing {kinds}")
