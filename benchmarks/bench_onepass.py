@@ -136,6 +136,26 @@ def _bits(x, own, headroom, colsum):
             "outside_at_headroom": int(placed.blocks_outside_window)}
 
 
+def _profile_one(shape: str, headroom: int) -> int:
+    """Launch `_pack_kernel` (pass 1, pass 2), then `_onepass_kernel`, once each on one X, its prediction its own
+    maxima (no column to fix up): what `ncu -k regex:"_pack_kernel|_onepass_kernel" -c 3` captures in order."""
+    from mxflux.kernels import mx_operands_cuda, mx_operands_onepass_cuda
+    from mxflux.mx.operands import rowwise_erefs_reference
+
+    try:
+        m, c = (int(v) for v in shape.split(","))
+    except ValueError:
+        print(f"bench_onepass: --profile-one: expected M,C (two integers), got {shape!r}", file=sys.stderr)
+        return 2
+    x = _inputs(m, c, 1)[0]
+    own = rowwise_erefs_reference(x)[1]  # (torch ops: no kernel of the captured names)
+    mx_operands_cuda(x)
+    mx_operands_onepass_cuda(x, own, headroom=headroom)
+    torch.cuda.synchronize()
+    print(f"profiled X [{m}, {c}]: the two passes, then the one-pass kernel")
+    return 0
+
+
 def copy_bandwidth():
     n = 1 << 30
     a = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
@@ -149,10 +169,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for bench_onepass.json")
     ap.add_argument("--headroom", type=int, default=1, help="binades above the last call's maxima (default 1)")
     ap.add_argument("--quick", action="store_true", help="one shape")
+    ap.add_argument("--profile-one", metavar="M,C", help="for Nsight Compute (`gpu_run.sh ncuonepass`): pack one "
+                    "X [M, C] by the two passes, then by the one-pass kernel, once each, and nothing else")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_onepass: needs a CUDA device", file=sys.stderr)
         return 2
+    if args.profile_one:
+        return _profile_one(args.profile_one, args.headroom)
     copy_gbs = copy_bandwidth()
     rows = []
     widths = WIDTHS[:1] if args.quick else WIDTHS

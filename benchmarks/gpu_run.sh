@@ -11,6 +11,8 @@
 # kernels      benchmarks/bench_kernels.py: every packer and GEMM at the Flux-12B shapes
 # onepass      benchmarks/bench_onepass.py: the one-pass row packer against the two-pass one at every Flux
 #              activation and gradient width, M = 16384 and 32768, bits checked ($OUT/bench_onepass.json; ONEPASS_ARGS)
+# ncuonepass   Nsight Compute on the two passes and the one-pass kernel, X at NCU_ONEPASS_SHAPES (default
+#              "32768,3072 32768,12288"): DRAM bytes, L2 hit rates, stalls; $OUT/ncu_onepass_MxC.txt
 # layers       benchmarks/bench_layers.py: MXFP6Linear / FusedMXFP6MLP / peer vs bf16
 # layerprofile per-kernel times of single linears (LAYER_PROFILE="proj 16384 proj 32768")
 # convergence  benchmarks/convergence.py: bf16 vs MXFP6, same seed, width 768
@@ -117,6 +119,17 @@ for stage in "$@"; do
     onepass)
       timeout ${ONEPASS_TIMEOUT:-300} python3 benchmarks/bench_onepass.py --out "$OUT" ${ONEPASS_ARGS:-} 2>&1 |
         grep -v "^W11" | tail -24 ;;
+    ncuonepass)
+      for shape in ${NCU_ONEPASS_SHAPES:-32768,3072 32768,12288}; do
+        f="$OUT/ncu_onepass_${shape/,/x}.txt"
+        timeout ${NCU_TIMEOUT:-250} ncu --clock-control none -k "regex:_pack_kernel|_onepass_kernel" -c 3 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+          --section SchedulerStats --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
+          python3 benchmarks/bench_onepass.py --profile-one "$shape" > "$f" 2>&1
+        echo "ncu $shape rc $?"
+        grep -E "_pack_kernel|_onepass_kernel|Duration|DRAM Throughput|dram__bytes|hit_rate|Registers Per|Achieved Occ" \
+          "$f" | head -40
+      done ;;
     layerprofile)  # per-kernel time of single linears' fwd+bwd (LAYER_PROFILE="proj 16384 qkv 32768 ...")
       set -- ${LAYER_PROFILE:-proj 16384 proj 32768}; a=()
       while [ $# -ge 2 ]; do a+=(--profile "$1" "$2"); shift 2; done

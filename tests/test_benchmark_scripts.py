@@ -309,6 +309,19 @@ def test_sass_census_counts_the_longest_loop_by_opcode_and_kind(tmp_path, monkey
     assert counts["kinds"] == {"arithmetic": 3, "memory": 1, "integer and layout": 1, "control": 1}
     with pytest.raises(ValueError, match="no backward branch"):
         census.main_loop(listing[:3])
+    # the loops holding no other loop (the one-pass packer's two walks): here the inner one alone
+    assert census.inner_loops(listing) == [census.main_loop(listing[:8])]
+    assert census.inner_loops(listing[:3]) == []
+
+
+def test_onepass_bench_says_what_it_needs_without_a_gpu(tmp_path):
+    """benchmarks/bench_onepass.py on a CPU machine: one line naming what it needs, exit 2, no JSON."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_onepass.py"), "--out", str(tmp_path),
+                        "--profile-one", "64,96"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == "bench_onepass: needs a CUDA device"
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.slow
