@@ -138,34 +138,31 @@ def opcode(instruction: str) -> str:
     return text.split()[0].split(".")[0] if text else ""
 
 
-def main_loop(instructions: list[tuple[int, str]]) -> list[str]:
-    """The instructions of the longest loop: from the target of a backward branch to that branch.
-    In the packers that is the persistent programs' walk over their row tiles (one tile per trip)."""
-    best = (0, 0, -1)
+def _loop_spans(instructions: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first, last) index of every loop: from the target of a backward branch to that branch."""
+    spans = []
     for i, (addr, text) in enumerate(instructions):
-        if opcode(text) != "BRA":
-            continue
-        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
-        if not m:
-            continue
-        target = int(m.group(1), 16)
-        if target < addr:
-            start = next(j for j, (a, _) in enumerate(instructions) if a >= target)
-            if i - start + 1 > best[0]:
-                best = (i - start + 1, start, i)
-    if best[0] == 0:
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text) if opcode(text) == "BRA" else None
+        if m and int(m.group(1), 16) < addr:
+            target = int(m.group(1), 16)
+            spans.append((next(j for j, (a, _) in enumerate(instructions) if a >= target), i))
+    return spans
+
+
+def main_loop(instructions: list[tuple[int, str]]) -> list[str]:
+    """The instructions of the longest loop. In the packers that is the persistent programs' walk over
+    their row tiles (one tile per trip)."""
+    spans = _loop_spans(instructions)
+    if not spans:
         raise ValueError("no backward branch in this kernel: no loop to count")
-    return [text for _, text in instructions[best[1]:best[2] + 1]]
+    s, e = max(spans, key=lambda se: se[1] - se[0])  # (the first of equally long ones)
+    return [text for _, text in instructions[s:e + 1]]
 
 
 def inner_loops(instructions: list[tuple[int, str]]) -> list[list[str]]:
     """The instructions of every loop that holds no other loop, in address order: the one-pass packer's
     two walks over a stripe (walk 1 encoding, walk 2 re-scaling the rows)."""
-    spans = []
-    for i, (addr, text) in enumerate(instructions):
-        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text) if opcode(text) == "BRA" else None
-        if m and int(m.group(1), 16) < addr:
-            spans.append((next(j for j, (a, _) in enumerate(instructions) if a >= int(m.group(1), 16)), i))
+    spans = _loop_spans(instructions)
     inner = [(s, e) for s, e in spans if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in spans)]
     return [[text for _, text in instructions[s:e + 1]] for s, e in sorted(inner)]
 

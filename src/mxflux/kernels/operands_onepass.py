@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..mx.constants import MX_BLOCK
-from ..mx.fold import pow2_any
+from ..mx.fold import pow2_any, predicted_erefs
 from ..mx.formats import get_format
 from ..mx.operands import MXOperands, padded_rows
 from .operands_plan import check_input, counts_in_place, resident_programs
@@ -359,8 +359,7 @@ def mx_operands_onepass_cuda(
     sums = (torch.empty if Rp else torch.zeros)(C, dtype=torch.float32, device=dev) if colsum else None
     outside = counter if counter is not None else torch.zeros((), dtype=torch.int64, device=dev)
     if Rp == 0:  # no block anywhere: every column's e_ref is the held one, or 0
-        e_ref = torch.where((held > 0) & (held < 256), (held - 128 + headroom).clamp(max=127), 0)
-        col_scale.copy_(pow2_any(e_ref - _SHIFT_E2M3)[:, None])
+        col_scale.copy_(pow2_any(predicted_erefs(held, headroom)[0] - _SHIFT_E2M3)[:, None])
         return MXOperands(row_data, row_scale, col_data, col_scale, sums, outside), new, fixed
     rexp = torch.empty((R, C // MX_BLOCK), dtype=torch.int8, device=dev)
     cmax = torch.empty((Rp // MX_BLOCK, C), dtype=torch.uint8, device=dev)

@@ -18,7 +18,7 @@ from .formats import code_table
 from .granularity import FoldGranularity
 from .quantize import MXTensor, pow2
 
-__all__ = ["fold_to_e4m3", "pow2_any", "rowwise_erefs"]
+__all__ = ["fold_to_e4m3", "pow2_any", "predicted_erefs", "rowwise_erefs"]
 
 _NO_BLOCK = -(2**20)  # sentinel exponent for zero and NaN blocks: they never set e_ref
 
@@ -98,10 +98,17 @@ def _held_erefs(own: torch.Tensor, held: torch.Tensor, headroom: int, granularit
     if not isinstance(held, torch.Tensor) or held.dtype != torch.int32 or tuple(held.shape) != tuple(lead):
         raise ValueError(f"held: expected int32 {tuple(lead)} (e_ref + 128 per line, 0 for none), got "
                          f"{getattr(held, 'dtype', type(held).__name__)} {tuple(getattr(held, 'shape', ()))}")
-    h = held.to(own.device).unsqueeze(-1)
-    pred = (h - 128 + int(headroom)).clamp(max=127)  # E8M0's largest exponent holds any line
-    holds = (h > 0) & (h < 256) & ((own == _NO_BLOCK) | (own <= pred))  # only e + 128 in [1, 255] is an e_ref
-    return torch.where(holds, pred, own)
+    pred, has = predicted_erefs(held.to(own.device), headroom)
+    pred, has = pred.unsqueeze(-1), has.unsqueeze(-1)
+    return torch.where(has & ((own == _NO_BLOCK) | (own <= pred)), pred, own)
+
+
+def predicted_erefs(held: torch.Tensor, headroom: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the e_ref each held value predicts, 0 where none; whether it predicts one): only e + 128 in [1, 255]
+    is an e_ref, raised by `headroom` binades up to E8M0's largest exponent, which holds any line. What the
+    one-pass packer's kernel computes per column (`kernels.operands_onepass`)."""
+    has = (held > 0) & (held < 256)
+    return torch.where(has, (held - 128 + int(headroom)).clamp(max=127), 0), has
 
 
 def _live_blocks(blk_codes: torch.Tensor, scales: torch.Tensor, f) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
