@@ -85,8 +85,13 @@ def test_the_captured_trainer_trains_as_the_eager_one(tmp_path, recipe):
         assert math.isfinite(c["loss"]) and c["loss"] == pytest.approx(e["loss"], rel=2e-3)
         assert c["grad_norm"] == pytest.approx(e["grad_norm"], rel=2e-2)
     assert rows["captured"][-1]["loss"] != rows["captured"][-2]["loss"]  # the replays see new batches
-    if recipe == "tiny-mxfp6":  # the packers' counters keep counting inside the graph
-        assert captured.blocks_outside_window() == pytest.approx(eager.blocks_outside_window(), abs=2)
+    if recipe == "tiny-mxfp6":
+        # the packers' counters keep counting inside the graph: 5 of the 7 steps are replays (WARMUP_STEPS
+        # eager), so a graph whose counters stood still would read ~2/7 of the eager count. The two trainings
+        # agree only to rounding (the losses above to 2e-3), so the counts need not be equal: an H100 run at
+        # a9fc004 gave 30803 against 30794 (a rerun on the same machine was within 2;
+        # benchmarks/results/gpu_tests1_h100_2026-12-07d.log)
+        assert captured.blocks_outside_window() == pytest.approx(eager.blocks_outside_window(), rel=1e-3)
 
 
 def test_a_captured_step_refuses_a_micro_batch_of_another_shape(tmp_path):
