@@ -61,7 +61,7 @@ def _inputs(m, c, count):
     return out
 
 
-def bench_width(m, c, colsum, headroom, copy_gbs):
+def bench_width(m, c, colsum, headroom, copy_gbs, piece_tiles=()):
     from mxflux.kernels import mx_operands_cuda, mx_operands_onepass_cuda
 
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -93,6 +93,16 @@ def bench_width(m, c, colsum, headroom, copy_gbs):
            "two_pass_ms": _bench(two), "one_pass_ms": _bench(one), "first_call_ms": _bench(first),
            "fixed_columns_steady": fixed, "kernel_us": kernels}
     res["speedup"] = res["two_pass_ms"] / res["one_pass_ms"]
+    # walks that found a piece of their stripe unpublished and read its row maxima from x (the steady state)
+    helped = torch.zeros(1, dtype=torch.int32, device="cuda")
+    mx_operands_onepass_cuda(xs[0], last[0], headroom=headroom, colsum=colsum, _helped=helped)
+    res["helped_walks"] = int(helped)
+    for p in piece_tiles:  # other piece widths (tiles of 128 columns) than the kernel's
+        def one_at(tiles=p):
+            k = nxt()
+            mx_operands_onepass_cuda(xs[k], last[k], headroom=headroom, colsum=colsum, _piece_tiles=tiles)
+
+        res.setdefault("one_pass_ms_by_piece_tiles", {})[p] = _bench(one_at)
     res["copy_ms"] = 4 * m * c / (copy_gbs * 1e9) * 1e3
     res["one_pass_pct_copy"] = 100 * res["copy_ms"] / res["one_pass_ms"]
     res.update(_bits(xs[0], held[0], headroom, colsum))
@@ -169,6 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for bench_onepass.json")
     ap.add_argument("--headroom", type=int, default=1, help="binades above the last call's maxima (default 1)")
     ap.add_argument("--quick", action="store_true", help="one shape")
+    ap.add_argument("--piece-tiles", default="", help="also time the one-pass kernel at these piece widths, tiles "
+                    "of 128 columns (e.g. 1,4,8; the kernel's: ONEPASS_PIECE_TILES)")
     ap.add_argument("--profile-one", metavar="M,C", help="for Nsight Compute (`gpu_run.sh ncuonepass`): pack one "
                     "X [M, C] by the two passes, then by the one-pass kernel, once each, and nothing else")
     args = ap.parse_args(argv)
@@ -177,6 +189,14 @@ def main(argv=None) -> int:
         return 2
     if args.profile_one:
         return _profile_one(args.profile_one, args.headroom)
+    try:
+        piece_tiles = [int(v) for v in args.piece_tiles.split(",") if v.strip()]
+        if any(p < 1 for p in piece_tiles):
+            raise ValueError
+    except ValueError:
+        print(f"bench_onepass: --piece-tiles: expected positive integers separated by commas, got {args.piece_tiles!r}",
+              file=sys.stderr)
+        return 2
     copy_gbs = copy_bandwidth()
     rows = []
     widths = WIDTHS[:1] if args.quick else WIDTHS
@@ -184,7 +204,7 @@ def main(argv=None) -> int:
     print(f"{'tensor':24} {'M':>6} {'C':>6} {'two-pass':>9} {'one-pass':>9} {'first':>8} {'x':>6} {'%copy':>6} bits")
     for m in (MS[:1] if args.quick else MS):
         for name, c, colsum in widths:
-            r = bench_width(m, c, colsum, args.headroom, copy_gbs)
+            r = bench_width(m, c, colsum, args.headroom, copy_gbs, piece_tiles)
             r["tensor"] = name
             rows.append(r)
             ok = all(r["bits_equal_own_maxima"].values()) and r["rows_equal_at_headroom"]
@@ -192,7 +212,8 @@ def main(argv=None) -> int:
                   f"{r['speedup']:6.3f} {r['one_pass_pct_copy']:6.1f} {'same' if ok else 'DIFFER'} "
                   f"fixed {max(r['fixed_columns_steady'])}", flush=True)
             times = {path: {k: round(v, 1) for k, v in t.items()} for path, t in r["kernel_us"].items()}
-            print("    kernels µs:", times, flush=True)
+            print("    kernels µs:", times, "helped", r["helped_walks"],
+                  "by piece tiles", r.get("one_pass_ms_by_piece_tiles", {}), flush=True)
     two = sum(r["two_pass_ms"] for r in rows)
     one = sum(r["one_pass_ms"] for r in rows)
     print(f"sum: two-pass {two:.2f} ms, one-pass {one:.2f} ms ({two / one:.3f}x)")

@@ -85,8 +85,8 @@ def compile_packer(granularity: str, pass_: int, prologue: str = "none", x_f32: 
 
 _ONEPASS_SIG = {"x_ptr": "*bf16", "stride_x": "i32", "R": "i32", "C": "i32", "Rp": "i32", "row_data_ptr": "*fp8e4nv",
                 "row_scale_ptr": "*fp32", "col_data_ptr": "*fp8e4nv", "col_scale_ptr": "*fp32", "colsum_ptr": "*fp32",
-                "outside_ptr": "*i64", "held_ptr": "*i32", "cmax_ptr": "*u8", "rexp_ptr": "*i8", "n_stripes": "i32",
-                "n_prog": "i32"}
+                "outside_ptr": "*i64", "held_ptr": "*i32", "cmax_ptr": "*u8", "rexp_ptr": "*i8", "pmax_ptr": "*u8",
+                "done_ptr": "*i32", "helped_ptr": "*i32", "n_stripes": "i32", "n_prog": "i32"}
 
 
 def compile_onepass(colsum: bool = False, headroom: int = 1):
@@ -160,11 +160,21 @@ def main_loop(instructions: list[tuple[int, str]]) -> list[str]:
 
 
 def inner_loops(instructions: list[tuple[int, str]]) -> list[list[str]]:
-    """The instructions of every loop that holds no other loop, in address order: the one-pass packer's
-    two walks over a stripe (walk 1 encoding, walk 2 re-scaling the rows)."""
+    """The instructions of every loop that holds no other loop, in address order."""
     spans = _loop_spans(instructions)
     inner = [(s, e) for s, e in spans if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in spans)]
     return [[text for _, text in instructions[s:e + 1]] for s, e in sorted(inner)]
+
+
+def onepass_walks(instructions: list[tuple[int, str]]) -> tuple[list[str], list[str]]:
+    """The one-pass packer's walk 1 (its longest loop that holds no other) and walk 2 (the other such loop with
+    conversions: the rows re-scaled); its other inner loops read a stripe's row maxima, published or from x."""
+    loops = inner_loops(instructions)
+    walk1 = max(loops, key=len)
+    walk2 = [w for w in loops if w is not walk1 and any(opcode(t) == "F2FP" for t in w)]
+    if len(walk2) != 1:
+        raise ValueError(f"expected one loop re-scaling the rows beside walk 1, found {len(walk2)}")
+    return walk1, walk2[0]
 
 
 def census(loop: list[str]) -> dict:
@@ -189,7 +199,7 @@ def measure(variants=VARIANTS) -> dict:
                       "column sums": colsum, "kernel": len(everything), **census(main_loop(everything))}
     for colsum in (False, True):
         everything = sass(compile_onepass(colsum).asm["cubin"])
-        walk1, walk2 = inner_loops(everything)
+        walk1, walk2 = onepass_walks(everything)
         rows[f"one-pass walk 1 ({'dY, column sums' if colsum else 'X'})"] = {
             "granularity": "rowwise", "pass": "one", "prologue": "none", "fp32 input": False, "column sums": colsum,
             "kernel": len(everything), **census(walk1)}

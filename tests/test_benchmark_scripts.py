@@ -309,9 +309,11 @@ def test_sass_census_counts_the_longest_loop_by_opcode_and_kind(tmp_path, monkey
     assert counts["kinds"] == {"arithmetic": 3, "memory": 1, "integer and layout": 1, "control": 1}
     with pytest.raises(ValueError, match="no backward branch"):
         census.main_loop(listing[:3])
-    # the loops holding no other loop (the one-pass packer's two walks): here the inner one alone
+    # the loops holding no other loop: here the inner one alone, so no second walk of the one-pass packer
     assert census.inner_loops(listing) == [census.main_loop(listing[:8])]
     assert census.inner_loops(listing[:3]) == []
+    with pytest.raises(ValueError, match="re-scaling the rows beside walk 1, found 0"):
+        census.onepass_walks(listing)
 
 
 def test_onepass_bench_says_what_it_needs_without_a_gpu(tmp_path):

@@ -70,6 +70,27 @@ def test_the_one_pass_packer_is_the_reference_given_the_same_prediction(gen, sha
                 assert int(got.blocks_outside_window) == int(two_pass.blocks_outside_window)
 
 
+@pytest.mark.parametrize("piece_tiles", [1, 2, 3])
+@pytest.mark.parametrize("dist", ["normal", "adversarial"])
+def test_rows_walked_in_pieces_are_the_two_passes_whether_or_not_each_piece_was_published(gen, dist, piece_tiles):
+    """A program walks a piece of a stripe and re-scales its rows a round later, from every piece's row
+    maxima as published or, where a piece's program has not run yet, read from x. Under the interpreter
+    the programs run one after another, so early programs read their stripes' maxima from x and later ones
+    find them published: both ways give the two-pass packer's bytes at every piece width (C = 1568: 13
+    tiles, the last a quarter full)."""
+    x = DISTS[dist](96, 1568, gen, DEVICE)
+    _, cols = rowwise_erefs_reference(x)
+    want = mx_operands_cuda(x)
+    helped = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    got, _, fixed = mx_operands_onepass_cuda(x, cols, _poison=True, _piece_tiles=piece_tiles, _helped=helped)
+    for f in FIELDS:
+        assert_bits_equal(f, getattr(got, f), getattr(want, f))
+    assert int(got.blocks_outside_window) == int(want.blocks_outside_window) and int(fixed) == 0
+    n_items = 3 * -(-13 // piece_tiles)
+    if DEVICE == "cpu":  # (on a GPU the programs run side by side: how often one helps is timing)
+        assert 0 < int(helped) < n_items
+
+
 def test_a_prediction_that_holds_moves_no_value_inside_the_window(gen):
     """Placed one binade high, a column's window still holds every block of a normal tensor: the
     dequantized col operand (data times scale) is the two-pass packer's exactly, while the bytes

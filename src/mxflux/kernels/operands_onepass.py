@@ -7,14 +7,15 @@ values and the first byte: a row's e_ref (its largest block exponent over all C)
 (over all R). Its kernels are bound by instruction issue, not by memory (benchmarks/NOTES.md), and
 pass 1 is half of pass 2's instructions again. Here:
 
-- **Rows.** A program owns a stripe of 32 rows and walks all of C in tiles of 32 x NB·32. Each
-  row block is encoded against its own exponent (d = 0: q·2^5, exact in E4M3 whatever the row's
-  e_ref), stored in place, and its exponent kept in a byte per block; the row maxima accumulate in
-  registers. After the walk the stripe's e_ref are known, and a second walk re-scales the stored
-  bytes by 2^(e_block − e_ref) (decode, one f16x2 multiply, encode: the fold's own last steps, so
-  the same bytes as encoding against e_ref at once). That walk reads what the program has just
-  written (from L2 where the stripe's bytes still are) and issues a seventh of the instructions of a
-  second pass.
+- **Rows.** A stripe of 32 rows is cut into pieces of PIECE_TILES tiles of 32 x NB·32, which the
+  programs take in rounds. Walk 1 encodes each row block of its piece against its own exponent (d = 0:
+  q·2^5, exact in E4M3 whatever the row's e_ref), stores it in place, keeps its exponent in a byte per
+  block, and publishes the piece's row maxima (then counts the piece done, with release semantics). A
+  round later the program re-scales that piece's bytes by 2^(e_block − e_ref) (walk 2: decode, one f16x2
+  multiply, encode: the fold's own last steps, so the same bytes as encoding against e_ref at once), the
+  stripe's e_ref from every piece's published maxima, or from x where a piece is not yet published (no
+  program waits on another). Walk 2 reads bytes written a round before, from L2, and issues a seventh of
+  the instructions of a second pass.
 - **Columns.** Every column block lies inside one stripe; only the column's e_ref is global. It
   is taken from the caller's prediction `held` (the last step's maxima, raised by `headroom`
   binades), and the pass records each column's block exponent per stripe (a byte), which a small
@@ -44,7 +45,8 @@ from .triton_common import HAS_TRITON, PAIR_SHUFFLE_ASM, interpreting, lane_pair
 if MX_BLOCK != 32:
     raise ImportError(f"operands_onepass: the kernels' register layout is written for MX_BLOCK = 32, got {MX_BLOCK}")
 
-__all__ = ["ONEPASS_MAXNREG", "ONEPASS_WARPS", "mx_operands_onepass_cuda", "onepass_constexprs", "onepass_options"]
+__all__ = ["ONEPASS_MAXNREG", "ONEPASS_PIECE_TILES", "ONEPASS_WARPS", "mx_operands_onepass_cuda", "onepass_constexprs",
+           "onepass_options"]
 
 # Tiles of 32 x 128, one row block and one column block per thread, on 4 warps held to 128 registers
 # (ptxas picks 152; at 128 it spills a few once per stripe, none in the walks): four programs per SM
@@ -52,6 +54,11 @@ __all__ = ["ONEPASS_MAXNREG", "ONEPASS_WARPS", "mx_operands_onepass_cuda", "onep
 _NB = 4
 ONEPASS_WARPS = 4
 ONEPASS_MAXNREG = 128
+# A program walks a piece of a stripe, PIECE_TILES tiles wide, and re-scales its row bytes a round later: the
+# bytes in flight between the two walks are programs x 32 x 256 (~9 MB on an H100) where whole stripes of 32 x C
+# were 50 MB (C = 3072) to 350 MB, more than L2 holds: Nsight counted every row byte written out to DRAM and
+# read back (benchmarks/NOTES.md, "Nsight Compute on the one-pass packer")
+ONEPASS_PIECE_TILES = 2
 _FIX_BR, _FIX_NB, _FIX_WARPS = 128, 2, 8  # the fix-up kernel's tiles and warps: the two-pass packer's
 _FIX_PROGRAMS = 32
 # a [128, 32] tile of the records per trip: 8 trips at 32768 rows (32 trips of [32, 64] took 23-104 µs)
@@ -66,6 +73,7 @@ if HAS_TRITON:
         _BLOCK,
         _SHIFT,
         _WINDOW,
+        _amax_only,
         _as_words,
         _block_info,
         _blocks_of_rows,
@@ -127,18 +135,34 @@ if HAS_TRITON:
         has = (v > 0) & (v < 256)
         return tl.where(has, tl.minimum(v - 128 + HEADROOM, 127), 0), has
 
+    @triton.jit
+    def _piece_row_maxima(x_ptr, stride_x, R, C, row0, piece, n_chunks, r2, c2,
+                          HADAMARD: tl.constexpr, HW: tl.constexpr, NB: tl.constexpr, PIECE_TILES: tl.constexpr):
+        """[BR]: e + 128 of each row's largest live block in one piece of a stripe (0 for none), from x (what
+        walk 1 of that piece publishes; read when its program has not published it yet)."""
+        BR: tl.constexpr = _BLOCK
+        BC: tl.constexpr = NB * _BLOCK
+        rmax = tl.zeros([NB, BR], dtype=tl.int32)
+        for ch in range(piece * PIECE_TILES, tl.minimum((piece + 1) * PIECE_TILES, n_chunks)):
+            t = _load_rows(x_ptr, row0, stride_x, R, C, ch * BC, r2, c2)
+            e, _, live = _block_info(_amax_only(_blocks_of_rows(t, BR, NB, HW), HADAMARD))
+            rmax = tl.maximum(rmax, tl.where(live, e + 128, 0))
+        return tl.max(rmax, axis=0)
+
     @triton.jit(do_not_specialize=["R", "n_stripes", "n_prog"])
     def _onepass_kernel(
         x_ptr, stride_x, R, C, Rp,
         row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, colsum_ptr, outside_ptr,
-        held_ptr, cmax_ptr, rexp_ptr, n_stripes, n_prog,
+        held_ptr, cmax_ptr, rexp_ptr, pmax_ptr, done_ptr, helped_ptr, n_stripes, n_prog,
         HEADROOM: tl.constexpr, DO_COLSUM: tl.constexpr, HADAMARD: tl.constexpr, HW: tl.constexpr,
-        NB: tl.constexpr, PAIRS: tl.constexpr,
+        NB: tl.constexpr, PAIRS: tl.constexpr, PIECE_TILES: tl.constexpr,
     ):
         BR: tl.constexpr = _BLOCK  # one column block high
         BC: tl.constexpr = NB * _BLOCK
         KB = C // _BLOCK  # row blocks per row
         n_chunks = tl.cdiv(C, BC)
+        n_pieces = tl.cdiv(n_chunks, PIECE_TILES)  # of a stripe, PIECE_TILES tiles wide
+        n_items = n_stripes * n_pieces
         rr = tl.arange(0, BR)
         r2 = rr[:, None]
         c2 = tl.arange(0, BC)[None, :]
@@ -151,72 +175,109 @@ if HAS_TRITON:
         row_cnt = tl.zeros([BR, NB], dtype=tl.int32)
         col_cnt = tl.zeros([1, BC], dtype=tl.int32)
 
-        for s in range(tl.program_id(0), n_stripes, n_prog):
-            row0 = s * BR
-            rows = row0 + rr
-            rmax = tl.zeros([NB, BR], dtype=tl.int32)
-            tn = _load_rows(x_ptr, row0, stride_x, R, C, 0, r2, c2)
-            # ---------------- walk 1: read x once; rows against their own blocks, columns against `held`
-            for ch in range(0, n_chunks):
-                col0 = ch * BC
-                t = tn
-                tn = _load_rows(x_ptr, row0, stride_x, R, C, col0 + BC, r2, c2)  # masked off past C
-                ys, ab = _rotate_amax(_blocks_of_rows(t, BR, NB, HW), HADAMARD)  # [NB, BR] per block
-                e, bad, live = _block_info(ab)
-                rmax = tl.maximum(rmax, tl.where(live, e + 128, 0))
-                zl, zh = _word_halves(_encode_words(ys, e, e, bad, HW))
-                cblk3 = col0 + (tl.arange(0, NB) * _BLOCK)[None, :, None]
-                _store_blocks(row_words + col0 // 4, row0 + r3, _word_stride(C, s), R, rest,
-                              tl.permute(zl, (1, 0, 2)), tl.permute(zh, (1, 0, 2)), cblk3 < C, PAIRS, HW)
-                kb = col0 // _BLOCK + nb2
-                tl.store(rexp_ptr + rows[None, :].to(tl.int64) * KB + kb, tl.where(live, e, _DEAD).to(tl.int8),
-                         mask=(rows[None, :] < R) & (kb < KB))
+        # Item it = (stripe it // n_pieces, piece it % n_pieces); the programs take them in rounds, so the pieces of a
+        # stripe are walked side by side. Each round: walk 1 of this round's item, then walk 2 of the last round's,
+        # whose stripe's other pieces have most likely published their row maxima by then.
+        prev = -1
+        for it in range(tl.program_id(0), n_items + n_prog, n_prog):
+            if it < n_items:
+                s = it // n_pieces
+                piece = it % n_pieces
+                row0 = s * BR
+                rows = row0 + rr
+                rmax = tl.zeros([NB, BR], dtype=tl.int32)
+                ch0 = piece * PIECE_TILES
+                ch_end = tl.minimum(ch0 + PIECE_TILES, n_chunks)
+                tn = _load_rows(x_ptr, row0, stride_x, R, C, ch0 * BC, r2, c2)
+                # ------------ walk 1: read x once; rows against their own blocks, columns against `held`
+                for ch in range(ch0, ch_end):
+                    col0 = ch * BC
+                    t = tn
+                    # the next tile, masked off past the piece's end by its rows (a bound on the columns that is
+                    # not C took 16-byte loads away: walk 1 spilled)
+                    tn = _load_rows(x_ptr, row0, stride_x, tl.where(ch + 1 < ch_end, R, 0), C, col0 + BC, r2, c2)
+                    ys, ab = _rotate_amax(_blocks_of_rows(t, BR, NB, HW), HADAMARD)  # [NB, BR] per block
+                    e, bad, live = _block_info(ab)
+                    rmax = tl.maximum(rmax, tl.where(live, e + 128, 0))
+                    zl, zh = _word_halves(_encode_words(ys, e, e, bad, HW))
+                    cblk3 = col0 + (tl.arange(0, NB) * _BLOCK)[None, :, None]
+                    _store_blocks(row_words + col0 // 4, row0 + r3, _word_stride(C, s), R, rest,
+                                  tl.permute(zl, (1, 0, 2)), tl.permute(zh, (1, 0, 2)), cblk3 < C, PAIRS, HW)
+                    kb = col0 // _BLOCK + nb2
+                    tl.store(rexp_ptr + rows[None, :].to(tl.int64) * KB + kb,
+                             tl.where(live, e, _DEAD).to(tl.int8), mask=(rows[None, :] < R) & (kb < KB))
 
-                cols = col0 + tl.arange(0, BC)
-                xc = _col_blocks(t, 1, BC, HW)
-                if DO_COLSUM:  # the stripe's sum per column, added up in order by `_columns_kernel`
-                    csum = xc[0]
-                    for j in tl.static_range(1, _BLOCK):
-                        csum += xc[j]
-                    tl.store(colsum_ptr + s * C + cols[None, :], csum, mask=cols[None, :] < C)
-                ys, ab = _rotate_amax(xc, HADAMARD)  # [1, BC] per block
-                e, bad, live = _block_info(ab)
-                # the stripe's block exponent per column (its one block there) as e + 128, 0 for none, unsigned:
-                # `_columns_kernel` takes the maxima (Triton 3.6 reduced int8 loads widened to int32 as
-                # unsigned on the H100, e = -1 above e = 0; the interpreter did not)
-                tl.store(cmax_ptr + s * C + cols[None, :], tl.where(live, e + 128, 0).to(tl.uint8),
-                         mask=cols[None, :] < C)
-                e_ref, _ = _predicted(held_ptr, cols, C, HEADROOM)
-                col_cnt += (live & ((e - e_ref) < -_WINDOW)).to(tl.int32)
-                zl, zh = _word_halves(_encode_words(ys, e, e_ref, bad, HW))
-                ct = col0 + tl.arange(0, BC)[:, None, None]
-                rt3 = row0 + tl.arange(0, 1)[None, :, None] * _BLOCK
-                _store_blocks(_as_words(col_data_ptr), ct, _word_stride(Rp, s), C,
-                              rt3 // 4 + tl.arange(0, 4)[None, None, :], tl.permute(zl, (1, 0, 2)),
-                              tl.permute(zh, (1, 0, 2)), rt3 < Rp, PAIRS, HW)
-                if s == 0:
-                    tl.store(col_scale_ptr + cols[None, :], pow2_f32(e_ref - _SHIFT), mask=cols[None, :] < C)
+                    cols = col0 + tl.arange(0, BC)
+                    xc = _col_blocks(t, 1, BC, HW)
+                    if DO_COLSUM:  # the stripe's sum per column, added up in order by `_columns_kernel`
+                        csum = xc[0]
+                        for j in tl.static_range(1, _BLOCK):
+                            csum += xc[j]
+                        tl.store(colsum_ptr + s * C + cols[None, :], csum, mask=cols[None, :] < C)
+                    ys, ab = _rotate_amax(xc, HADAMARD)  # [1, BC] per block
+                    e, bad, live = _block_info(ab)
+                    # the stripe's block exponent per column (its one block there) as e + 128, 0 for none,
+                    # unsigned: `_columns_kernel` takes the maxima (Triton 3.6 reduced int8 loads widened to
+                    # int32 as unsigned on the H100, e = -1 above e = 0; the interpreter did not)
+                    tl.store(cmax_ptr + s * C + cols[None, :], tl.where(live, e + 128, 0).to(tl.uint8),
+                             mask=cols[None, :] < C)
+                    e_ref, _ = _predicted(held_ptr, cols, C, HEADROOM)
+                    col_cnt += (live & ((e - e_ref) < -_WINDOW)).to(tl.int32)
+                    zl, zh = _word_halves(_encode_words(ys, e, e_ref, bad, HW))
+                    ct = col0 + tl.arange(0, BC)[:, None, None]
+                    rt3 = row0 + tl.arange(0, 1)[None, :, None] * _BLOCK
+                    _store_blocks(_as_words(col_data_ptr), ct, _word_stride(Rp, s), C,
+                                  rt3 // 4 + tl.arange(0, 4)[None, None, :], tl.permute(zl, (1, 0, 2)),
+                                  tl.permute(zh, (1, 0, 2)), rt3 < Rp, PAIRS, HW)
+                    if s == 0:
+                        tl.store(col_scale_ptr + cols[None, :], pow2_f32(e_ref - _SHIFT), mask=cols[None, :] < C)
+                # publish the piece's row maxima: written by every thread, then counted by one (release)
+                tl.store(pmax_ptr + it * BR + rr, tl.max(rmax, axis=0).to(tl.uint8))  # (n_items · 32 < 2^31)
+                tl.debug_barrier()
+                tl.atomic_add(done_ptr + s, 1, sem="release")
 
-            # ---------------- walk 2: the stripe's row e_ref are known; re-scale its stored bytes, from the
-            # tile walk 1 wrote last back to the first (the likeliest still in L2 first)
-            rm = tl.max(rmax, axis=0)  # [BR]
-            e_row = tl.where(rm > 0, rm - 128, 0)
-            tl.store(row_scale_ptr + rows, pow2_f32(e_row - _SHIFT), mask=rows < R)
-            tl.debug_barrier()  # walk 1's stores, by other threads of this program, are visible to walk 2
-            stripe_words = row_words + row0.to(tl.int64) * (C // 4)
-            stripe_exps = rexp_ptr + row0.to(tl.int64) * KB
-            rmask = row0 + r2 < R
-            for j in range(0, n_chunks):
-                col0 = (n_chunks - 1 - j) * BC
-                wm = rmask & (col0 + 4 * w2 < C)
-                wo = r2 * (C // 4) + col0 // 4 + w2
-                w = tl.load(stripe_words + wo, mask=wm, other=0)  # [BR, BC/4]
-                kb = col0 // _BLOCK + nb_row
-                eb = tl.load(stripe_exps + r2 * KB + kb, mask=rmask & (kb < KB), other=_DEAD).to(tl.int32)  # [BR, NB]
-                d = eb - e_row[:, None]
-                row_cnt += ((eb != _DEAD) & (d < -_WINDOW)).to(tl.int32)
-                dw = tl.reshape(tl.broadcast_to(d[:, :, None], (BR, NB, _BLOCK // 4)), (BR, BC // 4))
-                tl.store(stripe_words + wo, _rescale_words(w, dw, HW), mask=wm)
+            if prev >= 0:
+                # ------------ walk 2 of the last round's item: its stripe's row e_ref from every piece's
+                # maxima, as published, or from x where a piece's program has not published them yet (no
+                # program waits on another: none is sure to be running)
+                s = prev // n_pieces
+                piece = prev % n_pieces
+                row0 = s * BR
+                rows = row0 + rr
+                rm = tl.zeros([BR], dtype=tl.int32)
+                if tl.atomic_add(done_ptr + s, 0, sem="acquire") == n_pieces:
+                    base = pmax_ptr + s * n_pieces * BR
+                    p8 = tl.arange(0, 8)[:, None]
+                    for p0 in range(0, n_pieces, 8):
+                        m = tl.load(base + (p0 + p8) * BR + rr[None, :], mask=p0 + p8 < n_pieces, other=0,
+                                    cache_modifier=".cg")
+                        rm = tl.maximum(rm, tl.max(m.to(tl.int32), axis=0))
+                else:
+                    tl.atomic_add(helped_ptr, 1, sem="relaxed")
+                    for pp in range(0, n_pieces):
+                        rm = tl.maximum(rm, _piece_row_maxima(x_ptr, stride_x, R, C, row0, pp, n_chunks, r2, c2,
+                                                              HADAMARD, HW, NB, PIECE_TILES))
+                e_row = tl.where(rm > 0, rm - 128, 0)
+                if piece == 0:
+                    tl.store(row_scale_ptr + rows, pow2_f32(e_row - _SHIFT), mask=rows < R)
+                tl.debug_barrier()  # walk 1's stores, by other threads of this program, are visible here
+                stripe_words = row_words + row0.to(tl.int64) * (C // 4)
+                stripe_exps = rexp_ptr + row0.to(tl.int64) * KB
+                rmask = row0 + r2 < R
+                ch0 = piece * PIECE_TILES
+                ch_end = tl.minimum(ch0 + PIECE_TILES, n_chunks)
+                for j in range(0, ch_end - ch0):  # from the tile walk 1 wrote last back to the first
+                    col0 = (ch_end - 1 - j) * BC
+                    wm = rmask & (col0 + 4 * w2 < C)
+                    wo = r2 * (C // 4) + col0 // 4 + w2
+                    w = tl.load(stripe_words + wo, mask=wm, other=0)  # [BR, BC/4]
+                    kb = col0 // _BLOCK + nb_row
+                    eb = tl.load(stripe_exps + r2 * KB + kb, mask=rmask & (kb < KB), other=_DEAD).to(tl.int32)
+                    d = eb - e_row[:, None]
+                    row_cnt += ((eb != _DEAD) & (d < -_WINDOW)).to(tl.int32)
+                    dw = tl.reshape(tl.broadcast_to(d[:, :, None], (BR, NB, _BLOCK // 4)), (BR, BC // 4))
+                    tl.store(stripe_words + wo, _rescale_words(w, dw, HW), mask=wm)
+            prev = tl.where(it < n_items, it, -1)
 
         total = tl.sum(tl.sum(row_cnt, axis=1), axis=0) + tl.sum(tl.sum(col_cnt, axis=1), axis=0)
         tl.atomic_add(outside_ptr, total.to(tl.int64), sem="relaxed")
@@ -290,7 +351,7 @@ if HAS_TRITON:
 
 def onepass_constexprs() -> dict:
     """The one-pass kernel's compile-time tile (what the ahead-of-time compile tests build)."""
-    return dict(NB=_NB, PAIRS=True)
+    return dict(NB=_NB, PAIRS=True, PIECE_TILES=ONEPASS_PIECE_TILES)
 
 
 def onepass_options() -> dict:
@@ -312,6 +373,8 @@ def mx_operands_onepass_cuda(
     counter: torch.Tensor | None = None,
     _hw: bool | None = None,
     _poison: bool = False,
+    _piece_tiles: int = ONEPASS_PIECE_TILES,
+    _helped: torch.Tensor | None = None,
 ) -> tuple[MXOperands, torch.Tensor, torch.Tensor]:
     """Both row-granularity operands of x (CUDA bf16 [R, C], C a multiple of 32) from one read of it,
     the column orientation against the predicted e_ref `held` (int32 [C] on x's device, e_ref + 128
@@ -322,7 +385,11 @@ def mx_operands_onepass_cuda(
     x's own column maxima, int32 [C] in `held`'s form: the next call's prediction; the number of
     columns the prediction did not hold and the fix-up re-encoded, int32 [1]). No host
     synchronisation. With `counter` (one int64 element on x's device) the blocks outside the window
-    are added into it and it is the operands' count."""
+    are added into it and it is the operands' count.
+
+    For tests and benchmarks: `_piece_tiles`, the width of a program's piece of a stripe in tiles of 128
+    columns; `_helped` (int32 [1]), where the walks that found a piece of their stripe unpublished and read
+    its row maxima from x are counted."""
     hw = (not interpreting()) if _hw is None else bool(_hw)
     if not HAS_TRITON or not (torch.cuda.is_available() or interpreting()):
         raise RuntimeError("mx_operands_onepass_cuda: needs Triton and a CUDA device (or TRITON_INTERPRET=1)")
@@ -361,17 +428,24 @@ def mx_operands_onepass_cuda(
     if Rp == 0:  # no block anywhere: every column's e_ref is the held one, or 0
         col_scale.copy_(pow2_any(predicted_erefs(held, headroom)[0] - _SHIFT_E2M3)[:, None])
         return MXOperands(row_data, row_scale, col_data, col_scale, sums, outside), new, fixed
-    rexp = torch.empty((R, C // MX_BLOCK), dtype=torch.int8, device=dev)
-    cmax = torch.empty((Rp // MX_BLOCK, C), dtype=torch.uint8, device=dev)
-    parts = torch.empty((Rp // MX_BLOCK, C), dtype=torch.float32, device=dev) if colsum else None
-
     n_stripes = Rp // MX_BLOCK
+    n_pieces = -(-C // (_NB * MX_BLOCK * _piece_tiles))
+    rexp = torch.empty((R, C // MX_BLOCK), dtype=torch.int8, device=dev)
+    cmax = torch.empty((n_stripes, C), dtype=torch.uint8, device=dev)
+    parts = torch.empty((n_stripes, C), dtype=torch.float32, device=dev) if colsum else None
+    pmax = torch.empty((n_stripes, n_pieces, MX_BLOCK), dtype=torch.uint8, device=dev)  # each piece's row maxima
+    done = torch.zeros(n_stripes, dtype=torch.int32, device=dev)  # pieces of each stripe that published them
+    helped = _helped if _helped is not None else torch.zeros(1, dtype=torch.int32, device=dev)
+
     sms = num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 4
     args = (x, x.stride(0), R, C, Rp, row_data, row_scale, col_data, col_scale,
-            parts if colsum else new, outside, held, cmax, rexp)
-    meta = dict(HEADROOM=headroom, DO_COLSUM=colsum, HADAMARD=hadamard, HW=hw, NB=_NB)
-    pairs, resident = _launch_shape(args + (n_stripes, n_stripes), (n_stripes,), meta) if hw else (True, 2)
-    grid = (min(n_stripes, resident * sms),)
+            parts if colsum else new, outside, held, cmax, rexp, pmax, done, helped)
+    meta = dict(HEADROOM=headroom, DO_COLSUM=colsum, HADAMARD=hadamard, HW=hw, NB=_NB, PIECE_TILES=_piece_tiles)
+    n_items = n_stripes * n_pieces
+    pairs, resident = _launch_shape(args + (n_stripes, n_items), (n_items,), meta) if hw else (True, 2)
+    # a whole number of stripes per round: a stripe split over two rounds would have its later pieces walked
+    # while its earlier pieces' programs look for their maxima, and those would read x again
+    grid = (min(n_items, max(n_pieces, resident * sms // n_pieces * n_pieces)),)
     _onepass_kernel[grid](*args, n_stripes, grid[0], PAIRS=pairs, **meta, **onepass_options())
     _columns_kernel[(-(-C // _COLUMNS_BLOCK),)](cmax, new, parts if colsum else new, sums if colsum else new,
                                                 n_stripes, C, DO_COLSUM=colsum, BS=_COLUMNS_STRIPES,

@@ -56,8 +56,9 @@ class MXFP6Options(BaseModel):
     # or two above it (`nn.functional.HELD_HEADROOM`), and the columns that outgrew it re-encoded. The
     # same values inside the fold window; the window itself sits that much higher, so a few more blocks
     # fall below it (rounded, and counted in blocks_outside_window). docs/design.md, "The one-pass packer".
-    # Off by default: on an H100 its kernels are not faster than the two passes (0.87x their speed over the
-    # Flux widths; benchmarks/NOTES.md).
+    # Off by default: on an H100 its first kernels were not faster than the two passes (0.87x their speed
+    # over the Flux widths, the rows' provisional bytes through DRAM); the kernel that re-scales them in
+    # pieces is not yet timed (benchmarks/NOTES.md).
     held_col_erefs: bool = False
 
 
