@@ -413,7 +413,7 @@ def test_the_row_packers_main_loop_issues_the_arithmetic_of_its_design_and_littl
 def test_the_one_pass_packer_compiles_and_issues_about_three_quarters_of_the_two_passes(colsum, walk1_budget):
     """The one-pass packer (`mx_operands_onepass_cuda`) is worth its complexity only in issue: its two walks
     over a piece of a stripe (walk 1 one tile per trip, as pass 2 encodes it; walk 2 re-scaling the rows'
-    bytes) issue 1082 + 174 instructions per tile and thread where the two passes issue 557 + 1059 (1118 +
+    bytes) issue 1083 + 174 instructions per tile and thread where the two passes issue 557 + 1059 (1119 +
     174 against 557 + 1093 with column sums). It stores both orientations by lane pairs, in the layout the
     pair swap needs, with the hardware's FP8 conversions and no flush-to-zero arithmetic, in 128 registers
     without spilling in the walks: four programs of 4 warps on an SM (its first tile, 32 x 256 on 8 warps,

@@ -137,6 +137,11 @@ if HAS_TRITON:
         return tl.where(has, tl.minimum(v - 128 + HEADROOM, 127), 0), has
 
     @triton.jit
+    def _piece_span(piece, n_chunks, PIECE_TILES: tl.constexpr):
+        """The first tile of a piece of a stripe and the one past its last (the last piece may be narrower)."""
+        return piece * PIECE_TILES, tl.minimum((piece + 1) * PIECE_TILES, n_chunks)
+
+    @triton.jit
     def _piece_row_maxima(x_ptr, stride_x, R, C, row0, piece, n_chunks, r2, c2,
                           HADAMARD: tl.constexpr, HW: tl.constexpr, NB: tl.constexpr, PIECE_TILES: tl.constexpr):
         """[BR]: e + 128 of each row's largest live block in one piece of a stripe (0 for none), from x (what
@@ -144,7 +149,8 @@ if HAS_TRITON:
         BR: tl.constexpr = _BLOCK
         BC: tl.constexpr = NB * _BLOCK
         rmax = tl.zeros([NB, BR], dtype=tl.int32)
-        for ch in range(piece * PIECE_TILES, tl.minimum((piece + 1) * PIECE_TILES, n_chunks)):
+        ch0, ch_end = _piece_span(piece, n_chunks, PIECE_TILES)
+        for ch in range(ch0, ch_end):
             t = _load_rows(x_ptr, row0, stride_x, R, C, ch * BC, r2, c2)
             e, _, live = _block_info(_amax_only(_blocks_of_rows(t, BR, NB, HW), HADAMARD))
             rmax = tl.maximum(rmax, tl.where(live, e + 128, 0))
@@ -187,8 +193,7 @@ if HAS_TRITON:
                 row0 = s * BR
                 rows = row0 + rr
                 rmax = tl.zeros([NB, BR], dtype=tl.int32)
-                ch0 = piece * PIECE_TILES
-                ch_end = tl.minimum(ch0 + PIECE_TILES, n_chunks)
+                ch0, ch_end = _piece_span(piece, n_chunks, PIECE_TILES)
                 tn = _load_rows(x_ptr, row0, stride_x, R, C, ch0 * BC, r2, c2)
                 # ------------ walk 1: read x once; rows against their own blocks, columns against `held`
                 for ch in range(ch0, ch_end):
@@ -265,8 +270,7 @@ if HAS_TRITON:
                 stripe_words = row_words + row0.to(tl.int64) * (C // 4)
                 stripe_exps = rexp_ptr + row0.to(tl.int64) * KB
                 rmask = row0 + r2 < R
-                ch0 = piece * PIECE_TILES
-                ch_end = tl.minimum(ch0 + PIECE_TILES, n_chunks)
+                ch0, ch_end = _piece_span(piece, n_chunks, PIECE_TILES)
                 for j in range(0, ch_end - ch0):  # from the tile walk 1 wrote last back to the first
                     col0 = (ch_end - 1 - j) * BC
                     wm = rmask & (col0 + 4 * w2 < C)
