@@ -1,7 +1,7 @@
 """Convergence study: the same small Flux trained in bf16, torchao FP8 and MXFP6, from several seeds.
 
     PYTHONPATH=src python benchmarks/convergence.py [--steps 3000] [--width 768] [--seeds 0,1,2]
-        [--precisions bf16 fp8 mxfp6] [--parallel 3] [--out benchmarks]
+        [--precisions bf16 fp8 mxfp6 mxfp6-held] [--parallel 3] [--out benchmarks]
 
 Each (precision, seed) is one run in its own process, at most --parallel at a time on one GPU; a seed
 fixes the initial weights, the data order, the noise and the timesteps, so the three precisions of one
@@ -16,6 +16,10 @@ Data: the built-in demo dataset (real captions, learnable; docs/DATA_FORMAT.md),
 validation loss falls far below its start. Model: `flux-tiny` widened by `model.overrides`
 (default width 768, 12 heads, 2 double + 4 single blocks), with the same evaluation points in every
 run. Writes `convergence_<date>_width<W>.png` and `.json`.
+
+`mxfp6-held` is MXFP6 with `precision.held_col_erefs` (the weight gradient's col operands encoded
+against the last step's column e_ref, docs/design.md "The one-pass packer"): its rows compare it
+with bf16 and, seed by seed, with `mxfp6`; the JSON counts each run's blocks below the fold window.
 """
 
 from __future__ import annotations
@@ -32,9 +36,17 @@ import tempfile
 import time
 from pathlib import Path
 
-RECIPES = {"bf16": "tiny-bf16", "fp8": "tiny-bf16", "mxfp6": "tiny-mxfp6"}
-# torchao float8 (tensor-wise, its default recipe) on tiny-bf16's model: the FP8 people train with (CUDA only)
-PRECISION_OVERRIDES = {"fp8": ["precision={fp8: hybrid}", "precision.fp8_scaling=tensorwise"]}
+RECIPES = {"bf16": "tiny-bf16", "fp8": "tiny-bf16", "mxfp6": "tiny-mxfp6", "mxfp6-held": "tiny-mxfp6"}
+PRECISION_OVERRIDES = {
+    # torchao float8 (tensor-wise, its default recipe) on tiny-bf16's model: the FP8 people train with (CUDA only)
+    "fp8": ["precision={fp8: hybrid}", "precision.fp8_scaling=tensorwise"],
+    # the col operands against the last step's column e_ref (the one-pass packer's numerics). The MLPs unfused so
+    # that the setting reaches their linears too, as in the flux-12b recipes; fused and unfused give the same bits
+    "mxfp6-held": ["precision.held_col_erefs=true", "precision.fused_mlp='off'"],
+}
+# Variants of a precision compared, seed by seed, with it as well as with bf16
+VARIANT_OF = {"mxfp6-held": "mxfp6"}
+ORDER = ["bf16", "fp8", "mxfp6", "mxfp6-held"]
 
 
 def _overrides(args, out_dir: str) -> list[str]:
@@ -68,6 +80,14 @@ def eval_curve(metrics: Path) -> list[tuple[int, float]]:
         return [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f) if r["split"] == "eval"]
 
 
+def blocks_outside_window(metrics: Path) -> int | None:
+    """The run's MX blocks below their fold window, summed over its logged intervals (None for a
+    precision that logs none): how much of the gradient the fold rounded to E4M3's grid."""
+    with open(metrics) as f:
+        counts = [r.get("blocks_outside_window") for r in csv.DictReader(f) if r["split"] == "train"]
+    return sum(int(c) for c in counts) if counts and all(c not in (None, "") for c in counts) else None
+
+
 def _copy_metrics(base: Path, dest: Path, runs) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for run in runs:
@@ -77,7 +97,8 @@ def _copy_metrics(base: Path, dest: Path, runs) -> None:
 
 def summarize(curves: dict[str, dict[str, list]]) -> dict:
     """Per precision and evaluation step: mean, min, max over seeds; and each precision's mean over
-    bf16's, with the min and max of the per-seed ratios (seed by seed: the same data and noise)."""
+    bf16's, with the min and max of the per-seed ratios (seed by seed: the same data and noise); a
+    variant (VARIANT_OF) the same against the precision it varies (`ratio_to_<that>_*`)."""
     out = {}
     for prec, by_seed in curves.items():
         steps = sorted({s for pts in by_seed.values() for s, _ in pts})
@@ -86,11 +107,12 @@ def summarize(curves: dict[str, dict[str, list]]) -> dict:
             vals = {seed: v for seed, pts in by_seed.items() for s, v in pts if s == step}
             row = {"step": step, "seeds": len(vals), "mean": sum(vals.values()) / len(vals),
                    "min": min(vals.values()), "max": max(vals.values())}
-            base = {seed: v for seed, pts in curves.get("bf16", {}).items() for s, v in pts if s == step}
-            ratios = [vals[seed] / base[seed] for seed in vals if seed in base]
-            if prec != "bf16" and ratios:
-                row["ratio_to_bf16_mean"] = row["mean"] / (sum(base.values()) / len(base))
-                row["ratio_to_bf16_min"], row["ratio_to_bf16_max"] = min(ratios), max(ratios)
+            for ref in ("bf16", VARIANT_OF.get(prec)):
+                base = {seed: v for seed, pts in curves.get(ref, {}).items() for s, v in pts if s == step}
+                ratios = [vals[seed] / base[seed] for seed in vals if seed in base]
+                if prec != ref and ratios:
+                    row[f"ratio_to_{ref}_mean"] = row["mean"] / (sum(base.values()) / len(base))
+                    row[f"ratio_to_{ref}_min"], row[f"ratio_to_{ref}_max"] = min(ratios), max(ratios)
             rows.append(row)
         out[prec] = rows
     return out
@@ -172,6 +194,9 @@ def main(argv=None):
     curves = {p: {str(seed): eval_curve(base / f"{p}-seed{seed}" / "metrics.csv")
                   if (base / f"{p}-seed{seed}" / "metrics.csv").exists() else [] for seed in seeds}
               for p in args.precisions}
+    outside = {p: {str(seed): blocks_outside_window(base / f"{p}-seed{seed}" / "metrics.csv")
+                   for seed in seeds if (base / f"{p}-seed{seed}" / "metrics.csv").exists()}
+               for p in args.precisions}
     if cut:  # compare like with like: only the evaluation steps every run reached
         common = set.intersection(*({s for s, _ in pts} for by_seed in curves.values() for pts in by_seed.values()))
         curves = {p: {seed: [(s, v) for s, v in pts if s in common] for seed, pts in by_seed.items()}
@@ -179,7 +204,7 @@ def main(argv=None):
         print(f"convergence: stopped at the {args.deadline:.0f} s deadline; summarizing steps {sorted(common)}")
     from mxflux.bench.provenance import provenance
 
-    write_results(args, curves, complete=not cut, prov=provenance())
+    write_results(args, curves, complete=not cut, prov=provenance(), outside=outside)
 
 
 def summarize_runs(args) -> None:
@@ -188,21 +213,24 @@ def summarize_runs(args) -> None:
     if not runs:
         raise SystemExit(f"--summarize {args.summarize}: no <precision>-seed<n>.csv files there")
     curves: dict[str, dict[str, list]] = {}
+    outside: dict[str, dict[str, int | None]] = {}
     for csv_file in runs:
         prec, _, seed = csv_file.stem.partition("-seed")
         curves.setdefault(prec, {})[seed] = eval_curve(csv_file)
+        outside.setdefault(prec, {})[seed] = blocks_outside_window(csv_file)
     steps = {tuple(s for s, _ in pts) for by_seed in curves.values() for pts in by_seed.values()}
     if len(steps) != 1:
         raise SystemExit(f"--summarize {args.summarize}: the runs reached different evaluation steps {sorted(steps)}")
     prov = json.loads(Path(args.provenance_from).read_text())["provenance"] if args.provenance_from else {}
-    args.precisions = sorted(curves, key=["bf16", "fp8", "mxfp6"].index)
+    args.precisions = sorted(curves, key=ORDER.index)
     args.seeds = ",".join(sorted({seed for by_seed in curves.values() for seed in by_seed}))
     write_results(args, {p: curves[p] for p in args.precisions}, complete=True,
-                  prov={**prov, "summarized_from": sorted(p.name for p in runs)})
+                  prov={**prov, "summarized_from": sorted(p.name for p in runs)}, outside=outside)
 
 
-def write_results(args, curves: dict, *, complete: bool, prov: dict) -> None:
-    """The JSON (curves, summary, provenance) and the plot, named by date and width."""
+def write_results(args, curves: dict, *, complete: bool, prov: dict, outside: dict) -> None:
+    """The JSON (curves, summary, blocks outside the fold window per run, provenance) and the plot,
+    named by date and width."""
     seeds = args.seeds.split(",")
     summary = summarize(curves)
     date = datetime.date.today().isoformat()
@@ -210,7 +238,9 @@ def write_results(args, curves: dict, *, complete: bool, prov: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     kept = {k: v for k, v in vars(args).items()
             if not k.startswith("worker") and k not in ("run_dir", "summarize", "provenance_from")}
-    result = {"date": date, "complete": complete, "args": kept, "curves": curves, "summary": summary}
+    result = {"date": date, "complete": complete, "args": kept, "curves": curves, "summary": summary,
+              "blocks_outside_window": {p: by_seed for p, by_seed in outside.items()
+                                        if any(v is not None for v in by_seed.values())}}
     (out / f"convergence_{date}_width{args.width}.json").write_text(json.dumps({"provenance": prov, **result}, indent=1))
 
     import matplotlib
@@ -233,9 +263,10 @@ def write_results(args, curves: dict, *, complete: bool, prov: dict) -> None:
     fig.tight_layout()
     fig.savefig(out / f"convergence_{date}_width{args.width}.png", dpi=120)
     for p, rows in summary.items():
-        print(f"{p:6s} " + "  ".join(
-            f"{r['step']}:{r['mean']:.4f}" + (f" ({r['ratio_to_bf16_min']:.3f}-{r['ratio_to_bf16_max']:.3f}x)"
-                                              if "ratio_to_bf16_min" in r else "") for r in rows))
+        print(f"{p:10s} " + "  ".join(
+            f"{r['step']}:{r['mean']:.4f}" + "".join(
+                f" ({r[f'ratio_to_{ref}_min']:.3f}-{r[f'ratio_to_{ref}_max']:.3f}x {ref})"
+                for ref in ("bf16", VARIANT_OF.get(p)) if f"ratio_to_{ref}_min" in r) for r in rows))
 
 
 if __name__ == "__main__":
