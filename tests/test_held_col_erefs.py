@@ -114,6 +114,57 @@ def test_the_next_call_packs_against_what_the_last_one_kept(gen, monkeypatch):
                                  - int(mx_operands_reference(gy).blocks_outside_window))
 
 
+def test_an_evaluation_neither_uses_nor_overwrites_the_prediction(gen):
+    """A forward autograd does not record (validation, sampling) packs no col operand, so it has nothing
+    to encode against the prediction: it must leave the prediction as the last training call left it,
+    or the next training step would be packed against what the evaluation saw."""
+    held, twin = _pair(gen, True)
+    twin.cfg = held.cfg  # held too: the same weights, the same calls but the evaluation
+    x, gy = _x(gen, spread=14), _x(gen, c=64)
+    _step(held, x, gy)
+    _step(twin, x, gy)
+    kept = held.x_col_erefs.clone(), held.dy_col_erefs.clone()
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            y = held(_x(gen, spread=6) * 64)
+        assert y.shape == (64, 64)
+        assert torch.equal(held.x_col_erefs, kept[0]) and torch.equal(held.dy_col_erefs, kept[1])
+    x2, gy2 = _x(gen, spread=14), _x(gen, c=64)
+    y, g = _step(held, x2, gy2)
+    y0, g0 = _step(twin, x2, gy2)  # the twin never evaluated
+    assert torch.equal(y, y0) and all(torch.equal(a, b) for a, b in zip(g, g0))
+
+
+def test_a_forward_without_autograd_packs_the_row_operands_alone(gen, monkeypatch):
+    """Validation and sampling pack X, W (and the fused MLP's activation) for the forward GEMM only."""
+    import mxflux.nn.functional as functional
+    from mxflux.nn import FusedMXFP6MLP
+
+    cols = []
+    pack = functional._pack
+
+    def spy(x, cfg, counter, *, row=True, col=True, **kw):
+        cols.append(col)
+        return pack(x, cfg, counter, row=row, col=col, **kw)
+
+    monkeypatch.setattr(functional, "_pack", spy)
+    layer = MXFP6Linear(96, 64)
+    mlp = FusedMXFP6MLP.from_linears(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64), activation="gelu_tanh",
+                                     mode="on")
+    x = _x(gen)
+    for module, calls in ((layer, 2), (mlp, 4)):
+        cols.clear()
+        with torch.no_grad():
+            y = module(x if module is layer else x[:, :64])
+        assert len(cols) == calls and not any(cols), cols
+        cols.clear()
+        xg = (x if module is layer else x[:, :64]).detach().requires_grad_()
+        module(xg).float().sum().backward()  # and with autograd every col operand again
+        assert cols[:calls] == [True] * calls
+        with torch.no_grad():
+            assert torch.equal(module(x if module is layer else x[:, :64]), y)
+
+
 def test_the_recipe_switch_reaches_every_mx_linear_and_recompute_turns_it_off():
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(128, 64))
     holder = torch.nn.Sequential(model, torch.nn.Linear(64, 96))

@@ -240,19 +240,21 @@ def _weight_col(saved, cfg: MXConfig, blocks_outside_window, *, repacked: bool, 
 
 class _MXLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig, w_erefs, w_row_data, w_row_scale,
-                w_col_data, w_col_scale, x_held=None, dy_held=None):
+    def forward(ctx, x, weight, bias, blocks_outside_window, cfg: MXConfig, grad: bool, w_erefs, w_row_data,
+                w_row_scale, w_col_data, w_col_scale, x_held=None, dy_held=None):
+        # `grad`: whether autograd records this call (`mx_linear`); forward runs with it off whatever the caller's
+        w_grad, x_grad = grad and weight.requires_grad, grad and x.requires_grad
         counter = _forward_counter(blocks_outside_window, cfg)
-        ctx.x_repacked = cfg.repack_input and weight.requires_grad
+        ctx.x_repacked = cfg.repack_input and w_grad
         if ctx.x_repacked:  # Xᵀ packed in backward from x itself, with x's e_ref from here (`_repack_erefs`)
             erefs = _repack_erefs(x, cfg)
             x_row, x_saved = _pack(x, cfg, counter, col=False, erefs=erefs)[0], (x, erefs, None)
-        elif x_held is not None and weight.requires_grad:
+        elif x_held is not None and w_grad:
             x_row, x_col, _ = _pack_held(x, cfg, counter, x_held, HELD_HEADROOM["x"])
             x_saved = _stash(x_col, cfg)
         else:
-            x_row, x_col = (_pack_apart(x, cfg, counter) if _packs_apart(x, cfg, weight.requires_grad)
-                            else _pack(x, cfg, counter, col=weight.requires_grad)[:2])
+            x_row, x_col = (_pack_apart(x, cfg, counter) if _packs_apart(x, cfg, w_grad)
+                            else _pack(x, cfg, counter, col=w_grad)[:2])
             x_saved = _stash(x_col, cfg)
         if w_row_data is not None:  # the weight's operands as the optimizer step left them: nothing to pack
             w_row = Operand(w_row_data, w_row_scale)
@@ -260,8 +262,8 @@ class _MXLinear(torch.autograd.Function):
             ctx.w_repacked = w_col_data is None
             w_saved = (weight, None, None) if ctx.w_repacked else (w_col_data, None, w_col_scale)
         else:
-            w_row, w_saved = _pack_weight(weight, cfg, counter, col=x.requires_grad, erefs=w_erefs)
-            ctx.w_repacked = x.requires_grad and cfg.repack_weights
+            w_row, w_saved = _pack_weight(weight, cfg, counter, col=x_grad, erefs=w_erefs)
+            ctx.w_repacked = x_grad and cfg.repack_weights
         _add_forward_count(blocks_outside_window, counter)
         y = _gemm(x_row, w_row, cfg, _compute(bias, x.dtype), x.dtype)
         ctx.save_for_backward(*x_saved, *w_saved)
@@ -296,7 +298,7 @@ class _MXLinear(torch.autograd.Function):
         else:
             dw = None
         db = dbias.to(ctx.b_dtype) if need_b and ctx.b_dtype is not None else None
-        return dx, dw, db, None, None, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None, None, None
 
 
 def mx_linear(x, weight, bias, blocks_outside_window, cfg: MXConfig, weight_operands=None, weight_erefs=None,
@@ -309,9 +311,15 @@ def mx_linear(x, weight, bias, blocks_outside_window, cfg: MXConfig, weight_oper
     `weight`; or `weight_erefs`, its e_ref, with which the packer skips its first pass. The gradients
     are computed as without them. `held` (`cfg.held_cols`): the int32 e_ref of x's and of dY's columns
     from the last call (e_ref + 128, 0 for none), which the packers encode those col operands against
-    and then overwrite with the tensors' own."""
+    and then overwrite with the tensors' own.
+
+    Where autograd records nothing (`torch.no_grad`, inference mode: validation, sampling) only the row
+    operands are packed, no backward reading the col ones, and `held` is neither used nor overwritten:
+    what an evaluation sees does not become the next training step's prediction."""
     w = (None,) * 4 if weight_operands is None else weight_operands
-    return _MXLinear.apply(x, weight, bias, blocks_outside_window, cfg, weight_erefs, *w, *(held or (None, None)))
+    grad = torch.is_grad_enabled()
+    return _MXLinear.apply(x, weight, bias, blocks_outside_window, cfg, grad, weight_erefs, *w,
+                           *(held if grad and held else (None, None)))
 
 
 class _FrozenMXLinear(torch.autograd.Function):
@@ -362,16 +370,17 @@ class _FusedMXMLP(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig, erefs1, erefs2):
+    def forward(ctx, x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig, grad: bool, erefs1, erefs2):
+        # `grad` false (`fused_mx_mlp`): no backward follows, so the row operands alone
         counter = _forward_counter(blocks_outside_window, cfg)
-        if _packs_apart(x, cfg, True):
+        if _packs_apart(x, cfg, grad):
             x_row, x_col = _pack_apart(x, cfg, counter)
         else:
-            x_row, x_col, _ = _pack(x, cfg, counter)
-        w1_row, w1_saved = _pack_weight(w1, cfg, counter, col=True, erefs=erefs1)
-        w2_row, w2_saved = _pack_weight(w2, cfg, counter, col=True, erefs=erefs2)
+            x_row, x_col, _ = _pack(x, cfg, counter, col=grad)
+        w1_row, w1_saved = _pack_weight(w1, cfg, counter, col=grad, erefs=erefs1)
+        w2_row, w2_saved = _pack_weight(w2, cfg, counter, col=grad, erefs=erefs2)
         h = _gemm(x_row, w1_row, cfg, _compute(b1, x.dtype), x.dtype)
-        act_row, act_col, _ = _pack(h, cfg, counter, col=not cfg.repack_input, prologue="gelu_tanh")
+        act_row, act_col, _ = _pack(h, cfg, counter, col=grad and not cfg.repack_input, prologue="gelu_tanh")
         _add_forward_count(blocks_outside_window, counter)
         y = _gemm(act_row, w2_row, cfg, _compute(b2, x.dtype), x.dtype)
         ctx.save_for_backward(h, *_stash(x_col, cfg), *w1_saved, *_stash(act_col, cfg), *w2_saved)
@@ -401,10 +410,11 @@ class _FusedMXMLP(torch.autograd.Function):
         dw1 = _gemm(dh_col, _unstash(*x_col), cfg, None, w1_dtype)
         db1 = db1.to(b1_dtype) if b1_dtype is not None else None
         db2 = db2.to(b2_dtype) if b2_dtype is not None else None
-        return dx, dw1, db1, dw2, db2, None, None, None, None
+        return dx, dw1, db1, dw2, db2, None, None, None, None, None
 
 
 def fused_mx_mlp(x, w1, b1, w2, b2, blocks_outside_window, cfg: MXConfig, erefs=(None, None)):
     """fc2(GELU_tanh(fc1(x))) in MXFP6 with the activation fused into the packers; `erefs`: the two
-    weights' current e_ref where the optimizer step keeps them (`mx_linear`)."""
-    return _FusedMXMLP.apply(x, w1, b1, w2, b2, blocks_outside_window, cfg, *erefs)
+    weights' current e_ref where the optimizer step keeps them (`mx_linear`). Where autograd records
+    nothing, only the row operands are packed (as in `mx_linear`)."""
+    return _FusedMXMLP.apply(x, w1, b1, w2, b2, blocks_outside_window, cfg, torch.is_grad_enabled(), *erefs)
