@@ -77,6 +77,22 @@ def test_fsdp_and_ddp_agree_and_resume_exactly(data, tmp_path):
     assert len(one) == 5 and 0 < one[-1] < 3
 
 
+def test_under_ddp_each_rank_keeps_its_own_buffers(data, tmp_path):
+    """DDP replicates parameters and reduces their gradients; the MX layers' buffers are no replica of rank
+    0's (fold-window counts and held column e_refs of the rank's own data; a LoRA run's frozen base, which
+    every rank loads): rank 1's survive two steps, and its layers hold predictions of their own."""
+    worker = Path(__file__).with_name("ddp_buffers_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29647",
+           str(worker), str(data), str(tmp_path / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = {r["rank"]: r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    assert set(ranks) == {0, 1}
+    assert ranks[1]["min_count"] >= 10**12 > ranks[0]["min_count"]
+    assert ranks[0]["held_columns"] > 0 and ranks[1]["held_columns"] > 0
+
+
 # fp32 compute and bf16 linears: a 1-rank and a 2-rank step then differ only in the order of
 # floating-point sums (GEMM blocking at micro-batch 8 vs 4, the gradient reduction); measured
 # ≤ 1e-7 relative over 4 steps (bit-identical at equal micro-batches), asserted at 1e-5.

@@ -74,8 +74,11 @@ def parallelize(model: nn.Module, cfg: RunConfig, ctx: DistContext) -> nn.Module
     if cfg.distributed.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        # No buffer is a replica of rank 0's: the MX layers' fold-window counters and held column e_refs
+        # are each rank's own, and a LoRA run's frozen base (buffers) is loaded by every rank. DDP's
+        # default would broadcast them all from rank 0 before every forward: the whole base each step.
         return DDP(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
-                   bucket_cap_mb=cfg.distributed.ddp_bucket_mb)
+                   bucket_cap_mb=cfg.distributed.ddp_bucket_mb, broadcast_buffers=False)
     _fully_shard(model, cfg.distributed, param_dtype=getattr(torch, cfg.train.compute_dtype))
     return model
 
