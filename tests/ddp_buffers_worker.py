@@ -2,7 +2,8 @@
 module buffers stay its own through a training step. The MX layers' buffers are per-rank state (the
 fold-window counters, the held column e_refs of that rank's own data) or, in a LoRA run, the frozen
 base every rank loads itself; DDP's default broadcast of rank 0's buffers before every forward would
-overwrite the first and send the whole base between the ranks each step.
+overwrite the first and send the whole base between the ranks each step. The checkpoint then carries
+each rank's predictions (`mxflux.train.held_erefs`).
 
     python -m torch.distributed.run --nproc_per_node 2 tests/ddp_buffers_worker.py DATA OUT
 """
@@ -15,10 +16,17 @@ import sys
 import torch.distributed as dist
 
 from mxflux.train import load_recipe
+from mxflux.train.checkpoint import read_checkpoint_meta
 from mxflux.train.distributed import cleanup, init_distributed
+from mxflux.train.held_erefs import held_snapshot
 from mxflux.train.trainer import Trainer
 
 SENTINEL = 10**12  # a count no step of the tiny model reaches
+
+
+def _digest(snapshot: dict) -> list:
+    """A rank's held predictions, comparable across processes: (name, sum of the bytes) per buffer."""
+    return sorted((k, int(v.sum())) for k, v in snapshot.items())
 
 
 def main(data: str, out: str) -> None:
@@ -35,7 +43,11 @@ def main(data: str, out: str) -> None:
         trainer.train_step([next(batches)])
     counts = [int(c) for c in trainer.window_counters]
     held = [int(m.x_col_erefs.ne(0).sum()) for m in trainer.mx_modules() if hasattr(m, "x_col_erefs")]
-    print(json.dumps({"rank": ctx.rank, "min_count": min(counts), "held_columns": sum(held)}), flush=True)
+    mine = _digest(held_snapshot(trainer.model))
+    checkpoint = trainer.save()  # sharded (a collective): the meta, rank 0's, holds every rank's predictions
+    saved = [_digest(d) for d in read_checkpoint_meta(checkpoint)["held_col_erefs"]]  # (a collective too)
+    print(json.dumps({"rank": ctx.rank, "min_count": min(counts), "held_columns": sum(held), "held": mine,
+                      "saved": saved}), flush=True)
     dist.barrier()
     del trainer, batches
     cleanup()

@@ -176,3 +176,92 @@ def test_the_recipe_switch_reaches_every_mx_linear_and_recompute_turns_it_off():
     plain = torch.nn.Sequential(torch.nn.Linear(64, 96))
     apply_precision(plain, PrecisionConfig(fp6="e2m3", include=("*",)))
     assert not plain[0].cfg.held_cols
+
+
+# --- the predictions through a checkpoint and a warm-up (`mxflux.train.held_erefs`) ----------------------------
+
+HELD = ("precision.held_col_erefs=true", "precision.fused_mlp='off'")
+
+
+@pytest.fixture(scope="module")
+def demo_root(tmp_path_factory):
+    from mxflux.data import build_demo_dataset
+
+    return build_demo_dataset(tmp_path_factory.mktemp("demo") / "data", n_train=96, n_eval=24, seed=1)
+
+
+def _trainer(demo_root, out, *extra):
+    from mxflux.train import load_recipe
+    from mxflux.train.trainer import Trainer
+
+    cfg = load_recipe("tiny-mxfp6", [f"data.root={demo_root}", f"train.out_dir={out}", "batch.global_batch_size=8",
+                                     "batch.micro_batch_size=8", "train.sample_prompts=[]", "optim.warmup_steps=1",
+                                     *HELD, *extra])
+    return Trainer(cfg, device="cpu")
+
+
+def _steps(trainer, batches, n):
+    """n steps: each one's loss and blocks outside the window, then the weights as they end."""
+    out = [tuple(trainer.train_step([next(batches)]).read()[k] for k in ("loss", "blocks_outside_window"))
+           for _ in range(n)]
+    return out, [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def test_a_resumed_held_run_goes_on_bit_for_bit(demo_root, tmp_path):
+    """The checkpoint carries each layer's predictions: the run resumed from it packs its next step's col
+    operands against what the uninterrupted run's last step kept, so its losses, window counts and weights
+    are that run's bit for bit. (A resume without them packs the exact fold there: more blocks inside the
+    window, other weight gradients.)"""
+    from mxflux.train.checkpoint import load_checkpoint
+
+    a = _trainer(demo_root, tmp_path / "a")
+    batches = a.batches()
+    _steps(a, batches, 3)
+    ck = a.save(tmp_path / "ck.pt")
+    want, want_w = _steps(a, batches, 2)
+    (saved,) = load_checkpoint(ck)["held_col_erefs"]
+    assert saved and all(v.dtype == torch.uint8 for v in saved.values())
+    assert sum(int(v.ne(0).sum()) for v in saved.values()) > 0
+
+    b = _trainer(demo_root, tmp_path / "b")
+    b.resume(ck)
+    got, got_w = _steps(b, b.batches(), 2)
+    assert got == want
+    assert all(torch.equal(x, y) for x, y in zip(got_w, want_w))
+
+
+def test_a_warm_up_leaves_no_prediction_behind(demo_root, tmp_path):
+    """From a trained state (at the start the output layer's zero weights leave dY zero and the
+    predictions moot): the warm-up's steps replace the predictions, which it then puts back."""
+    from mxflux.train.warmup import warmup_without_trace
+
+    a = _trainer(demo_root, tmp_path / "a")
+    _steps(a, a.batches(), 3)
+    ck = a.save(tmp_path / "ck.pt")
+    plain, warmed = _trainer(demo_root, tmp_path / "p"), _trainer(demo_root, tmp_path / "w")
+    plain.resume(ck)
+    warmed.resume(ck)
+    warmup_without_trace(warmed, 2)
+    want, want_w = _steps(plain, plain.batches(), 2)
+    got, got_w = _steps(warmed, warmed.batches(), 2)
+    assert got == want and all(torch.equal(x, y) for x, y in zip(got_w, want_w))
+
+
+def test_predictions_from_another_number_of_ranks_are_not_taken(gen):
+    """Each rank predicts from its own data: a checkpoint of 2 ranks restores rank by rank on 2, and on 1
+    (or from a checkpoint without any) every layer starts without a prediction."""
+    from mxflux.train.held_erefs import gather_held, held_snapshot, restore_gathered_held
+
+    layers = torch.nn.Sequential(MXFP6Linear(96, 64))
+    layers[0].cfg = layers[0].cfg._replace(held_cols=True)
+    _step(layers[0], _x(gen), _x(gen, c=64))
+    (mine,) = gather_held(layers, 1)
+    assert torch.equal(mine["0.x_col_erefs"].int(), layers[0].x_col_erefs)
+    other = {k: v + 1 for k, v in mine.items()}
+    restore_gathered_held(layers, [mine, other], 1, 2)
+    assert torch.equal(held_snapshot(layers)["0.dy_col_erefs"], other["0.dy_col_erefs"])
+    for every, world in (([mine, other], 1), (None, 1)):
+        restore_gathered_held(layers, every, 0, world)
+        assert not layers[0].x_col_erefs.any() and not layers[0].dy_col_erefs.any()
+    plain = torch.nn.Sequential(MXFP6Linear(96, 64))
+    assert gather_held(plain, 1) is None  # no layer holds: nothing in the checkpoint

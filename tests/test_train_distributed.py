@@ -80,7 +80,8 @@ def test_fsdp_and_ddp_agree_and_resume_exactly(data, tmp_path):
 def test_under_ddp_each_rank_keeps_its_own_buffers(data, tmp_path):
     """DDP replicates parameters and reduces their gradients; the MX layers' buffers are no replica of rank
     0's (fold-window counts and held column e_refs of the rank's own data; a LoRA run's frozen base, which
-    every rank loads): rank 1's survive two steps, and its layers hold predictions of their own."""
+    every rank loads): rank 1's survive two steps, its layers hold predictions of their own, and a checkpoint
+    keeps every rank's."""
     worker = Path(__file__).with_name("ddp_buffers_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29647",
            str(worker), str(data), str(tmp_path / "run")]
@@ -91,6 +92,8 @@ def test_under_ddp_each_rank_keeps_its_own_buffers(data, tmp_path):
     assert set(ranks) == {0, 1}
     assert ranks[1]["min_count"] >= 10**12 > ranks[0]["min_count"]
     assert ranks[0]["held_columns"] > 0 and ranks[1]["held_columns"] > 0
+    # each rank predicts from its own data, and the checkpoint keeps both, in rank order
+    assert ranks[0]["held"] != ranks[1]["held"] and ranks[0]["saved"] == [ranks[0]["held"], ranks[1]["held"]]
 
 
 # fp32 compute and bf16 linears: a 1-rank and a 2-rank step then differ only in the order of

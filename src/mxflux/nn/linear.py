@@ -99,8 +99,8 @@ class MXFP6Linear(nn.Linear):
         # version they were computed from. Plain tensors; None: forward packs the weight itself.
         # The last call's e_ref of the input's and of the output gradient's columns (e_ref + 128, 0 for
         # none), which `cfg.held_cols` packs those col operands against (`mx_linear`'s `held`). Not in
-        # the state dict: a model loaded or resumed starts from none (its first step re-encodes every
-        # column against its own e_ref).
+        # the state dict: the trainer's checkpoint carries them (`mxflux.train.held_erefs`); a model
+        # loaded alone starts from none (its first step re-encodes every column against its own e_ref).
         self.register_buffer("x_col_erefs", torch.zeros(self.in_features, dtype=torch.int32,
                                                         device=self.weight.device), persistent=False)
         self.register_buffer("dy_col_erefs", torch.zeros(self.out_features, dtype=torch.int32,

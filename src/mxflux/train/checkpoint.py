@@ -11,7 +11,8 @@ the two renames `resolve_checkpoint` falls back to `.latest.dcp.old/`.
 
 Both formats hold everything a resumed run needs to continue bit for bit: weights, optimizer
 state (keyed by parameter name, so either format loads onto any number of ranks), the LR
-schedule, the data position, the config and the global RNG states. In a sharded directory
+schedule, the data position, the config, the global RNG states and each rank's held column e_refs
+(`precision.held_col_erefs`, `mxflux.train.held_erefs`). In a sharded directory
 the non-tensor part is one pickled entry, `meta`, written by rank 0.
 """
 

@@ -8,9 +8,8 @@ optimizer step, dataset index) (`mxflux.train.noise`), and each global batch is 
 number of ranks, so a run's losses do not depend on its world size (up to floating-point reduction order) and a
 checkpoint resumes onto any world size (docs/design.md, "The trainer").
 
-A step never waits for the device: its loss, gradient norm and window count stay device
-tensors (`StepResult`) until the loop (`mxflux.train.loop`) reads them, all at once, where it
-logs, evaluates or checkpoints.
+A step never waits for the device: its loss, gradient norm and window count stay device tensors (`StepResult`)
+until the loop (`mxflux.train.loop`) reads them, all at once, where it logs, evaluates or checkpoints.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from .adapters import check_same_base
 from .identity import new_run_id, run_identity
 from .flow import cfg_dropout, noised, per_sample_mse, sample_latents, shift_time
 from .guidance import guidance_input
+from .held_erefs import gather_held, restore_gathered_held
 from .noise import training_draws
 from .results import StepResult
 from .schedule import lr_factor
@@ -97,8 +97,7 @@ class Trainer:
 
         o = cfg.optim
         self.optimizer = build_optimizer(cfg, self.model, capturable=cfg.train.cuda_graph)
-        # A partial, not a bound method: no Trainer <-> scheduler reference cycle, so a dropped
-        # Trainer frees its (GPU) memory at once instead of at the next garbage collection.
+        # A partial, not a bound method: no Trainer <-> scheduler cycle, so a dropped Trainer frees its memory at once
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, functools.partial(lr_factor, o.warmup_steps, o.decay, o.decay_steps, o.min_lr_ratio,
                                               self.total_steps))
@@ -266,6 +265,7 @@ class Trainer:
                          "last_eval": self.last_eval, "blocks_outside_window": self.blocks_outside_window()},
             "rng": rng_state(),
             "world_size": self.world,
+            "held_col_erefs": gather_held(self.model, self.world),  # each rank's (`precision.held_col_erefs`)
         }
 
     def state_dict(self) -> dict:
@@ -296,14 +296,14 @@ class Trainer:
                              f"not a whole number of micro-batches x world size ({per_batch}): batch sizes changed")
         self.batch_in_epoch = p["samples_in_epoch"] // per_batch
         set_rng_state(meta["rng"])
+        restore_gathered_held(self.model, meta.get("held_col_erefs"), self.rank, self.world)
 
     def save(self, path: str | Path | None = None, *, sharded: bool | None = None) -> Path:
         """Write a checkpoint atomically; a collective under FSDP2/DDP.
 
-        Alone (or `sharded=False`): one file, `latest.pt` by default, written by rank 0. Under
-        torchrun: a sharded `torch.distributed.checkpoint` directory, `latest.dcp/` by default,
-        each rank writing its shards (nothing is gathered), renamed into place once all are done.
-        """
+        Alone (or `sharded=False`): one file, `latest.pt` by default, written by rank 0. Under torchrun: a
+        sharded `torch.distributed.checkpoint` directory, `latest.dcp/` by default, each rank writing its
+        shards (no weight is gathered), renamed into place once all are done."""
         sharded = self.world > 1 if sharded is None else sharded
         default = path is None
         path = Path(self.out_dir / (LATEST_SHARDED if sharded else LATEST) if default else path)

@@ -2,8 +2,9 @@
 change (an MLPerf run's untimed warm-up before `run_start`; docs/design.md, "MLPerf").
 
 The snapshot is each rank's own shards of the weights and optimizer state, copied to the CPU
-(no collective, nothing gathered), together with the LR schedule, the data position and every
-RNG state; restoring it makes the timed run exactly the run without the warm-up.
+(no collective, nothing gathered), together with the LR schedule, the data position, every
+RNG state and the MX layers' held column e_refs; restoring it makes the timed run exactly the run
+without the warm-up.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .checkpoint import rng_state, set_rng_state
+from .held_erefs import held_snapshot, restore_held
 
 __all__ = ["warmup_without_trace"]
 
@@ -53,6 +55,7 @@ def _snapshot(trainer) -> dict:
         "scheduler": copy.deepcopy(trainer.scheduler.state_dict()),
         "progress": (trainer.step, trainer.samples, trainer.epoch, trainer.batch_in_epoch, trainer.last_eval),
         "rng": rng_state(),
+        "held": held_snapshot(trainer.model),  # the MX layers' held column e_refs (`precision.held_col_erefs`)
     }
 
 
@@ -78,3 +81,4 @@ def _restore(trainer, snap: dict) -> None:
     trainer.scheduler.load_state_dict(snap["scheduler"])
     trainer.step, trainer.samples, trainer.epoch, trainer.batch_in_epoch, trainer.last_eval = snap["progress"]
     set_rng_state(snap["rng"])
+    restore_held(trainer.model, snap["held"])
