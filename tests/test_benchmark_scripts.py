@@ -61,6 +61,32 @@ def test_convergence_study_runs_precisions_and_seeds_and_summarizes_the_spread(t
     assert [(int(e[0]), float(e[3])) for e in evals] == [tuple(x) for x in r["curves"]["mxfp6"]["1"]]
 
 
+def test_convergence_compares_the_held_variant_with_mxfp6_seed_by_seed(tmp_path):
+    """mxfp6-held: the recipe its workers train (the switch on, the MLPs unfused so that it reaches them), its
+    ratios to mxfp6 as well as to bf16, and the blocks below the fold window each run logged."""
+    conv = _benchmark_module("convergence")
+    from mxflux.train import load_recipe
+
+    cfg = load_recipe(conv.RECIPES["mxfp6-held"], conv.PRECISION_OVERRIDES["mxfp6-held"])
+    assert cfg.precision.held_col_erefs and cfg.precision.fused_mlp == "off"
+    assert not load_recipe(conv.RECIPES["mxfp6"], conv.PRECISION_OVERRIDES.get("mxfp6", [])).precision.held_col_erefs
+    curves = {"bf16": {"0": [(10, 1.0)], "1": [(10, 2.0)]}, "mxfp6": {"0": [(10, 1.1)], "1": [(10, 2.0)]},
+              "mxfp6-held": {"0": [(10, 1.21)], "1": [(10, 1.9)]}}
+    (last,) = conv.summarize(curves)["mxfp6-held"]
+    assert last["ratio_to_mxfp6_min"] == pytest.approx(0.95) and last["ratio_to_mxfp6_max"] == pytest.approx(1.1)
+    assert last["ratio_to_mxfp6_mean"] == pytest.approx(3.11 / 3.1)
+    assert last["ratio_to_bf16_min"] == pytest.approx(0.95) and last["ratio_to_bf16_max"] == pytest.approx(1.21)
+    assert not any(k.startswith("ratio_to_mxfp6") for k in conv.summarize(curves)["mxfp6"][0])
+    logged = tmp_path / "mxfp6.csv"
+    logged.write_text("step,samples,split,loss,lr,grad_norm,images_per_s,blocks_outside_window\n"
+                      "10,160,train,1.5,0.1,0.3,14.5,120\n20,320,train,0.9,0.1,1.4,17.7,7\n20,320,eval,0.8,,,,\n")
+    assert conv.blocks_outside_window(logged) == 127
+    plain = tmp_path / "bf16.csv"
+    plain.write_text("step,samples,split,loss,lr,grad_norm,images_per_s,blocks_outside_window\n"
+                     "10,160,train,1.5,0.1,0.3,14.5,\n")
+    assert conv.blocks_outside_window(plain) is None
+
+
 @pytest.mark.slow
 def test_comm_sweep_runs_every_setting_on_two_ranks(tmp_path):
     """benchmarks/sweep_comm.py under torchrun with 2 gloo ranks: FSDP units 1 and 2 and one DDP
