@@ -211,8 +211,9 @@ def convergence_table(files: list[str], base: Path, *, link_prefix: str = "", va
     seeds (mean, min-max) and its ratio to bf16's (of the means, and the range of the per-seed ratios).
     With `variants`, a column for a variant of a precision (mxfp6-held): its loss against that
     precision's seed by seed, and the blocks its runs left below the fold window against that one's."""
+    variant_column = "| variant vs its precision: loss per seed; blocks below the window " if variants else ""
     head = ("| study | precision | seeds | final validation loss, mean (min-max) | vs bf16, mean | vs bf16, per seed "
-            + ("| variant vs its precision: loss per seed; blocks below the window " if variants else "") + "| result |")
+            + variant_column + "| result |")
     lines = [head, "|---" * head.count(" | ") + "|---|"]
     for rel in files:
         data = _result_with_provenance(base, rel)
