@@ -81,11 +81,12 @@ def eval_curve(metrics: Path) -> list[tuple[int, float]]:
 
 
 def blocks_outside_window(metrics: Path) -> int | None:
-    """The run's MX blocks below their fold window, summed over its logged intervals (None for a
-    precision that logs none): how much of the gradient the fold rounded to E4M3's grid."""
+    """The run's MX blocks below their fold window, the count its last training row logs (cumulative
+    over the run, the validation forwards' included; None for a precision that logs none): how many
+    blocks the fold rounded to E4M3's grid."""
     with open(metrics) as f:
         counts = [r.get("blocks_outside_window") for r in csv.DictReader(f) if r["split"] == "train"]
-    return sum(int(c) for c in counts) if counts and all(c not in (None, "") for c in counts) else None
+    return int(counts[-1]) if counts and counts[-1] not in (None, "") else None
 
 
 def _copy_metrics(base: Path, dest: Path, runs) -> None:

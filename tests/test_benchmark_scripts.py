@@ -79,8 +79,8 @@ def test_convergence_compares_the_held_variant_with_mxfp6_seed_by_seed(tmp_path)
     assert not any(k.startswith("ratio_to_mxfp6") for k in conv.summarize(curves)["mxfp6"][0])
     logged = tmp_path / "mxfp6.csv"
     logged.write_text("step,samples,split,loss,lr,grad_norm,images_per_s,blocks_outside_window\n"
-                      "10,160,train,1.5,0.1,0.3,14.5,120\n20,320,train,0.9,0.1,1.4,17.7,7\n20,320,eval,0.8,,,,\n")
-    assert conv.blocks_outside_window(logged) == 127
+                      "10,160,train,1.5,0.1,0.3,14.5,120\n20,320,train,0.9,0.1,1.4,17.7,127\n20,320,eval,0.8,,,,\n")
+    assert conv.blocks_outside_window(logged) == 127  # cumulative: the last training row's
     plain = tmp_path / "bf16.csv"
     plain.write_text("step,samples,split,loss,lr,grad_norm,images_per_s,blocks_outside_window\n"
                      "10,160,train,1.5,0.1,0.3,14.5,\n")
