@@ -31,7 +31,8 @@ def _copy(tmp_path: Path) -> Path:
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     for rel in ("benchmarks/claims.yaml", "benchmarks/RESULTS.md", "README.md",
                 *{f"benchmarks/{c['file']}" for key in ("claims", "cute_claims") for c in spec.get(key, ())},
-                *(f"benchmarks/{f}" for key in ("cpu_threads", "convergence", "lora", "user_loop") for f in spec.get(key, ())),
+                *(f"benchmarks/{f}" for key in ("cpu_threads", "convergence", "convergence_variants", "lora", "user_loop")
+                  for f in spec.get(key, ())),
                 *(f"benchmarks/{call['file']}" for call in spec.get("settings", ()))):
         shutil.copy(ROOT / rel, tmp_path / rel)
     assert tables.main(["--base", str(tmp_path)]) == 0  # regenerated there ("code unknown to git here")
@@ -51,7 +52,8 @@ def test_a_number_edited_by_hand_fails_the_check(tmp_path):
 
 def test_a_convergence_or_lora_number_edited_by_hand_fails_the_check(tmp_path):
     base = _copy(tmp_path)
-    for target, prefix in (("README.md", "| width 3072, 1+2 blocks"), ("benchmarks/RESULTS.md", "| mxfp6 | H100")):
+    for target, prefix in (("README.md", "| width 3072, 1+2 blocks"), ("benchmarks/RESULTS.md", "| mxfp6 | H100"),
+                           ("benchmarks/RESULTS.md", "| width 128, 2+2 blocks, batch 16, 600 steps, cpu")):
         path = base / target
         text = path.read_text()
         row = next(line for line in text.splitlines() if line.startswith(prefix))
