@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -46,8 +47,9 @@ def main(data: str, out: str) -> None:
     mine = _digest(held_snapshot(trainer.model))
     checkpoint = trainer.save()  # sharded (a collective): the meta, rank 0's, holds every rank's predictions
     saved = [_digest(d) for d in read_checkpoint_meta(checkpoint)["held_col_erefs"]]  # (a collective too)
-    print(json.dumps({"rank": ctx.rank, "min_count": min(counts), "held_columns": sum(held), "held": mine,
-                      "saved": saved}), flush=True)
+    # a file per rank: the ranks' stdout lines interleave under torchrun
+    (Path(out) / f"rank{ctx.rank}.json").write_text(json.dumps(
+        {"rank": ctx.rank, "min_count": min(counts), "held_columns": sum(held), "held": mine, "saved": saved}))
     dist.barrier()
     del trainer, batches
     cleanup()
