@@ -30,6 +30,14 @@ def gen(request) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+@pytest.fixture(scope="session")
+def demo_root(tmp_path_factory):
+    """The demo dataset the trainer tests share (96 training and 24 evaluation samples, seed 1): built once."""
+    from mxflux.data import build_demo_dataset
+
+    return build_demo_dataset(tmp_path_factory.mktemp("demo") / "data", n_train=96, n_eval=24, seed=1)
+
+
 @pytest.fixture
 def count_calls(monkeypatch):
     """`count_calls(module, name)` replaces `module.name` by a wrapper that still calls it and

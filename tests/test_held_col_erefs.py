@@ -183,13 +183,6 @@ def test_the_recipe_switch_reaches_every_mx_linear_and_recompute_turns_it_off():
 HELD = ("precision.held_col_erefs=true", "precision.fused_mlp='off'")
 
 
-@pytest.fixture(scope="module")
-def demo_root(tmp_path_factory):
-    from mxflux.data import build_demo_dataset
-
-    return build_demo_dataset(tmp_path_factory.mktemp("demo") / "data", n_train=96, n_eval=24, seed=1)
-
-
 def _trainer(demo_root, out, *extra):
     from mxflux.train import load_recipe
     from mxflux.train.trainer import Trainer

@@ -8,17 +8,11 @@ import math
 import pytest
 import torch
 
-from mxflux.data import build_demo_dataset
 from mxflux.train import RecipeError, load_recipe
 from mxflux.train.checkpoint import save_checkpoint
 from mxflux.train.ema import ema_decay_at
 from mxflux.train.flow import cfg_dropout, euler_sample, noised, per_sample_mse, shift_time
 from mxflux.train.trainer import Trainer, lr_factor
-
-
-@pytest.fixture(scope="module")
-def demo_root(tmp_path_factory):
-    return build_demo_dataset(tmp_path_factory.mktemp("demo") / "data", n_train=96, n_eval=24, seed=1)
 
 
 def make_trainer(demo_root, tmp_path, *extra, recipe="tiny-mxfp6"):
