@@ -111,8 +111,10 @@ for stage in "$@"; do
       log="$OUT/gpu_$stage.log"
       # (-v: one line per test as it ends, line-buffered, so a call cut by its time limit still
       # names what ran and passed)
+      # GPU_TESTS_WORKERS=N: N pytest workers share the GPU, a file each at a time (most of the suite's time
+      # is compiling kernels on the CPU; the device has 16 cores)
       timeout ${TESTS_TIMEOUT:-570} python3 -m pytest -v --tb=short --durations=10 --slow ${GPU_TESTS:-$files} \
-        ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} -p no:cacheprovider 2>&1 | grep --line-buffered -v "^W11" > "$log"
+        ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ${GPU_TESTS_WORKERS:+-n $GPU_TESTS_WORKERS --dist loadfile} -p no:cacheprovider 2>&1 | grep --line-buffered -v "^W11" > "$log"
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$log" | tail -40 ;;
     kernels)
       timeout ${KERNELS_TIMEOUT:-400} python3 benchmarks/bench_kernels.py --out "$OUT" 2>&1 | grep -v "^W11" | tail -120 ;;

@@ -11,6 +11,7 @@ rm -rf .whl && mkdir -p .whl
 fetch() { $PIP download -q --only-binary=:all: --python-version 3.12 \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl "$@"; }
 fetch pydantic pyyaml rich safetensors  # with their dependencies (pydantic-core at the version pydantic pins)
+fetch pytest-xdist  # (and execnet) the GPU suite on several workers: GPU_TESTS_WORKERS in gpu_run.sh
 # without theirs: torch is the image's, and mlperf-logging's (numpy, pandas, scipy) are there or unused on the device
 fetch --no-deps "torchao==0.18.0" mlperf-logging
 du -sh .whl
