@@ -56,13 +56,13 @@ def test_a_bad_prediction_is_refused_by_name(gen, bad, message):
         fold_to_e4m3(mx, **bad)
 
 
-def _pair(gen, held: bool):
+def _pair(gen, held: bool, headroom=(HELD_HEADROOM["x"], HELD_HEADROOM["dy"])):
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     a = MXFP6Linear(96, 64)
     b = MXFP6Linear(96, 64)
     b.load_state_dict(a.state_dict())
     if held:
-        a.cfg = a.cfg._replace(held_cols=True)
+        a.cfg = a.cfg._replace(held_cols=True, held_headroom=headroom)
     return a, b
 
 
@@ -91,12 +91,14 @@ def test_a_held_layer_trains_as_the_exact_one_while_its_blocks_stay_in_the_windo
     assert torch.equal(plain.x_col_erefs, torch.zeros_like(plain.x_col_erefs))  # the plain layer keeps none
 
 
-def test_the_next_call_packs_against_what_the_last_one_kept(gen, monkeypatch):
+@pytest.mark.parametrize("headroom", [(HELD_HEADROOM["x"], HELD_HEADROOM["dy"]), (0, 0), (2, 0)])
+def test_the_next_call_packs_against_what_the_last_one_kept(gen, headroom):
     """The window placed above a column's own largest block by the headroom: where a column spreads
     over more binades than the exact window minus the headroom, blocks fall below it and are counted.
     The same input twice: the first call has no prediction (exact fold, the plain layer's count), the
-    second packs against the first's maxima raised by the headroom (more blocks outside)."""
-    held, plain = _pair(gen, True)
+    second packs against the first's maxima raised by the headroom (more blocks outside; none more
+    with no headroom, where the prediction is the column's own e_ref)."""
+    held, plain = _pair(gen, True, headroom)
     x, gy = _x(gen, spread=14), _x(gen, c=64)
     counts = []
     for _ in range(2):
@@ -105,10 +107,10 @@ def test_the_next_call_packs_against_what_the_last_one_kept(gen, monkeypatch):
         counts.append(int(held.blocks_outside_window) - before)
     _step(plain, x, gy)
     exact = int(plain.blocks_outside_window)
-    assert counts[0] == exact and counts[1] > exact
+    assert counts[0] == exact and (counts[1] > exact) == (headroom[0] > 0)  # (x spreads, dY does not)
     # ... which is the reference packer given that prediction
-    want = mx_operands_reference(x, col_held=rowwise_erefs_reference(x)[1], col_headroom=HELD_HEADROOM["x"])
-    dy_want = mx_operands_reference(gy, col_held=rowwise_erefs_reference(gy)[1], col_headroom=HELD_HEADROOM["dy"])
+    want = mx_operands_reference(x, col_held=rowwise_erefs_reference(x)[1], col_headroom=headroom[0])
+    dy_want = mx_operands_reference(gy, col_held=rowwise_erefs_reference(gy)[1], col_headroom=headroom[1])
     assert counts[1] - exact == (int(want.blocks_outside_window) + int(dy_want.blocks_outside_window)
                                  - int(mx_operands_reference(x).blocks_outside_window)
                                  - int(mx_operands_reference(gy).blocks_outside_window))
@@ -173,9 +175,25 @@ def test_the_recipe_switch_reaches_every_mx_linear_and_recompute_turns_it_off():
     assert len(layers) == 3 and all(m.cfg.held_cols and m.holds_col_erefs() for m in layers)
     layers[0].cfg = layers[0].cfg._replace(recomputed=True)
     assert not layers[0].holds_col_erefs()
+    assert all(m.cfg.held_headroom == (HELD_HEADROOM["x"], HELD_HEADROOM["dy"]) for m in layers)
     plain = torch.nn.Sequential(torch.nn.Linear(64, 96))
     apply_precision(plain, PrecisionConfig(fp6="e2m3", include=("*",)))
     assert not plain[0].cfg.held_cols
+    tight = torch.nn.Sequential(torch.nn.Linear(64, 96))
+    apply_precision(tight, PrecisionConfig(fp6="e2m3", held_col_erefs=True, held_headroom_x=0, held_headroom_dy=1,
+                                           include=("*",)))
+    assert tight[0].cfg.held_headroom == (0, 1)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("precision.held_headroom_x=0", "held_headroom_x: applies to precision.held_col_erefs: true only"),
+    ("precision.held_headroom_dy=9", "held_headroom_dy"),
+])
+def test_a_headroom_without_held_or_out_of_range_is_refused_by_name(override, message, demo_root, tmp_path):
+    from mxflux.train import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=message):
+        load_recipe("tiny-mxfp6", [override, f"data.root={demo_root}", f"train.out_dir={tmp_path}"])
 
 
 # --- the predictions through a checkpoint and a warm-up (`mxflux.train.held_erefs`) ----------------------------

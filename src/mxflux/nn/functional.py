@@ -47,9 +47,10 @@ __all__ = ["HELD_HEADROOM", "SAVED_OPERANDS", "MXConfig", "frozen_mx_linear", "f
 # How forward keeps the col operands for backward (docs/design.md, "Saved operands in six bits").
 SAVED_OPERANDS = ("e4m3", "e2m3")
 
-# Binades above the last call's column maxima at which `held_cols` places a column's fold window, for
-# the input X and the output gradient dY: a feature's activations keep their range from step to step
-# (one binade up re-encodes <= 0.1 % of the columns), its gradients less so (two: 0.2-0.6 %; counted by
+# The default binades above the last call's column maxima at which `held_cols` places a column's fold
+# window, for the input X and the output gradient dY (`MXConfig.held_headroom`; the recipe's
+# precision.held_headroom_x / _dy): a feature's activations keep their range from step to step (one binade
+# up re-encodes <= 0.1 % of the columns), its gradients less so (two: 0.2-0.6 %; counted by
 # benchmarks/probe_eref_drift.py, benchmarks/NOTES.md). Each binade takes one from the exact window.
 HELD_HEADROOM = {"x": 1, "dy": 2}
 
@@ -77,9 +78,10 @@ class MXConfig(NamedTuple):
     stored once): then the 1 B per element of Xᵀ is not kept (docs/design.md, "Inputs packed again in
     backward").
     `held_cols`: the input's and the output gradient's col operands (the weight gradient's) are
-    encoded against each column's e_ref from the last call, raised by HELD_HEADROOM binades, in the
+    encoded against each column's e_ref from the last call, raised by `held_headroom` binades, in the
     same read of the tensor as the row operand (`mx_operands_held`; docs/design.md, "The one-pass
     packer"); the module keeps those e_ref. Only where both orientations are packed in one call.
+    `held_headroom`: those binades for X and for dY.
     """
 
     mx_gemm: str = "rowwise"
@@ -90,6 +92,7 @@ class MXConfig(NamedTuple):
     pack_apart: bool = False
     repack_input: bool = False
     held_cols: bool = False
+    held_headroom: tuple[int, int] = (HELD_HEADROOM["x"], HELD_HEADROOM["dy"])
 
     @property
     def granularity(self) -> FoldGranularity:
@@ -250,7 +253,7 @@ class _MXLinear(torch.autograd.Function):
             erefs = _repack_erefs(x, cfg)
             x_row, x_saved = _pack(x, cfg, counter, col=False, erefs=erefs)[0], (x, erefs, None)
         elif x_held is not None and w_grad:
-            x_row, x_col, _ = _pack_held(x, cfg, counter, x_held, HELD_HEADROOM["x"])
+            x_row, x_col, _ = _pack_held(x, cfg, counter, x_held, cfg.held_headroom[0])
             x_saved = _stash(x_col, cfg)
         else:
             x_row, x_col = (_pack_apart(x, cfg, counter) if _packs_apart(x, cfg, w_grad)
@@ -280,7 +283,7 @@ class _MXLinear(torch.autograd.Function):
         dy = dy.contiguous()
         colsum = need_b and ctx.b_dtype is not None
         if ctx.dy_held is not None and need_x and need_w:
-            dy_row, dy_col, dbias = _pack_held(dy, cfg, ctx.blocks_outside_window, ctx.dy_held, HELD_HEADROOM["dy"],
+            dy_row, dy_col, dbias = _pack_held(dy, cfg, ctx.blocks_outside_window, ctx.dy_held, cfg.held_headroom[1],
                                                colsum)
         else:
             dy_row, dy_col, dbias = _pack(dy, cfg, ctx.blocks_outside_window, row=need_x, col=need_w, colsum=colsum)

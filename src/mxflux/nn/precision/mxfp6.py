@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, model_validator
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ..functional import HELD_HEADROOM
 from ..linear import MXFP6Linear, mx_ineligibility, rowwise_mx_linears
 from ..mlp import FusedMXFP6MLP, activation_name
 from ..weight_state import MXWeightState
@@ -53,13 +54,25 @@ class MXFP6Options(BaseModel):
     release_weight_rows: bool = True
     # The MXFP6Linears' input and output gradient packed in one read each (not two): the weight
     # gradient's operands, Xᵀ and dYᵀ, encoded against each column's e_ref from the last step, a binade
-    # or two above it (`nn.functional.HELD_HEADROOM`), and the columns that outgrew it re-encoded. The
+    # or two above it (held_headroom_x / _dy), and the columns that outgrew it re-encoded. The
     # same values inside the fold window; the window itself sits that much higher, so a few more blocks
     # fall below it (rounded, and counted in blocks_outside_window). docs/design.md, "The one-pass packer".
     # Off by default: on an H100 its first kernels were not faster than the two passes (0.87x their speed
     # over the Flux widths, the rows' provisional bytes through DRAM); the kernel that re-scales them in
     # pieces is not yet timed (benchmarks/NOTES.md).
     held_col_erefs: bool = False
+    # With it, the binades above the last step's column maxima at which X's and dY's col operands are
+    # encoded (`nn.functional.HELD_HEADROOM`'s defaults): each binade takes one from the exact fold
+    # window; each binade less re-encodes more columns that outgrew their prediction.
+    held_headroom_x: int = Field(HELD_HEADROOM["x"], ge=0, le=8)
+    held_headroom_dy: int = Field(HELD_HEADROOM["dy"], ge=0, le=8)
+
+    @model_validator(mode="after")
+    def _headroom_needs_held(self):
+        for name in ("held_headroom_x", "held_headroom_dy"):
+            if not self.held_col_erefs and getattr(self, name) != type(self).model_fields[name].default:
+                raise ValueError(f"{name}: applies to precision.held_col_erefs: true only; set that or remove it")
+        return self
 
 
 def _mlp_activation(module: nn.Module) -> str | None:
@@ -83,7 +96,7 @@ class MXFP6Converter(PrecisionConverter):
     weight_exponents_in_optimizer / weight_operands_in_optimizer (the optimizer step writes the
     weights' e_ref / packed operands for the next forward), kept_weight_cols (those operands include
     Wᵀ, or backward packs it from the parameter), held_col_erefs (X and dY packed in one read each,
-    their columns against the last step's e_ref).
+    their columns against the last step's e_ref, held_headroom_x / _dy binades above it).
     """
 
     name = "mxfp6"
@@ -117,7 +130,8 @@ class MXFP6Converter(PrecisionConverter):
         if self.cfg.held_col_erefs:
             for m in model.modules():
                 if isinstance(m, MXFP6Linear):
-                    m.cfg = m.cfg._replace(held_cols=True)
+                    m.cfg = m.cfg._replace(held_cols=True,
+                                           held_headroom=(self.cfg.held_headroom_x, self.cfg.held_headroom_dy))
         return done
 
     def optimizer_state_off(self, model: nn.Module) -> str | None:
