@@ -1,7 +1,7 @@
 """Convergence study: the same small Flux trained in bf16, torchao FP8 and MXFP6, from several seeds.
 
     PYTHONPATH=src python benchmarks/convergence.py [--steps 3000] [--width 768] [--seeds 0,1,2]
-        [--precisions bf16 fp8 mxfp6 mxfp6-held] [--parallel 3] [--out benchmarks]
+        [--precisions bf16 fp8 mxfp6 mxfp6-held mxfp6-held0] [--parallel 3] [--out benchmarks]
 
 Each (precision, seed) is one run in its own process, at most --parallel at a time on one GPU; a seed
 fixes the initial weights, the data order, the noise and the timesteps, so the three precisions of one
@@ -20,6 +20,7 @@ run. Writes `convergence_<date>_width<W>.png` and `.json`.
 `mxfp6-held` is MXFP6 with `precision.held_col_erefs` (the weight gradient's col operands encoded
 against the last step's column e_ref, docs/design.md "The one-pass packer"): its rows compare it
 with bf16 and, seed by seed, with `mxfp6`; the JSON counts each run's blocks below the fold window.
+`mxfp6-held0` is the same with no headroom (`precision.held_headroom_x` / `_dy` 0).
 """
 
 from __future__ import annotations
@@ -36,17 +37,21 @@ import tempfile
 import time
 from pathlib import Path
 
-RECIPES = {"bf16": "tiny-bf16", "fp8": "tiny-bf16", "mxfp6": "tiny-mxfp6", "mxfp6-held": "tiny-mxfp6"}
+RECIPES = {"bf16": "tiny-bf16", "fp8": "tiny-bf16", "mxfp6": "tiny-mxfp6", "mxfp6-held": "tiny-mxfp6",
+           "mxfp6-held0": "tiny-mxfp6"}
 PRECISION_OVERRIDES = {
     # torchao float8 (tensor-wise, its default recipe) on tiny-bf16's model: the FP8 people train with (CUDA only)
     "fp8": ["precision={fp8: hybrid}", "precision.fp8_scaling=tensorwise"],
     # the col operands against the last step's column e_ref (the one-pass packer's numerics). The MLPs unfused so
     # that the setting reaches their linears too, as in the flux-12b recipes; fused and unfused give the same bits
     "mxfp6-held": ["precision.held_col_erefs=true", "precision.fused_mlp='off'"],
+    # ... with no headroom: a column keeps its exact window wherever its maximum did not grow
+    "mxfp6-held0": ["precision.held_col_erefs=true", "precision.fused_mlp='off'", "precision.held_headroom_x=0",
+                    "precision.held_headroom_dy=0"],
 }
 # Variants of a precision compared, seed by seed, with it as well as with bf16
-VARIANT_OF = {"mxfp6-held": "mxfp6"}
-ORDER = ["bf16", "fp8", "mxfp6", "mxfp6-held"]
+VARIANT_OF = {"mxfp6-held": "mxfp6", "mxfp6-held0": "mxfp6"}
+ORDER = ["bf16", "fp8", "mxfp6", "mxfp6-held", "mxfp6-held0"]
 
 
 def _overrides(args, out_dir: str) -> list[str]:

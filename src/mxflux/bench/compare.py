@@ -100,6 +100,8 @@ SETTINGS["mxfp6-rows-kept"] = (*SETTINGS["mxfp6"], "precision.release_weight_row
 SETTINGS["mxfp6-cols-packed"] = (*SETTINGS["mxfp6"], "precision.kept_weight_cols=false")
 # X's and dY's columns against the e_ref of their last step (one read of each: the one-pass packer)
 SETTINGS["mxfp6-held"] = (*SETTINGS["mxfp6"], "precision.held_col_erefs=true")
+# ... with no headroom above the last step's maxima (more columns fixed up, none placed higher than its own)
+SETTINGS["mxfp6-held0"] = (*SETTINGS["mxfp6-held"], "precision.held_headroom_x=0", "precision.held_headroom_dy=0")
 # the 1x128 fold (`mx_gemm: blockwise`: one-pass packers, the weights packed in each forward) on cuBLAS's 1x128 GEMM,
 # and on the CuTe kernel with its block scales at the promotion (MXFLUX_CUTE_BLOCKWISE=on; opt-in, a trial)
 SETTINGS["mxfp6-blockwise"] = ('precision={fp6: e2m3, mx_gemm: blockwise, hadamard: true, fused_mlp: "off"}',)
