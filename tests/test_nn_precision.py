@@ -160,7 +160,8 @@ def test_the_report_text_groups_layers_and_reasons():
     lines = text.splitlines()
     assert lines[0] == ("precision mxfp6 (mx_gemm=rowwise, hadamard=True, fused_mlp=auto, saved_operands=e4m3, "
                         "repack_weights=False, weight_exponents_in_optimizer=True, weight_operands_in_optimizer=True, "
-                        "kept_weight_cols=True, release_weight_rows=True, held_col_erefs=False): "
+                        "kept_weight_cols=True, release_weight_rows=True, held_col_erefs=False, held_headroom_x=1, "
+                        "held_headroom_dy=2): "
                         "18 of 34 linears converted")
     assert "  mxfp6-fused      8  double_blocks.*.img_mlp.0 ×2, double_blocks.*.img_mlp.2 ×2," in text
     assert "single_blocks.*.linear1, single_blocks.*.linear2" in text  # one single block left: no ×
