@@ -85,8 +85,8 @@ def compile_packer(granularity: str, pass_: int, prologue: str = "none", x_f32: 
 
 _ONEPASS_SIG = {"x_ptr": "*bf16", "stride_x": "i32", "R": "i32", "C": "i32", "Rp": "i32", "row_data_ptr": "*fp8e4nv",
                 "row_scale_ptr": "*fp32", "col_data_ptr": "*fp8e4nv", "col_scale_ptr": "*fp32", "colsum_ptr": "*fp32",
-                "outside_ptr": "*i64", "held_ptr": "*i32", "cmax_ptr": "*u8", "rexp_ptr": "*i8", "pmax_ptr": "*u8",
-                "done_ptr": "*i32", "helped_ptr": "*i32", "n_stripes": "i32", "n_prog": "i32"}
+                "outside_ptr": "*i64", "held_ptr": "*i32", "cmax_ptr": "*u8", "rexp_ptr": "*i8", "pmax_ptr": "*i16",
+                "helped_ptr": "*i32", "n_stripes": "i32", "n_prog": "i32"}
 
 
 def compile_onepass(colsum: bool = False, headroom: int = 1):

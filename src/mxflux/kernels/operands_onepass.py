@@ -10,11 +10,11 @@ pass 1 is half of pass 2's instructions again. Here:
 - **Rows.** A stripe of 32 rows is cut into pieces of PIECE_TILES tiles of 32 x NB·32, which the
   programs take in rounds. Walk 1 encodes each row block of its piece against its own exponent (d = 0:
   q·2^5, exact in E4M3 whatever the row's e_ref), stores it in place, keeps its exponent in a byte per
-  block, and publishes the piece's row maxima (then counts the piece done, with release semantics). A
-  round later the program re-scales that piece's bytes by 2^(e_block − e_ref) (walk 2: decode, one f16x2
+  block, and publishes the piece's row maxima (e + 129 per row: 0, what the buffer starts as, is "not yet").
+  A round later the program re-scales that piece's bytes by 2^(e_block − e_ref) (walk 2: decode, one f16x2
   multiply, encode: the fold's own last steps, so the same bytes as encoding against e_ref at once), the
-  stripe's e_ref from every piece's published maxima, or from x where a piece is not yet published (no
-  program waits on another). Walk 2 reads bytes written a round before (all programs' together a few MB,
+  stripe's e_ref from every piece's published maxima, and from x for each piece not yet published (no
+  program waits on another; each published value is final, so no ordering is needed to read it). Walk 2 reads bytes written a round before (all programs' together a few MB,
   which L2 can hold; whole stripes were more than it holds) and issues a seventh of the instructions of a
   second pass.
 - **Columns.** Every column block lies inside one stripe; only the column's e_ref is global. It
@@ -160,7 +160,7 @@ if HAS_TRITON:
     def _onepass_kernel(
         x_ptr, stride_x, R, C, Rp,
         row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, colsum_ptr, outside_ptr,
-        held_ptr, cmax_ptr, rexp_ptr, pmax_ptr, done_ptr, helped_ptr, n_stripes, n_prog,
+        held_ptr, cmax_ptr, rexp_ptr, pmax_ptr, helped_ptr, n_stripes, n_prog,
         HEADROOM: tl.constexpr, DO_COLSUM: tl.constexpr, HADAMARD: tl.constexpr, HW: tl.constexpr,
         NB: tl.constexpr, PAIRS: tl.constexpr, PIECE_TILES: tl.constexpr,
     ):
@@ -237,32 +237,35 @@ if HAS_TRITON:
                                   tl.permute(zh, (1, 0, 2)), rt3 < Rp, PAIRS, HW)
                     if s == 0:
                         tl.store(col_scale_ptr + cols[None, :], pow2_f32(e_ref - _SHIFT), mask=cols[None, :] < C)
-                # publish the piece's row maxima: written by every thread, then counted by one (release)
-                tl.store(pmax_ptr + it * BR + rr, tl.max(rmax, axis=0).to(tl.uint8))  # (n_items · 32 < 2^31)
-                tl.debug_barrier()
-                tl.atomic_add(done_ptr + s, 1, sem="release")
+                # publish the piece's row maxima as e + 129 (≥ 1; 0 is "not yet"): each row's value is written once,
+                # whole, so a reader sees either 0 or the final value and needs no ordering to trust it
+                tl.store(pmax_ptr + it * BR + rr, (tl.max(rmax, axis=0) + 1).to(tl.int16))  # (n_items · 32 < 2^31)
 
             if prev >= 0:
                 # ------------ walk 2 of the last round's item: its stripe's row e_ref from every piece's
-                # maxima, as published, or from x where a piece's program has not published them yet (no
-                # program waits on another: none is sure to be running)
+                # maxima, as published, and from x for each piece whose program has not published them yet (no
+                # program waits on another: none is sure to be running). Only the missing pieces are read: reading
+                # the whole stripe whenever one was missing made the walks 3-12x slower than two passes (H100)
                 s = prev // n_pieces
                 piece = prev % n_pieces
                 row0 = s * BR
                 rows = row0 + rr
                 rm = tl.zeros([BR], dtype=tl.int32)
-                if tl.atomic_add(done_ptr + s, 0, sem="acquire") == n_pieces:
-                    base = pmax_ptr + s * n_pieces * BR
-                    p8 = tl.arange(0, 8)[:, None]
-                    for p0 in range(0, n_pieces, 8):
-                        m = tl.load(base + (p0 + p8) * BR + rr[None, :], mask=p0 + p8 < n_pieces, other=0,
-                                    cache_modifier=".cg")
-                        rm = tl.maximum(rm, tl.max(m.to(tl.int32), axis=0))
-                else:
-                    tl.atomic_add(helped_ptr, 1, sem="relaxed")
-                    for pp in range(0, n_pieces):
-                        rm = tl.maximum(rm, _piece_row_maxima(x_ptr, stride_x, R, C, row0, pp, n_chunks, r2, c2,
-                                                              HADAMARD, HW, NB, PIECE_TILES))
+                base = pmax_ptr + s * n_pieces * BR
+                p8 = tl.arange(0, 8)
+                for p0 in range(0, n_pieces, 8):
+                    live8 = p0 + p8 < n_pieces
+                    m = tl.load(base + (p0 + p8[:, None]) * BR + rr[None, :], mask=live8[:, None], other=1,
+                                volatile=True).to(tl.int32)  # [8, BR], published as e + 129
+                    missing = live8 & (tl.min(m, axis=1) == 0)  # a piece with a row not yet published
+                    rm = tl.maximum(rm, tl.max(tl.where(missing[:, None], 0, m - 1), axis=0))
+                    n_missing = tl.sum(missing.to(tl.int32), axis=0)
+                    if n_missing > 0:
+                        tl.atomic_add(helped_ptr, n_missing, sem="relaxed")
+                        for j in range(0, 8):  # (not unrolled: one copy of the read from x)
+                            if tl.sum(tl.where(p8 == j, missing.to(tl.int32), 0), axis=0) > 0:
+                                rm = tl.maximum(rm, _piece_row_maxima(x_ptr, stride_x, R, C, row0, p0 + j, n_chunks,
+                                                                      r2, c2, HADAMARD, HW, NB, PIECE_TILES))
                 e_row = tl.where(rm > 0, rm - 128, 0)
                 if piece == 0:
                     tl.store(row_scale_ptr + rows, pow2_f32(e_row - _SHIFT), mask=rows < R)
@@ -393,8 +396,8 @@ def mx_operands_onepass_cuda(
     are added into it and it is the operands' count.
 
     For tests and benchmarks: `_piece_tiles`, the width of a program's piece of a stripe in tiles of 128
-    columns; `_helped` (int32 [1]), where the walks that found a piece of their stripe unpublished and read
-    its row maxima from x are counted."""
+    columns; `_helped` (int32 [1]), where the pieces whose row maxima a walk found unpublished and read from x
+    are counted."""
     hw = (not interpreting()) if _hw is None else bool(_hw)
     if not HAS_TRITON or not (torch.cuda.is_available() or interpreting()):
         raise RuntimeError("mx_operands_onepass_cuda: needs Triton and a CUDA device (or TRITON_INTERPRET=1)")
@@ -438,13 +441,13 @@ def mx_operands_onepass_cuda(
     rexp = torch.empty((R, C // MX_BLOCK), dtype=torch.int8, device=dev)
     cmax = torch.empty((n_stripes, C), dtype=torch.uint8, device=dev)
     parts = torch.empty((n_stripes, C), dtype=torch.float32, device=dev) if colsum else None
-    pmax = torch.empty((n_stripes, n_pieces, MX_BLOCK), dtype=torch.uint8, device=dev)  # each piece's row maxima
-    done = torch.zeros(n_stripes, dtype=torch.int32, device=dev)  # pieces of each stripe that published them
+    # each piece's row maxima, e + 129 once published (0: not yet)
+    pmax = torch.zeros((n_stripes, n_pieces, MX_BLOCK), dtype=torch.int16, device=dev)
     helped = _helped if _helped is not None else torch.zeros(1, dtype=torch.int32, device=dev)
 
     sms = num_sms(dev.index if dev.index is not None else torch.cuda.current_device()) if dev.type == "cuda" else 4
     args = (x, x.stride(0), R, C, Rp, row_data, row_scale, col_data, col_scale,
-            parts if colsum else new, outside, held, cmax, rexp, pmax, done, helped)
+            parts if colsum else new, outside, held, cmax, rexp, pmax, helped)
     meta = dict(HEADROOM=headroom, DO_COLSUM=colsum, HADAMARD=hadamard, HW=hw, NB=_NB, PIECE_TILES=_piece_tiles)
     n_items = n_stripes * n_pieces
     pairs, resident = _launch_shape(args + (n_stripes, n_items), (n_items,), meta) if hw else (True, 2)

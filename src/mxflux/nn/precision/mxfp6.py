@@ -59,7 +59,7 @@ class MXFP6Options(BaseModel):
     # fall below it (rounded, and counted in blocks_outside_window). docs/design.md, "The one-pass packer".
     # Off by default: on an H100 its first kernels were not faster than the two passes (0.87x their speed
     # over the Flux widths, the rows' provisional bytes through DRAM); the kernel that re-scales them in
-    # pieces is not yet timed (benchmarks/NOTES.md).
+    # pieces was 0.30x on its first H100 call, since mended and not yet timed (benchmarks/NOTES.md).
     held_col_erefs: bool = False
     # With it, the binades above the last step's column maxima at which X's and dY's col operands are
     # encoded (`nn.functional.HELD_HEADROOM`'s defaults): each binade takes one from the exact fold
