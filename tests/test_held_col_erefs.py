@@ -18,8 +18,10 @@ from mxflux.mx import FoldGranularity, mx_operands_reference, quantize
 from mxflux.mx.fold import fold_to_e4m3
 from mxflux.mx.operands import rowwise_erefs_reference
 from mxflux.nn import MXFP6Linear
-from mxflux.nn.functional import HELD_HEADROOM
+from mxflux.nn.functional import MXConfig
 from mxflux.nn.precision import PrecisionConfig, apply_precision
+
+DEFAULT_HEADROOM = MXConfig().held_headroom  # (X, dY): the binades above the last maxima by default
 
 
 def _x(gen, r=64, c=96, spread=0):
@@ -56,7 +58,7 @@ def test_a_bad_prediction_is_refused_by_name(gen, bad, message):
         fold_to_e4m3(mx, **bad)
 
 
-def _pair(gen, held: bool, headroom=(HELD_HEADROOM["x"], HELD_HEADROOM["dy"])):
+def _pair(gen, held: bool, headroom=DEFAULT_HEADROOM):
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     a = MXFP6Linear(96, 64)
     b = MXFP6Linear(96, 64)
@@ -91,7 +93,7 @@ def test_a_held_layer_trains_as_the_exact_one_while_its_blocks_stay_in_the_windo
     assert torch.equal(plain.x_col_erefs, torch.zeros_like(plain.x_col_erefs))  # the plain layer keeps none
 
 
-@pytest.mark.parametrize("headroom", [(HELD_HEADROOM["x"], HELD_HEADROOM["dy"]), (0, 0), (2, 0)])
+@pytest.mark.parametrize("headroom", [DEFAULT_HEADROOM, (0, 0), (2, 0)])
 def test_the_next_call_packs_against_what_the_last_one_kept(gen, headroom):
     """The window placed above a column's own largest block by the headroom: where a column spreads
     over more binades than the exact window minus the headroom, blocks fall below it and are counted.
@@ -175,7 +177,7 @@ def test_the_recipe_switch_reaches_every_mx_linear_and_recompute_turns_it_off():
     assert len(layers) == 3 and all(m.cfg.held_cols and m.holds_col_erefs() for m in layers)
     layers[0].cfg = layers[0].cfg._replace(recomputed=True)
     assert not layers[0].holds_col_erefs()
-    assert all(m.cfg.held_headroom == (HELD_HEADROOM["x"], HELD_HEADROOM["dy"]) for m in layers)
+    assert all(m.cfg.held_headroom == DEFAULT_HEADROOM for m in layers)
     plain = torch.nn.Sequential(torch.nn.Linear(64, 96))
     apply_precision(plain, PrecisionConfig(fp6="e2m3", include=("*",)))
     assert not plain[0].cfg.held_cols

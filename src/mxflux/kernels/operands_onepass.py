@@ -14,9 +14,9 @@ pass 1 is half of pass 2's instructions again. Here:
   A round later the program re-scales that piece's bytes by 2^(e_block − e_ref) (walk 2: decode, one f16x2
   multiply, encode: the fold's own last steps, so the same bytes as encoding against e_ref at once), the
   stripe's e_ref from every piece's published maxima, and from x for each piece not yet published (no
-  program waits on another; each published value is final, so no ordering is needed to read it). Walk 2 reads bytes written a round before (all programs' together a few MB,
-  which L2 can hold; whole stripes were more than it holds) and issues a seventh of the instructions of a
-  second pass.
+  program waits on another; each published value is final, so no ordering is needed to read it). Walk 2
+  reads bytes written a round before (all programs' together a few MB, which L2 can hold; whole stripes
+  were more than it holds) and issues a seventh of the instructions of a second pass.
 - **Columns.** Every column block lies inside one stripe; only the column's e_ref is global. It
   is taken from the caller's prediction `held` (the last step's maxima, raised by `headroom`
   binades), and the pass records each column's block exponent per stripe (a byte), which a small
